@@ -1,0 +1,38 @@
+"""Real-engine harness: a locally built model and one ``vllm.LLM`` per test module.
+
+A test module sets ``ENGINE_ARGS = {...}`` (vLLM engine arguments) to start its engine with the flags it needs;
+the ``llm`` fixture starts that engine once for the module and shuts it down after the module's last test.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvreuse.localmodel import build_model, local_engine_args
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def small_model() -> Path:
+    """The small random-weight Llama (2 layers, GQA, head_dim 64), built once into build/models/small."""
+    return build_model("small", REPO / "build" / "models" / "small")
+
+
+def start_llm(model: Path, **overrides):
+    from vllm import LLM
+
+    return LLM(**local_engine_args(model, **overrides))
+
+
+def stop_llm(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llm(request, small_model):
+    engine = start_llm(small_model, **getattr(request.module, "ENGINE_ARGS", {}))
+    yield engine
+    stop_llm(engine)

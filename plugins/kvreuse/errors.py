@@ -1,0 +1,21 @@
+"""kvreuse's own exception types.
+
+Every error a user can cause (a bad flag, a malformed table, an unsupported model) is raised as one of these,
+with a message that names the thing to fix. Internal invariants may still use ``assert``.
+"""
+
+
+class KVReuseError(Exception):
+    """Base class of every error kvreuse raises on purpose."""
+
+
+class ConfigError(KVReuseError, ValueError):
+    """A setting (engine flag or ``KVREUSE_*`` variable) has a value outside its accepted range."""
+
+
+class TableError(KVReuseError, ValueError):
+    """A table given to a front end cannot be turned into requests (unknown field, duplicate field, ...)."""
+
+
+class EngineVersionError(KVReuseError, RuntimeError):
+    """An engine version that a patch or adapter was not written for."""

@@ -1,0 +1,33 @@
+"""Settings of the ``reorder`` plugin (the GGR solver and the prefix-affinity scheduler)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from kvreuse import config
+
+
+@dataclass(frozen=True)
+class ReorderConfig:
+    """Settings of request reordering; see the README's table of flags.
+
+    In vLLM they are read from ``--additional-config '{"kvreuse": {"reorder": {...}}}'`` or ``KVREUSE_REORDER_*``.
+    """
+
+    max_skips: int = config.setting(
+        16, "scheduler: most times a waiting request may be passed over by a later one", low=0, high=1_000_000)
+    max_wait_s: float = config.setting(
+        2.0, "scheduler: seconds after arrival past which a request is admitted in arrival order", low=0.0)
+    lookahead: int = config.setting(
+        256, "scheduler: how many waiting requests are scanned for prefix affinity per step", low=1, high=1_000_000)
+    max_depth: int = config.setting(
+        64, "GGR: recursion depth past which the rest is ordered by the statistics-based fixed order", low=1)
+    min_group_hit: float = config.setting(
+        0.0, "GGR: stop recursing into groups whose best hit value is at most this", low=0.0)
+    discover_fds: bool = config.setting(True, "GGR: discover exact functional dependencies from the data")
+
+    @classmethod
+    def load(cls, flags: Mapping[str, Any] | None = None,
+             environ: Mapping[str, str] | None = None) -> "ReorderConfig":
+        return config.load(cls, "reorder", flags, environ)
