@@ -58,7 +58,8 @@ class ArmFigures:
     prepare_s: float
     ttft_median_s: float | None
     ttft_p90_s: float | None
-    answers_match_first_arm: float | None = None
+    # See agreement(): None when no earlier arm sent the same prompts.
+    same_answers: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -100,7 +101,7 @@ def _run_arm(llm: Any, arm: Arm, requests: Sequence[BenchRequest], sampling: Any
         prepare_s=prepare_s, ttft_median_s=statistics.median(ttfts) if ttfts else None,
         ttft_p90_s=_percentile(ttfts, 0.9),
         extra=dict(arm.figures(llm)) if arm.figures else {})
-    answers = {r.key: tuple(o.outputs[0].token_ids) for r, o in zip(ordered, outputs)}
+    answers = {r.key: (r.prompt, tuple(o.outputs[0].token_ids)) for r, o in zip(ordered, outputs)}
     return figures, answers
 
 
@@ -132,12 +133,26 @@ def run_ab(name: str, requests: Sequence[BenchRequest], arms: Sequence[Arm], mod
             finally:
                 llm.llm_engine.engine_core.shutdown()
     ordered = [results[a.name] for a in arms]
-    first = answers[arms[0].name]
-    for fig in ordered:
-        same = sum(answers[fig.arm][k] == v for k, v in first.items())
-        fig.answers_match_first_arm = same / len(first) if first else None
+    for i, fig in enumerate(ordered):
+        fig.same_answers = agreement(answers[fig.arm], [answers[a.name] for a in arms[:i]])
     report(name, ordered, out_dir)
     return ordered
+
+
+def agreement(answers: Mapping[Any, tuple[str, tuple]], earlier: Sequence[Mapping[Any, tuple[str, tuple]]]
+              ) -> float | None:
+    """Share of requests whose greedy tokens equal those of the earliest earlier arm that sent the same prompt.
+
+    Reordering rows must not change an answer; reordering fields changes the prompt, so such requests have no
+    reference and are left out. None when no request had a reference.
+    """
+    same = compared = 0
+    for key, (prompt, tokens) in answers.items():
+        reference = next((arm[key][1] for arm in earlier if key in arm and arm[key][0] == prompt), None)
+        if reference is not None:
+            compared += 1
+            same += reference == tokens
+    return same / compared if compared else None
 
 
 def format_table(figures: Sequence[ArmFigures]) -> str:
@@ -152,7 +167,7 @@ def format_table(figures: Sequence[ArmFigures]) -> str:
             f"{base.computed_prompt_tokens / max(f.computed_prompt_tokens, 1):.2f}x", f"{f.wall_s:.2f}",
             f"{base.wall_s / f.wall_s:.2f}x", f"{f.prepare_s:.3f}",
             "-" if f.ttft_median_s is None else f"{f.ttft_median_s:.3f}",
-            "-" if f.answers_match_first_arm is None else f"{f.answers_match_first_arm:.0%}"))
+            "-" if f.same_answers is None else f"{f.same_answers:.0%}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]

@@ -8,13 +8,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from harness import ArmFigures, format_table, report  # noqa: E402
+from harness import ArmFigures, agreement, format_table, report  # noqa: E402
 
 
 def _fig(arm, cached, wall):
     return ArmFigures(arm=arm, requests=10, prompt_tokens=1000, cached_tokens=cached, engine_cache_hits=cached,
                       computed_prompt_tokens=1000 - cached, wall_s=wall, prepare_s=0.01, ttft_median_s=0.2,
-                      ttft_p90_s=0.3, answers_match_first_arm=1.0)
+                      ttft_p90_s=0.3, same_answers=1.0)
 
 
 def test_table_shows_hit_rate_and_ratios_against_the_first_arm():
@@ -30,3 +30,10 @@ def test_report_writes_json_and_png(tmp_path: Path):
     assert [d["arm"] for d in data] == ["stock", "reorder"]
     assert data[1]["hit_rate"] == 0.6
     assert (tmp_path / "unit.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_answers_are_compared_only_where_an_earlier_arm_sent_the_same_prompt():
+    stock = {0: ("a", (1,)), 1: ("b", (2,)), 2: ("c", (3,))}
+    reordered = {0: ("a", (1,)), 1: ("b", (9,)), 2: ("c reordered", (3,))}
+    assert agreement(reordered, [stock]) == 0.5  # row 2's prompt changed: no reference
+    assert agreement(stock, []) is None
