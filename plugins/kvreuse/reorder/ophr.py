@@ -1,0 +1,113 @@
+"""OPHR: the exact optimum of the Prefix Hit Count, for tiny tables; the oracle GGR is tested against.
+
+Any send order splits into maximal runs of rows sharing their first cell; inside a run of ``k`` rows led by a
+value of length ``L`` the run earns ``(k - 1) * L**2`` plus the PHC of its rows over the remaining fields, and
+runs earn nothing from each other. So the optimum over a set of rows is the best partition into such runs, found
+by a memoised search over (row subset, field subset) that enumerates the run holding the first row: exact over
+all row orders and per-row field orders, without assuming that a run takes every row holding its value (checked
+against brute force in the tests).
+
+Two rules prune without losing the optimum. A cell shared by all rows leads: moving it to the front of every
+row adds its weight to every hit and shortens no common prefix. Rows equal on every remaining field are sent
+together: a row moved next to its copy gains its whole weight, and taking it out of its old place loses at most
+that, since the rows that were its neighbours share at least the shorter of their two prefixes with each other.
+The search stays exponential, hence the size limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from kvreuse.errors import TableError
+from kvreuse.reorder.ordering import Ordering
+from kvreuse.reorder.stats import EncodedTable
+
+# 10 rows x 4 fields take at most tens of milliseconds on tables of many repeated values; each extra row or
+# field multiplies the worst case several times over (16 x 6 takes seconds).
+OPHR_MAX_ROWS = 10
+OPHR_MAX_COLS = 4
+
+Plan = tuple[tuple[int, tuple[int, ...]], ...]
+
+
+def ophr_order(encoded: EncodedTable) -> Ordering:
+    """The send order of maximal PHC; :class:`TableError` past ``OPHR_MAX_ROWS`` x ``OPHR_MAX_COLS``."""
+    n, m = encoded.codes.shape
+    if n > OPHR_MAX_ROWS or m > OPHR_MAX_COLS:
+        raise TableError(f"OPHR is exponential and takes at most {OPHR_MAX_ROWS} rows x {OPHR_MAX_COLS} fields; "
+                         f"this table has {n} x {m}: use method 'ggr'")
+    plan = _OptimalRuns(encoded).best((1 << n) - 1, (1 << m) - 1)[1]
+    return Ordering.from_segments([(np.array([row]), order) for row, order in plan])
+
+
+def _bits(mask: int) -> Iterator[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class _OptimalRuns:
+    """The memoised search; subsets of rows and of fields are bit masks."""
+
+    def __init__(self, encoded: EncodedTable) -> None:
+        self.codes = encoded.codes.tolist()
+        self.weight = (encoded.cell_lengths() ** 2).tolist()
+        n, m = encoded.codes.shape
+        # same[c][r]: the rows whose value in field c equals row r's.
+        self.same = [[sum(1 << s for s in range(n) if self.codes[s][c] == self.codes[r][c]) for r in range(n)]
+                     for c in range(m)]
+        self.memo: dict[tuple[int, int], tuple[int, Plan]] = {}
+
+    def best(self, rows: int, fields: int) -> tuple[int, Plan]:
+        """The maximal PHC of sending ``rows`` over ``fields``, and a plan ``((row, field order), ...)`` reaching it."""
+        key = (rows, fields)
+        if key not in self.memo:
+            self.memo[key] = self._solve(rows, fields)
+        return self.memo[key]
+
+    def _solve(self, rows: int, fields: int) -> tuple[int, Plan]:
+        members, cols = list(_bits(rows)), tuple(_bits(fields))
+        if len(members) < 2 or not cols:
+            return 0, tuple((r, cols) for r in members)
+        first = members[0]
+        for c in cols:
+            if self.same[c][first] & rows == rows:
+                value, plan = self.best(rows, fields & ~(1 << c))
+                return value + (len(members) - 1) * self.weight[first][c], _lead(c, plan)
+        copies: dict[tuple[int, ...], list[int]] = {}
+        for r in members:
+            copies.setdefault(tuple(self.codes[r][c] for c in cols), []).append(r)
+        if len(copies) < len(members):
+            return self._with_copies(list(copies.values()), fields, cols)
+        rest = rows & ~(1 << first)
+        value, plan = self.best(rest, fields)
+        best_value, best_plan = value, ((first, cols),) + plan
+        for c in cols:
+            weight = self.weight[first][c]
+            if weight == 0:
+                continue  # a run led by an empty value earns only what its rows earn led by their next field
+            candidates = self.same[c][first] & rest
+            subset = candidates
+            while subset:
+                run = subset | (1 << first)
+                inner, inner_plan = self.best(run, fields & ~(1 << c))
+                outer, outer_plan = self.best(rows & ~run, fields)
+                total = (run.bit_count() - 1) * weight + inner + outer
+                if total > best_value:
+                    best_value, best_plan = total, _lead(c, inner_plan) + outer_plan
+                subset = (subset - 1) & candidates
+        return best_value, best_plan
+
+    def _with_copies(self, classes: list[list[int]], fields: int, cols: tuple[int, ...]) -> tuple[int, Plan]:
+        """Solve over one row per class of equal rows, then send each row's copies right after it."""
+        value, plan = self.best(sum(1 << members[0] for members in classes), fields)
+        copies = {members[0]: members[1:] for members in classes}
+        value += sum((len(members) - 1) * sum(self.weight[members[0]][c] for c in cols) for members in classes)
+        return value, tuple((r, order) for row, order in plan for r in (row, *copies[row]))
+
+
+def _lead(field: int, plan: Plan) -> Plan:
+    return tuple((row, (field,) + order) for row, order in plan)
