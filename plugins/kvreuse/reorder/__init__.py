@@ -9,7 +9,7 @@ cached modules.
 from kvreuse.reorder.bucketing import bucket_stream
 from kvreuse.reorder.config import ReorderConfig
 from kvreuse.reorder.dependencies import discover_fds, merge_fds
-from kvreuse.reorder.measures import BlockHitStats, block_hit_stats, prefix_hit_count
+from kvreuse.reorder.measures import BlockHitStats, block_hit_stats, prefix_hit_count, token_hit_measure
 from kvreuse.reorder.ophr import OPHR_MAX_COLS, OPHR_MAX_ROWS
 from kvreuse.reorder.ordering import Ordering, prompts
 from kvreuse.reorder.rerank import rerank_by_module_sets, total_hamming_distance
@@ -38,5 +38,6 @@ __all__ = [
     "render_prompt",
     "rerank_by_module_sets",
     "solve",
+    "token_hit_measure",
     "total_hamming_distance",
 ]
