@@ -50,4 +50,4 @@ def test_vllm_additional_config_section_is_read_and_checked():
 def test_every_setting_is_documented():
     rows = describe(ReorderConfig, "reorder")
     assert rows and all(doc for *_, doc in rows)
-    assert ("reorder.max_skips", "KVREUSE_REORDER_MAX_SKIPS", 16) == rows[0][:3]
+    assert ("reorder.max_skips", "KVREUSE_REORDER_MAX_SKIPS", 64) == rows[0][:3]

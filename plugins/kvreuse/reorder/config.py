@@ -13,12 +13,15 @@ class ReorderConfig:
     """Settings of request reordering; see the README's table of flags.
 
     In vLLM they are read from ``--additional-config '{"kvreuse": {"reorder": {...}}}'`` or ``KVREUSE_REORDER_*``.
+    The waiting bounds trade hit rate for latency: a request passed over ``max_skips`` times, or waiting
+    ``max_wait_s``, is admitted in arrival order. The defaults let a batch of a few hundred requests regroup on
+    a slow machine; online services with tight latency targets lower them.
     """
 
     max_skips: int = config.setting(
-        16, "scheduler: most times a waiting request may be passed over by a later one", low=0, high=1_000_000)
+        64, "scheduler: most times a waiting request may be passed over by a later one", low=0, high=1_000_000)
     max_wait_s: float = config.setting(
-        2.0, "scheduler: seconds after arrival past which a request is admitted in arrival order", low=0.0)
+        10.0, "scheduler: seconds after arrival past which a request is admitted in arrival order", low=0.0)
     lookahead: int = config.setting(
         256, "scheduler: how many waiting requests are scanned for prefix affinity per step", low=1, high=1_000_000)
     max_depth: int = config.setting(
