@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvreuse.localmodel import build_model, local_engine_args
+from kvreuse.localmodel import build_model
+from real_engine import start_llm, stop_llm
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,16 +20,6 @@ REPO = Path(__file__).resolve().parents[1]
 def small_model() -> Path:
     """The small random-weight Llama (2 layers, GQA, head_dim 64), built once into build/models/small."""
     return build_model("small", REPO / "build" / "models" / "small")
-
-
-def start_llm(model: Path, **overrides):
-    from vllm import LLM
-
-    return LLM(**local_engine_args(model, **overrides))
-
-
-def stop_llm(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import start_llm, stop_llm
+from real_engine import start_llm, stop_llm
 
 pytestmark = pytest.mark.engine
 

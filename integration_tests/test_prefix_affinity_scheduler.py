@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from conftest import start_llm, stop_llm
+from real_engine import start_llm, stop_llm
 from kvreuse.reorder.affinity import ReorderCounters
 from kvreuse.vllm.figures import PrefixCacheCounters, prefix_cache_counters
 
