@@ -19,3 +19,13 @@ class TableError(KVReuseError, ValueError):
 
 class EngineVersionError(KVReuseError, RuntimeError):
     """An engine version that a patch or adapter was not written for."""
+
+
+class KernelArgumentError(KVReuseError, ValueError):
+    """A tensor handed to a kvreuse kernel has the wrong shape, dtype, device or layout."""
+
+
+def check_kernel_argument(ok: bool, message: str) -> None:
+    """Raise :class:`KernelArgumentError` with ``message`` (which names the tensor) unless ``ok``."""
+    if not ok:
+        raise KernelArgumentError(message)

@@ -1,0 +1,23 @@
+"""DIPR sparse decode attention, engine-free: settings, the per-layer/per-sequence policy and the figures.
+
+The kernels are in ``kvreuse.kernels.block_bounds`` (per-block key bounds, updated on every KV write) and
+``kvreuse.kernels.dipr_decode`` (the split-K decode that skips blocks by those bounds); an engine adapter calls
+them with its own metadata and asks ``RuleBasedPolicy`` for each layer's betas.
+"""
+
+from kvreuse.sparse.config import SparseConfig, parse_layer_betas
+from kvreuse.sparse.figures import AttendedFractions, recovery_ratio, sample_recovery, should_sample
+from kvreuse.sparse.policy import RuleBasedPolicy, layer_beta, sequence_betas, uses_dipr
+
+__all__ = [
+    "AttendedFractions",
+    "RuleBasedPolicy",
+    "SparseConfig",
+    "layer_beta",
+    "parse_layer_betas",
+    "recovery_ratio",
+    "sample_recovery",
+    "sequence_betas",
+    "should_sample",
+    "uses_dipr",
+]

@@ -1,0 +1,86 @@
+"""Settings of the ``sparse`` plugin (DIPR sparse decode attention).
+
+``beta`` is in softmax-logit units (scores already multiplied by the softmax scale, usually ``1/sqrt(head_dim)``):
+DIPR keeps the tokens whose attention weight is at least ``exp(-beta)`` times the largest weight. AlayaDB's
+``beta`` on raw inner products is ours times ``sqrt(head_dim)``; an ``alpha`` weight ratio is ``beta = -ln(alpha)``.
+
+Default ``beta = 8`` (``alpha = e^-8 ~ 3.4e-4``). On the synthetic structured keys of ``benchmarks/sparse_bytes.py``
+it keeps >= 97.9% of the dense attention mass at 4K-32K tokens while reading 16-33% fewer K/V bytes (block size
+16); ``beta = 12`` read every block there (so only paid for the bounds); ``beta = 4-6`` read 2x (4K) to 5-8x
+(32K) fewer bytes. The worst case is weaker: dropping ``n`` tokens loses at most ``n e^-beta / (1 + n e^-beta)``
+of the mass (if every dropped token sat just below the cut-off), so ``beta = ln(n / eps)`` is needed to guarantee
+a loss below ``eps`` at context ``n``. Real attention is far from that worst case, but the safe beta depends on the
+model and task: measure it with ``sample_recovery``, set it per layer with ``layer_betas``; ``inf`` is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from kvreuse import config
+from kvreuse.errors import ConfigError
+
+
+def parse_layer_betas(text: str) -> dict[int, float]:
+    """``"0:inf,3:6.0,8-11:10"`` -> ``{0: inf, 3: 6.0, 8: 10.0, ..., 11: 10.0}``; ``""`` -> ``{}``.
+
+    Raises ``ConfigError`` naming ``sparse.layer_betas`` for a malformed entry, a negative beta or a layer given
+    twice.
+    """
+    where = f"sparse.layer_betas ({config.env_name('sparse', 'layer_betas')})"
+    out: dict[int, float] = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        layers, sep, value = entry.partition(":")
+        try:
+            first, _, last = layers.strip().partition("-")
+            span = range(int(first), int(last or first) + 1)
+            beta = float(value)
+        except ValueError:
+            span, beta = range(0), float("nan")
+        if not sep or not span or span.start < 0 or math.isnan(beta) or beta < 0:
+            raise ConfigError(f"{where}: {entry!r} is not LAYER:BETA or FIRST-LAST:BETA with layers >= 0 and "
+                              f"beta in [0, inf]")
+        for layer in span:
+            if layer in out:
+                raise ConfigError(f"{where}: layer {layer} is given twice")
+            out[layer] = beta
+    return out
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Settings of DIPR sparse decode attention; see the README's table of flags.
+
+    In vLLM they are read from ``--additional-config '{"kvreuse": {"sparse": {...}}}'`` or ``KVREUSE_SPARSE_*``.
+    """
+
+    beta: float = config.setting(
+        8.0, "DIPR: keep tokens whose softmax logit is within beta of the largest (weight >= e^-beta of the "
+              "strongest); inf = dense", low=0.0)
+    layer_betas: str = config.setting(
+        "", "per-layer beta overrides, e.g. \"0:inf,8-11:6.0\" (a layer listed here ignores dense_layers)")
+    dense_layers: int = config.setting(
+        2, "the first this many layers always use dense attention", low=0, high=1_000_000)
+    min_context: int = config.setting(
+        2048, "sequences shorter than this many tokens use dense attention", low=0)
+    sink: int = config.setting(
+        16, "always-kept first tokens; their scores give DIPR's lower bound on the largest score", low=0,
+        high=1_000_000)
+    local: int = config.setting(
+        64, "always-kept last tokens (with sink; at least one window token in all)", low=0, high=1_000_000)
+    sample_recovery: int = config.setting(
+        0, "every this many decode steps, measure the share of dense attention mass kept (0 = never)", low=0)
+
+    def __post_init__(self) -> None:
+        parse_layer_betas(self.layer_betas)
+        if self.sink + self.local < 1:
+            raise ConfigError(f"sparse.sink ({config.env_name('sparse', 'sink')}) and sparse.local "
+                              f"({config.env_name('sparse', 'local')}): at least one must be >= 1, the window gives "
+                              f"DIPR its lower bound on the largest score")
+
+    @classmethod
+    def load(cls, flags: Mapping[str, Any] | None = None,
+             environ: Mapping[str, str] | None = None) -> "SparseConfig":
+        return config.load(cls, "sparse", flags, environ)

@@ -1,0 +1,237 @@
+"""DIPR kernels against their PyTorch references (on CPU in Triton's interpreter, see conftest.py).
+
+Shapes are vLLM's: block size 16, head_dim 64, 4 query heads on 2 KV heads, three sequences of 1, 37 and 150
+tokens scattered over a shuffled block pool.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvreuse.errors import KernelArgumentError
+from kvreuse.kernels.block_bounds import (BlockBounds, merge_written_keys_reference,
+                                          recompute_bounds_reference)
+from kvreuse.kernels.dipr_decode import (DIPRDecode, dense_decode_reference, dipr_selection_reference,
+                                         masked_decode_reference)
+from kvreuse.sparse.figures import recovery_ratio, sample_recovery
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK, KV_HEADS, Q_HEADS, DIM = 16, 2, 4, 64
+LENS = [1, 37, 150]
+SINK, LOCAL = 4, 8
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+DTYPES = list(TOLERANCE)
+
+
+def paged(lens, dtype, *, peaked=False, seed=0, pool=40, block=BLOCK):
+    """Random caches, a shuffled block table, exact bounds and queries.
+
+    ``peaked``: keys are small noise except, per KV head, one key aligned with that head's queries at position
+    0 (an attention sink) and one at position 70; query logits of those keys are ~32, of the rest ~0.
+    """
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(pool, block, KV_HEADS, DIM, generator=g)
+    values = torch.randn(pool, block, KV_HEADS, DIM, generator=g)
+    query = torch.randn(len(lens), Q_HEADS, DIM, generator=g)
+    order = torch.randperm(pool, generator=g).to(torch.int32)
+    table = torch.zeros(len(lens), 12, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(lens):
+        blocks = -(-n // block)
+        table[s, :blocks] = order[used:used + blocks]
+        used += blocks
+    if peaked:
+        keys *= 0.05
+        direction = torch.randn(KV_HEADS, DIM, generator=g)
+        query = 4 * direction.repeat_interleave(Q_HEADS // KV_HEADS, 0)[None] + 0.1 * query
+        for s, n in enumerate(lens):
+            for pos in (0, 70):
+                if pos < n:
+                    keys[table[s, pos // block], pos % block] = direction
+    keys, values, query = (t.to(dtype).to(DEVICE) for t in (keys, values, query))
+    table = table.to(DEVICE)
+    bounds = BlockBounds(block, KV_HEADS, DIM)
+    b = bounds.allocate(pool, dtype, DEVICE)
+    bounds.recompute(keys, b, torch.arange(pool, dtype=torch.int32, device=DEVICE),
+                     torch.full((pool,), block, dtype=torch.int32, device=DEVICE))
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    return query, keys, values, b, table, seq_lens
+
+
+def decode(case, beta, *, splits=3):
+    query, keys, values, bounds, table, seq_lens = case
+    op = DIPRDecode(Q_HEADS, KV_HEADS, DIM, keys.shape[1], sink=SINK, local=LOCAL)
+    op.plan(seq_lens, table, num_splits=splits)
+    out, counters = op.run(query, keys, values, bounds, beta, return_counters=True)
+    selection = dipr_selection_reference(query, keys, bounds, table, seq_lens, beta, op.scale, SINK, LOCAL)
+    return out, counters, selection
+
+
+# ---------------------------------------------------------------------------------------------------- bounds
+
+
+def test_bounds_follow_a_sequence_of_writes_including_partial_blocks_and_reused_blocks():
+    g = torch.Generator().manual_seed(1)
+    pool = 12
+    cache = torch.randn(pool, BLOCK, KV_HEADS, DIM, generator=g).to(DEVICE)
+    op = BlockBounds(BLOCK, KV_HEADS, DIM)
+    bounds = op.allocate(pool, torch.float32, DEVICE)
+    mirror = bounds.clone()
+    fill = {}  # block -> slots written by its current owner
+    free = list(range(pool))
+    seqs = {0: [], 1: []}  # sequence -> its blocks
+    lengths = {0: 0, 1: 0}
+    # (sequence, new tokens) per step: prefill 37 and 5, decode steps, a 20-token chunk, sequence 0 finishes and
+    # its blocks are re-used by sequence 2, whose first write starts them afresh.
+    steps = [[(0, 37), (1, 5)], [(0, 1), (1, 1)], [(0, 1), (1, 20)], [(1, 1)], [(2, 40), (1, 1)], [(2, 1)]]
+    for step in steps:
+        slots = []
+        for seq, new in step:
+            if seq == 2 and 0 in seqs:
+                free = seqs.pop(0) + free  # sequence 0 finished: its blocks (with stale bounds) are reused
+                seqs[2], lengths[2] = [], 0
+            for _ in range(new):
+                pos = lengths[seq]
+                if pos % BLOCK == 0:
+                    seqs[seq].append(free.pop(0))
+                block = seqs[seq][pos // BLOCK]
+                cache[block, pos % BLOCK] = torch.randn(KV_HEADS, DIM, generator=g).to(DEVICE)
+                fill[block] = 0 if pos % BLOCK == 0 else fill[block]
+                fill[block] += 1
+                slots.append(block * BLOCK + pos % BLOCK)
+                lengths[seq] += 1
+        slot_mapping = torch.tensor(slots + [-1, -1], dtype=torch.int64, device=DEVICE)  # with padding
+        op.plan(slot_mapping)
+        op.run(cache, bounds)
+        merge_written_keys_reference(mirror, cache, slot_mapping)
+        live = torch.tensor([b for blocks in seqs.values() for b in blocks], device=DEVICE)
+        exact = recompute_bounds_reference(cache, live, torch.tensor([fill[int(b)] for b in live], device=DEVICE))
+        assert torch.equal(bounds[live], exact)
+        assert torch.equal(bounds, mirror)
+
+
+def test_recompute_covers_only_filled_slots_and_leaves_empty_blocks_at_infinity():
+    cache = torch.randn(6, BLOCK, KV_HEADS, DIM, device=DEVICE).to(torch.bfloat16)
+    op = BlockBounds(BLOCK, KV_HEADS, DIM)
+    bounds = op.allocate(6, torch.bfloat16, DEVICE)
+    ids = torch.tensor([4, 1, 3], dtype=torch.int32, device=DEVICE)
+    filled = torch.tensor([16, 7, 0], dtype=torch.int32, device=DEVICE)
+    op.recompute(cache, bounds, ids, filled)
+    assert torch.equal(bounds[ids.long()], recompute_bounds_reference(cache, ids, filled))
+    assert bool((bounds[3, :, 0] == float("-inf")).all()) and bool((bounds[3, :, 1] == float("inf")).all())
+    assert bool((bounds[1, :, 0] == cache[1, :7].amax(0)).all())
+
+
+# ---------------------------------------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_beta_inf_equals_dense_attention(dtype):
+    case = paged(LENS, dtype)
+    out, counters, _ = decode(case, float("inf"))
+    query, keys, values, _, table, seq_lens = case
+    dense = dense_decode_reference(query, keys, values, table, seq_lens, DIM ** -0.5)
+    torch.testing.assert_close(out.float(), dense, atol=TOLERANCE[dtype], rtol=0)
+    assert counters.blocks_read.tolist() == [[1, 1], [3, 3], [10, 10]]
+    assert counters.tokens_attended.tolist() == [[n] * Q_HEADS for n in LENS]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("peaked", "beta"), [(False, 1.0), (True, 8.0), (True, 30.0)])
+def test_output_is_attention_over_the_attended_set(dtype, peaked, beta):
+    case = paged(LENS, dtype, peaked=peaked)
+    out, counters, sel = decode(case, beta)
+    _, _, values, _, table, seq_lens = case
+    expected = masked_decode_reference(values, table, seq_lens, sel.logits, sel.attended)
+    torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=0)
+    assert counters.tokens_attended.tolist() == [a.sum(1).tolist() for a in sel.attended]
+
+
+@pytest.mark.parametrize(("peaked", "beta"), [(False, 0.0), (False, 2.0), (True, 0.5), (True, 8.0), (True, 25.0)])
+def test_attended_set_contains_the_exact_dipr_set(peaked, beta):
+    _, counters, sel = decode(paged(LENS, torch.float16, peaked=peaked, seed=3), beta)
+    for attended, exact in zip(sel.attended, sel.exact):
+        assert not bool((exact & ~attended).any())  # no false negatives
+    assert counters.tokens_attended.tolist() == [a.sum(1).tolist() for a in sel.attended]
+
+
+def test_pruned_blocks_are_not_read_and_their_count_is_the_bound_count():
+    case = paged(LENS, torch.float32, peaked=True)
+    query, keys, values, bounds, table, seq_lens = case
+    _, counters, sel = decode(case, 8.0)
+    expected = [r.sum(1).tolist() for r in sel.blocks_read]
+    assert counters.blocks_read.tolist() == expected
+    # sequence of 150 tokens: the sink block, the hot block at token 70 and the two blocks of the last 8 tokens
+    assert expected[2] == [4, 4] and counters.blocks_total.tolist() == [1, 3, 10]
+    # Values of pruned blocks are poisoned with NaN: the output stays finite, so they were never loaded.
+    poisoned = values.clone()
+    for s, read in enumerate(sel.blocks_read):
+        for h in range(KV_HEADS):
+            skipped = table[s, : read.shape[1]][~read[h]].long()
+            poisoned[skipped, :, h] = float("nan")
+    out, _, _ = decode((query, keys, poisoned, bounds, table, seq_lens), 8.0)
+    assert bool(torch.isfinite(out).all())
+
+
+def test_a_block_size_that_is_not_a_power_of_two_prunes_and_attends_like_the_reference():
+    case = paged(LENS, torch.float32, peaked=True, block=24)
+    out, counters, sel = decode(case, 8.0)
+    expected = masked_decode_reference(case[2], case[4], case[5], sel.logits, sel.attended)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    assert counters.blocks_read.tolist() == [r.sum(1).tolist() for r in sel.blocks_read]
+    assert counters.tokens_attended.tolist() == [a.sum(1).tolist() for a in sel.attended]
+
+
+def test_output_does_not_depend_on_the_number_of_splits():
+    case = paged(LENS, torch.float32, peaked=True, seed=5)
+    outs = [decode(case, 6.0, splits=n)[0] for n in (1, 4)]
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=0)
+
+
+def test_per_sequence_beta_keeps_short_sequences_dense():
+    case = paged(LENS, torch.float32, peaked=True)
+    betas = torch.tensor([float("inf"), float("inf"), 8.0], device=DEVICE)
+    _, counters, sel = decode(case, betas)
+    assert counters.blocks_read.tolist() == [[1, 1], [3, 3], [4, 4]]
+    assert counters.tokens_attended[1].tolist() == [37] * Q_HEADS
+
+
+def test_an_empty_sequence_yields_zeros_and_reads_nothing():
+    case = paged([0, 20], torch.float32, peaked=True)
+    out, counters, sel = decode(case, 4.0, splits=2)
+    assert bool((out[0] == 0).all()) and counters.blocks_read.tolist() == [[0, 0], [2, 2]]
+    assert counters.tokens_attended.tolist() == [a.sum(1).tolist() for a in sel.attended]
+
+
+def test_attended_set_keeps_at_least_the_dense_mass_of_the_exact_set():
+    query, keys, _, bounds, table, seq_lens = paged(LENS, torch.float32, peaked=True)
+    scale = DIM ** -0.5
+    sel = dipr_selection_reference(query, keys, bounds, table, seq_lens, 2.0, scale, SINK, LOCAL)
+    kept = sample_recovery(query, keys, bounds, table, seq_lens, 2.0, scale, SINK, LOCAL)
+    exact = torch.stack([recovery_ratio(lg, ex) for lg, ex in zip(sel.logits, sel.exact)])
+    assert bool((kept >= exact - 1e-6).all()) and bool((kept > 0.99).all())
+    dense = sample_recovery(query, keys, bounds, table, seq_lens, float("inf"), scale, SINK, LOCAL)
+    torch.testing.assert_close(dense, torch.ones_like(dense))
+
+
+def test_bad_arguments_name_the_tensor():
+    query, keys, values, bounds, table, seq_lens = paged([5, 20], torch.float16)
+    op = DIPRDecode(Q_HEADS, KV_HEADS, DIM, BLOCK)
+    with pytest.raises(KernelArgumentError, match="before plan"):
+        op.run(query, keys, values, bounds, 1.0)
+    with pytest.raises(KernelArgumentError, match="seq_lens must be a 1-D int32"):
+        op.plan(seq_lens.long(), table)
+    op.plan(seq_lens, table)
+    with pytest.raises(KernelArgumentError, match=r"query must be \[num_seqs, num_q_heads, head_dim\]"):
+        op.run(query[:, :2], keys, values, bounds, 1.0)
+    with pytest.raises(KernelArgumentError, match="value_cache dtype"):
+        op.run(query, keys, values.float(), bounds, 1.0)
+    with pytest.raises(KernelArgumentError, match=r"bounds must be \[num_blocks, num_kv_heads, 2, head_dim\]"):
+        op.run(query, keys, values, bounds[:, :, :1], 1.0)
+    with pytest.raises(KernelArgumentError, match="beta must be >= 0"):
+        op.run(query, keys, values, bounds, -1.0)
+    with pytest.raises(KernelArgumentError, match="num_q_heads .3. must be a positive multiple"):
+        DIPRDecode(3, 2, DIM, BLOCK)
+    with pytest.raises(KernelArgumentError, match="key_cache must be"):
+        BlockBounds(BLOCK, KV_HEADS, DIM).recompute(keys[:, :8], bounds, table[0], table[0])

@@ -1,0 +1,425 @@
+"""DIPR sparse decode attention over vLLM's paged KV cache: whole KV blocks are skipped by their key bounds.
+
+The query (AlayaDB, Deng et al., "AlayaDB: The Data Foundation for Efficient and Effective Long-context LLM
+Inference", SIGMOD 2025, the Dynamic Inner Product Range query): for a query, keep every key
+whose score is within ``beta`` of the largest score. Here scores are the softmax *logits*
+``l_j = scale * (q . k_j)`` (``scale`` is the model's softmax scale, usually ``1/sqrt(head_dim)``), so the
+DIPR set is ``D = {j : l_j >= max_i l_i - beta}``: the tokens whose attention weight is at least
+``alpha = exp(-beta)`` times the largest weight. The paper's ``beta`` is on raw inner products; it equals ours
+divided by ``scale`` (``beta_raw = beta * sqrt(head_dim)``). ``beta = inf`` is dense attention.
+
+What the kernel computes, per sequence and query head (all query heads of one KV head together, so each KV block
+is loaded once for the group):
+
+1. ``s`` = the largest logit over an always-kept window, the first ``sink`` and the last ``local`` tokens
+   (``_window_max_kernel``; reads only the window's keys). ``s <= max_i l_i``, so ``tau = s - beta`` is a
+   threshold at or below the DIPR threshold.
+2. Each block outside the window is read only if Quest's bound (see ``block_bounds.py``) on its logits,
+   ``U = scale * sum_i max(q_i M_i, q_i m_i)``, reaches ``tau`` for at least one query head of the group
+   (plus a rounding slack, ``BOUND_SLACK``). Keys and values of other blocks are never loaded.
+3. In read blocks, a token is attended if it is in the window or ``l_j >= tau``; attention is the softmax over the
+   attended set ``A = W ∪ {j : l_j >= tau}``, with flash-decoding's split-K (Dao et al., "Flash-Decoding for
+   long-context inference", 2023): each program covers a range of blocks with an online softmax (Milakov and
+   Gimelshein, "Online normalizer calculation for softmax", 2018) and ``_merge_splits_kernel`` combines them.
+
+``A`` contains ``D`` (no false negatives): a token with ``l_j >= max - beta >= tau`` lies in a block whose bound is
+``>= l_j >= tau``, so its block is read and the token kept. ``A`` depends only on ``s``, not on the order blocks
+are processed in, so the output is the same for any split. Masking against a running maximum instead would
+drop a few more tokens from blocks that are read anyway (no bytes saved) at the cost of an order-dependent set.
+
+Layouts: ``query[num_seqs, num_q_heads, head_dim]`` (one decode token per sequence; query head ``h`` uses KV head
+``h // (num_q_heads // num_kv_heads)``, as in vLLM), ``key_cache``/``value_cache[num_blocks, block_size,
+num_kv_heads, head_dim]``, ``bounds[num_blocks, num_kv_heads, 2, head_dim]`` (``block_bounds.py``),
+``block_table[num_seqs, max_blocks]`` int32 and ``seq_lens[num_seqs]`` int32 (including the token being decoded,
+whose key is already in the cache), as in vLLM's attention metadata.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvreuse.errors import check_kernel_argument as _check
+from kvreuse.kernels.block_bounds import SUPPORTED_DTYPES
+
+# A block is read if U + BOUND_SLACK * sum_i |q_i| max(|M_i|, |m_i|) >= tau. The bound holds exactly in real
+# arithmetic; the slack absorbs fp32 rounding of the two dot products (relative error <= head_dim * 2**-24,
+# ~1e-5 for head_dim 128), so a token whose score equals its block's bound is never lost to rounding.
+BOUND_SLACK = 1e-4
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    # fp32 accumulation; UPCAST only under Triton's interpreter, which keeps bf16 as raw uint16 and would multiply
+    # the integers: upcasting is exact, so the products are the same and only the summation order may differ.
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _window_max_kernel(
+    q_ptr, k_ptr, block_table_ptr, seq_lens_ptr, beta_ptr, smax_ptr, scale, sink, local,
+    stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_G: tl.constexpr,  # >= max(GROUP, 16): tl.dot needs 16 rows on tensor cores
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM: one tile holds a whole key row
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV block
+    BLOCK_T: tl.constexpr,  # window tokens per iteration; 16 fills a tensor-core tile and the window is short
+    UPCAST: tl.constexpr,  # see _dot
+):
+    # One program per (sequence, KV head): s[h] = max over window tokens of the logits of query head h
+    # (-inf without reading anything for a dense sequence, beta = inf, which needs no threshold).
+    seq, kv_head = tl.program_id(0), tl.program_id(1)
+    seq_len = tl.where(tl.load(beta_ptr + seq) < float("inf"), tl.load(seq_lens_ptr + seq), 0)
+    g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + seq * stride_qs + (kv_head * GROUP + g)[:, None] * stride_qh + d[None, :],
+                mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    sink_end = tl.minimum(sink, seq_len)
+    local_start = tl.maximum(seq_len - local, sink_end)  # window = [0, sink_end) then [local_start, seq_len)
+    n_window = sink_end + seq_len - local_start
+    best = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for start in range(0, n_window, BLOCK_T):
+        i = start + tl.arange(0, BLOCK_T)
+        pos = tl.where(i < sink_end, i, local_start + i - sink_end)
+        valid = i < n_window
+        block = tl.load(block_table_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        k = tl.load(k_ptr + block[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_kt
+                    + kv_head * stride_kh + d[None, :], mask=valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+        logits = _dot(q, tl.trans(k), UPCAST) * scale
+        best = tl.maximum(best, tl.max(tl.where(valid[None, :], logits, float("-inf")), axis=1))
+    tl.store(smax_ptr + seq * (GROUP * tl.num_programs(1)) + kv_head * GROUP + g, best, mask=g < GROUP)
+
+
+@triton.jit
+def _dipr_split_kernel(
+    q_ptr, k_ptr, v_ptr, bounds_ptr, block_table_ptr, seq_lens_ptr, smax_ptr, beta_ptr,
+    acc_ptr, m_ptr, l_ptr, blocks_read_ptr, tokens_ptr,
+    scale, sink, local, blocks_per_split, num_splits,
+    stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bb, stride_bh, stride_bs, stride_bt,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,  # as in _window_max_kernel
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # next power of two >= BLOCK_SIZE: one tile is one KV block, the unit of pruning
+    SLACK: tl.constexpr,
+    UPCAST: tl.constexpr,  # see _dot
+):
+    # One program per (sequence, KV head, split); the split covers blocks [split, split + 1) * blocks_per_split.
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    beta = tl.load(beta_ptr + seq)
+    prune = beta < float("inf")
+    g, d, t = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_T)
+    heads = kv_head * GROUP + g
+    num_q_heads = GROUP * tl.num_programs(1)
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
+                mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    q_scaled = q.to(tl.float32) * scale
+    smax = tl.load(smax_ptr + seq * num_q_heads + heads, mask=g < GROUP, other=0.0)
+    tau = tl.where(g < GROUP, smax - beta, float("inf"))  # padding rows never ask for a block
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    n_blocks_read = tl.zeros([], tl.int32)
+    n_tokens = tl.zeros([BLOCK_G], tl.int32)
+    sink_blocks = tl.cdiv(tl.minimum(sink, seq_len), BLOCK_SIZE)
+    first_local_block = tl.where(local > 0, tl.maximum(seq_len - local, 0) // BLOCK_SIZE, 1 << 30)
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
+    for b in range(first, last):
+        block = tl.load(block_table_ptr + seq * stride_bt + b).to(tl.int64)
+        read = (b < sink_blocks) | (b >= first_local_block) | (prune == 0)
+        if read == 0:  # outside the window and pruning: read the block's bounds only
+            bound = bounds_ptr + block * stride_bb + kv_head * stride_bh + d
+            hi = tl.load(bound, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+            lo = tl.load(bound + stride_bs, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+            upper = tl.sum(tl.maximum(q_scaled * hi[None, :], q_scaled * lo[None, :]), axis=1)
+            size = tl.sum(tl.abs(q_scaled) * tl.maximum(tl.abs(hi), tl.abs(lo))[None, :], axis=1)
+            read = tl.max((upper + SLACK * size >= tau).to(tl.int32), axis=0) > 0
+        if read:
+            pos = b * BLOCK_SIZE + t
+            kv_mask = (t < BLOCK_SIZE)[:, None] & (d < HEAD_DIM)[None, :]
+            k = tl.load(k_ptr + block * stride_kb + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + block * stride_vb + t[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
+                        mask=kv_mask, other=0.0)
+            logits = _dot(q, tl.trans(k), UPCAST) * scale  # [BLOCK_G, BLOCK_T]
+            window = (pos < sink) | (pos >= seq_len - local)
+            keep = ((t < BLOCK_SIZE) & (pos < seq_len))[None, :] & (window[None, :] | (logits >= tau[:, None]))
+            logits = tl.where(keep, logits, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing kept yet stay at zero
+            p = tl.exp(logits - m_safe[:, None])
+            rescale = tl.exp(m_i - m_safe)
+            l_i = l_i * rescale + tl.sum(p, axis=1)
+            acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+            m_i = m_new
+            n_blocks_read += 1
+            n_tokens += tl.sum(keep.to(tl.int32), axis=1)
+    part = (seq * num_q_heads + heads) * num_splits + split
+    tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=(g < GROUP)[:, None])
+    tl.store(m_ptr + part, m_i, mask=g < GROUP)
+    tl.store(l_ptr + part, l_i, mask=g < GROUP)
+    tl.store(tokens_ptr + part, n_tokens, mask=g < GROUP)
+    tl.store(blocks_read_ptr + (seq * tl.num_programs(1) + kv_head) * num_splits + split, n_blocks_read)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    acc_ptr, m_ptr, l_ptr, out_ptr, num_splits, stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # next power of two >= num_splits: all partial results of one head in one tile
+):
+    # One program per (sequence, query head): o = sum_k e^(m_k - M) acc_k / sum_k e^(m_k - M) l_k.
+    seq, head = tl.program_id(0), tl.program_id(1)
+    s, d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    part = (seq * tl.num_programs(1) + head) * num_splits + s
+    m = tl.load(m_ptr + part, mask=s < num_splits, other=float("-inf"))
+    l = tl.load(l_ptr + part, mask=s < num_splits, other=0.0)
+    acc = tl.load(acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=(s < num_splits)[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # an empty sequence: every split is empty
+    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)  # empty splits (m = -inf) weigh nothing
+    total = tl.sum(l * w, axis=0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# PyTorch references
+
+
+@dataclass(frozen=True)
+class DIPRSelection:
+    """Which blocks and tokens DIPR reads and attends, per sequence (lists indexed by sequence).
+
+    ``logits[s]``: ``[num_q_heads, seq_len]`` fp32; ``blocks_read[s]``: ``[num_kv_heads, num_blocks]`` bool;
+    ``attended[s]``: ``[num_q_heads, seq_len]`` bool, the set the kernel attends; ``exact[s]``: the same shape,
+    the exact DIPR set ``{j : l_j >= max - beta}``.
+    """
+
+    logits: list[torch.Tensor]
+    blocks_read: list[torch.Tensor]
+    attended: list[torch.Tensor]
+    exact: list[torch.Tensor]
+
+
+def _sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq: int, seq_len: int) -> torch.Tensor:
+    """``[num_kv_heads, seq_len, head_dim]`` fp32 of one sequence, gathered through its block table."""
+    block_size = cache.shape[1]
+    blocks = block_table[seq, : -(-seq_len // block_size)].long()
+    return cache[blocks].flatten(0, 1)[:seq_len].float().transpose(0, 1)
+
+
+def dipr_selection_reference(query: torch.Tensor, key_cache: torch.Tensor, bounds: torch.Tensor,
+                             block_table: torch.Tensor, seq_lens: torch.Tensor, beta: float | torch.Tensor,
+                             scale: float, sink: int, local: int) -> DIPRSelection:
+    """The blocks and tokens the kernel reads and attends, and the exact DIPR set, computed plainly in fp32."""
+    num_q_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    group, block_size = num_q_heads // num_kv_heads, key_cache.shape[1]
+    betas = torch.as_tensor(beta, dtype=torch.float32).expand(len(seq_lens)).tolist()
+    out = DIPRSelection([], [], [], [])
+    for seq, seq_len in enumerate(seq_lens.tolist()):
+        q = query[seq].float()  # [heads, dim]
+        keys = _sequence_kv(key_cache, block_table, seq, seq_len).repeat_interleave(group, dim=0)
+        logits = torch.einsum("hd,hjd->hj", q, keys) * scale
+        if seq_len == 0:
+            for part, rows in zip(out.__dict__.values(), (num_q_heads, num_kv_heads, num_q_heads, num_q_heads)):
+                part.append(logits.new_zeros(rows, 0, dtype=logits.dtype if part is out.logits else torch.bool))
+            continue
+        pos = torch.arange(seq_len)
+        window = (pos < sink) | (pos >= seq_len - local)
+        tau = logits[:, window].amax(dim=1, keepdim=True) - betas[seq]
+        n_blocks = -(-seq_len // block_size)
+        block_of = pos // block_size
+        read = torch.zeros(num_kv_heads, n_blocks, dtype=torch.bool)
+        read[:, block_of[window].unique()] = True
+        if betas[seq] == float("inf"):
+            read[:] = True
+        else:
+            b = bounds[block_table[seq, :n_blocks].long()].float().transpose(0, 1)  # [kv, blocks, 2, dim]
+            b = b.repeat_interleave(group, dim=0)
+            qs = (q * scale)[:, None, :]
+            upper = torch.maximum(qs * b[:, :, 0], qs * b[:, :, 1]).sum(-1)  # [heads, blocks]
+            size = (qs.abs() * torch.maximum(b[:, :, 0].abs(), b[:, :, 1].abs())).sum(-1)
+            hit = upper + BOUND_SLACK * size >= tau
+            read |= hit.view(num_kv_heads, group, n_blocks).any(dim=1)
+        attended = read.repeat_interleave(group, dim=0)[:, block_of] & (window[None, :] | (logits >= tau))
+        exact = logits >= logits.amax(dim=1, keepdim=True) - betas[seq]
+        out.logits.append(logits)
+        out.blocks_read.append(read)
+        out.attended.append(attended)
+        out.exact.append(exact)
+    return out
+
+
+def masked_decode_reference(value_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                            logits: list[torch.Tensor], masks: list[torch.Tensor]) -> torch.Tensor:
+    """``[num_seqs, num_q_heads, head_dim]`` fp32: softmax over the tokens in ``masks[s]`` of ``logits[s]``."""
+    num_q_heads = logits[0].shape[0] if logits else 0
+    group = num_q_heads // value_cache.shape[2] if num_q_heads else 1
+    outs = []
+    for seq, seq_len in enumerate(seq_lens.tolist()):
+        values = _sequence_kv(value_cache, block_table, seq, seq_len).repeat_interleave(group, dim=0)
+        weights = torch.softmax(logits[seq].masked_fill(~masks[seq], float("-inf")), dim=1).nan_to_num(0.0)
+        outs.append(torch.einsum("hj,hjd->hd", weights, values))
+    return torch.stack(outs) if outs else torch.zeros(0, num_q_heads, value_cache.shape[3])
+
+
+def dense_decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale) -> torch.Tensor:
+    """Dense paged decode attention, fp32 ``[num_seqs, num_q_heads, head_dim]``."""
+    sel = dipr_selection_reference(query, key_cache, key_cache.new_zeros(key_cache.shape[0], key_cache.shape[2], 2,
+                                                                          key_cache.shape[3]),
+                                   block_table, seq_lens, float("inf"), scale, 0, 1)
+    return masked_decode_reference(value_cache, block_table, seq_lens, sel.logits, sel.attended)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launcher
+
+
+@dataclass(frozen=True)
+class DIPRCounters:
+    """What one ``run`` read and attended (int32 tensors on the query's device).
+
+    ``blocks_read[num_seqs, num_kv_heads]``: KV blocks whose keys and values were loaded (window blocks included);
+    ``blocks_total[num_seqs]``: ``ceil(seq_len / block_size)``; ``tokens_attended[num_seqs, num_q_heads]``: tokens
+    in the attended set; ``tokens_total[num_seqs]``: ``seq_len``.
+    """
+
+    blocks_read: torch.Tensor
+    blocks_total: torch.Tensor
+    tokens_attended: torch.Tensor
+    tokens_total: torch.Tensor
+
+
+class DIPRDecode:
+    """DIPR decode attention for one model's attention shape, called with vLLM's decode metadata.
+
+    ``plan(seq_lens, block_table)`` once per engine step (shared by all layers), then per layer
+    ``run(query, key_cache, value_cache, bounds, beta)``. ``beta`` is a float or a ``[num_seqs]`` tensor (e.g.
+    ``inf`` for sequences a policy keeps dense); a sequence with ``beta = inf`` reads no window and no bounds.
+    Nothing is read back to the host, so the launches can be captured in a CUDA graph once the grid (the number of
+    sequences and of splits) is fixed.
+    """
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, *,
+                 scale: float | None = None, sink: int = 16, local: int = 64, max_splits: int = 32):
+        _check(num_kv_heads >= 1 and num_q_heads % num_kv_heads == 0,
+               f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+        _check(head_dim >= 1 and block_size >= 1, f"head_dim and block_size must be >= 1, got {head_dim}, {block_size}")
+        _check(sink >= 0 and local >= 0 and sink + local >= 1,
+               f"sink ({sink}) and local ({local}) must be >= 0 with at least one window token")
+        _check(max_splits >= 1, f"max_splits must be >= 1, got {max_splits}")
+        self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size = (
+            num_q_heads, num_kv_heads, head_dim, block_size)
+        self.group = num_q_heads // num_kv_heads
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        self.sink, self.local, self.max_splits = sink, local, max_splits
+        self._plan: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+
+    def plan(self, seq_lens: torch.Tensor, block_table: torch.Tensor, *, max_seq_len: int | None = None,
+             num_splits: int | None = None) -> None:
+        """Fix the step's sequences and the split-K layout. ``max_seq_len`` (a host int, as in vLLM's metadata)
+        bounds the blocks per sequence without reading ``seq_lens`` back; ``num_splits`` overrides the choice."""
+        _check(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32,
+               f"seq_lens must be a 1-D int32 tensor, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+        _check(block_table.dim() == 2 and block_table.dtype == torch.int32 and block_table.shape[0] == len(seq_lens)
+               and block_table.stride(1) == 1,
+               f"block_table must be an int32 [num_seqs={len(seq_lens)}, max_blocks] tensor with contiguous rows, "
+               f"got {tuple(block_table.shape)} {block_table.dtype}")
+        _check(seq_lens.device == block_table.device,
+               f"seq_lens is on {seq_lens.device} but block_table is on {block_table.device}")
+        max_blocks = block_table.shape[1] if max_seq_len is None else -(-max_seq_len // self.block_size)
+        max_blocks = max(1, min(max_blocks, block_table.shape[1]))
+        if num_splits is None:
+            # Enough programs to fill the GPU (two per SM), never more splits than blocks.
+            sms = torch.cuda.get_device_properties(seq_lens.device).multi_processor_count \
+                if seq_lens.is_cuda else 1
+            num_splits = -(-2 * sms // max(1, len(seq_lens) * self.num_kv_heads))
+        _check(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
+        num_splits = min(num_splits, self.max_splits, max_blocks)
+        self._plan = (seq_lens, block_table, num_splits, -(-max_blocks // num_splits))
+
+    def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, bounds: torch.Tensor,
+            beta: float | torch.Tensor, *, out: torch.Tensor | None = None, return_counters: bool = False):
+        """Attention output ``[num_seqs, num_q_heads, head_dim]`` (in ``out`` if given) and, if asked, counters."""
+        _check(self._plan is not None, "DIPRDecode.run called before plan(seq_lens, block_table)")
+        seq_lens, block_table, num_splits, blocks_per_split = self._plan
+        num_seqs, device = len(seq_lens), seq_lens.device
+        self._check_inputs(query, key_cache, value_cache, bounds, num_seqs, device)
+        betas = self._betas(beta, num_seqs, device)
+        if out is None:
+            out = torch.empty_like(query)
+        _check(out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1,
+               f"out must be {list(query.shape)} {query.dtype} with contiguous rows, got {list(out.shape)} {out.dtype}")
+        block_g = max(16, triton.next_power_of_2(self.group))
+        block_d = triton.next_power_of_2(self.head_dim)
+        dense = not isinstance(beta, torch.Tensor) and beta == float("inf")  # known on the host: no window pass
+        smax = torch.full((num_seqs, self.num_q_heads), float("-inf"), dtype=torch.float32, device=device) \
+            if dense else torch.empty(num_seqs, self.num_q_heads, dtype=torch.float32, device=device)
+        acc = torch.empty(num_seqs, self.num_q_heads, num_splits, block_d, dtype=torch.float32, device=device)
+        m = torch.empty(num_seqs, self.num_q_heads, num_splits, dtype=torch.float32, device=device)
+        l = torch.empty_like(m)
+        tokens = torch.empty(num_seqs, self.num_q_heads, num_splits, dtype=torch.int32, device=device)
+        blocks_read = torch.empty(num_seqs, self.num_kv_heads, num_splits, dtype=torch.int32, device=device)
+        if num_seqs == 0:
+            return (out, self._counters(blocks_read, tokens, seq_lens)) if return_counters else out
+        shape = dict(GROUP=self.group, BLOCK_G=block_g, HEAD_DIM=self.head_dim, BLOCK_D=block_d,
+                     BLOCK_SIZE=self.block_size,
+                     UPCAST=query.dtype == torch.bfloat16 and bool(triton.knobs.runtime.interpret))
+        if not dense:
+            _window_max_kernel[(num_seqs, self.num_kv_heads)](
+                query, key_cache, block_table, seq_lens, betas, smax, self.scale, self.sink, self.local,
+                query.stride(0), query.stride(1), *key_cache.stride()[:3], block_table.stride(0),
+                BLOCK_T=16, **shape)
+        _dipr_split_kernel[(num_seqs, self.num_kv_heads, num_splits)](
+            query, key_cache, value_cache, bounds, block_table, seq_lens, smax, betas,
+            acc, m, l, blocks_read, tokens,
+            self.scale, self.sink, self.local, blocks_per_split, num_splits,
+            query.stride(0), query.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
+            *bounds.stride()[:3], block_table.stride(0),
+            BLOCK_T=triton.next_power_of_2(self.block_size), SLACK=BOUND_SLACK, **shape)
+        _merge_splits_kernel[(num_seqs, self.num_q_heads)](
+            acc, m, l, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=self.head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits))
+        return (out, self._counters(blocks_read, tokens, seq_lens)) if return_counters else out
+
+    def _counters(self, blocks_read, tokens, seq_lens) -> DIPRCounters:
+        return DIPRCounters(blocks_read.sum(-1, dtype=torch.int32), (seq_lens + self.block_size - 1) // self.block_size,
+                            tokens.sum(-1, dtype=torch.int32), seq_lens.clone())
+
+    def _betas(self, beta: float | torch.Tensor, num_seqs: int, device: torch.device) -> torch.Tensor:
+        if isinstance(beta, torch.Tensor):
+            _check(beta.shape == (num_seqs,), f"beta must be a float or a [num_seqs={num_seqs}] tensor, "
+                                              f"got shape {tuple(beta.shape)}")
+            return beta.to(device=device, dtype=torch.float32).contiguous()
+        _check(not math.isnan(beta) and beta >= 0, f"beta must be >= 0 (inf = dense), got {beta}")
+        return torch.full((num_seqs,), float(beta), dtype=torch.float32, device=device)
+
+    def _check_inputs(self, query, key_cache, value_cache, bounds, num_seqs, device) -> None:
+        expected = (num_seqs, self.num_q_heads, self.head_dim)
+        _check(tuple(query.shape) == expected,
+               f"query must be [num_seqs, num_q_heads, head_dim] = {list(expected)}, got {list(query.shape)}")
+        _check(query.dtype in SUPPORTED_DTYPES, f"query dtype must be one of {SUPPORTED_DTYPES}, got {query.dtype}")
+        cache_shape = (self.block_size, self.num_kv_heads, self.head_dim)
+        for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+            _check(cache.dim() == 4 and tuple(cache.shape[1:]) == cache_shape,
+                   f"{name} must be [num_blocks, block_size={self.block_size}, num_kv_heads={self.num_kv_heads}, "
+                   f"head_dim={self.head_dim}], got {list(cache.shape)}")
+            _check(cache.dtype == query.dtype, f"{name} dtype {cache.dtype} differs from query dtype {query.dtype}")
+        expected_bounds = (key_cache.shape[0], self.num_kv_heads, 2, self.head_dim)
+        _check(tuple(bounds.shape) == expected_bounds and bounds.dtype == query.dtype,
+               f"bounds must be [num_blocks, num_kv_heads, 2, head_dim] = {list(expected_bounds)} {query.dtype}, "
+               f"got {list(bounds.shape)} {bounds.dtype}")
+        for name, tensor in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
+                             ("bounds", bounds)):
+            _check(tensor.device == device, f"{name} is on {tensor.device} but seq_lens is on {device}")
+            _check(tensor.stride(-1) == 1, f"{name} must be contiguous in its last (head_dim) dimension")
