@@ -4,9 +4,10 @@ Table: ``shared/datasets/movies_small.csv`` (1,019 Rotten Tomatoes reviews of 51
 "is this movie suitable for kids?" with every field but ``id``, in the table's field order. Arms:
 
 - ``stock``: rows and fields as they come, stock vLLM (prefix caching on, as by default);
+- ``scheduler``: rows as they come, admitted by kvreuse's prefix-affinity scheduler
+  (``--scheduler-cls kvreuse.vllm.PrefixAffinityScheduler``), which regroups what is waiting;
 - ``reorder``: kvreuse's GGR order of rows and fields, stock scheduler;
-- ``reorder+scheduler``: GGR order and the prefix-affinity scheduler
-  (``--scheduler-cls kvreuse.vllm.PrefixAffinityScheduler``).
+- ``reorder+scheduler``: both.
 
 Figures are vLLM's own (per-request ``num_cached_tokens``, ``vllm:prefix_cache_*`` counters). Random weights:
 latency and cache figures only, answers mean nothing. Usage: ``python benchmarks/demo.py [--rows N]``.
@@ -48,11 +49,12 @@ def main(argv: list[str] | None = None) -> None:
         df = df.head(args.rows)
     table = prepare_table(df, [c for c in df.columns if c != "id"])
     ggr = lambda _requests: table_requests(table, "ggr")  # noqa: E731 - the arm re-renders prompts in GGR order
+    affinity = {"scheduler_cls": "kvreuse.vllm.PrefixAffinityScheduler"}
     arms = [
         Arm("stock"),
+        Arm("scheduler", engine_args=affinity),
         Arm("reorder", prepare=ggr),
-        Arm("reorder+scheduler", engine_args={"scheduler_cls": "kvreuse.vllm.PrefixAffinityScheduler"},
-            prepare=ggr),
+        Arm("reorder+scheduler", engine_args=affinity, prepare=ggr),
     ]
     run_ab("demo_movies", table_requests(table, "original"), arms, model, max_tokens=4)
 

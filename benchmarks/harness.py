@@ -78,7 +78,27 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _run_arm(llm: Any, arm: Arm, requests: Sequence[BenchRequest], sampling: Any) -> tuple[ArmFigures, dict]:
+def _generate(llm: Any, prompts: list[str], sampling: Any, arrivals_per_step: int | None) -> list[Any]:
+    """Outputs of ``prompts``, in their order: one batch, or ``arrivals_per_step`` new requests per engine step."""
+    if arrivals_per_step is None:
+        return llm.generate(prompts, sampling, use_tqdm=True)
+    from tqdm import tqdm
+
+    engine, pending, done = llm.llm_engine, list(enumerate(prompts)), {}
+    with tqdm(total=len(prompts), desc="online", unit="req") as bar:
+        while pending or engine.has_unfinished_requests():
+            for i, prompt in pending[:arrivals_per_step]:
+                engine.add_request(f"bench-{i}", prompt, sampling)
+            del pending[:arrivals_per_step]
+            for out in engine.step():
+                if out.finished:
+                    done[int(out.request_id.split("-")[1])] = out
+                    bar.update()
+    return [done[i] for i in range(len(prompts))]
+
+
+def _run_arm(llm: Any, arm: Arm, requests: Sequence[BenchRequest], sampling: Any,
+             arrivals_per_step: int | None) -> tuple[ArmFigures, dict]:
     from kvreuse.vllm.figures import prefix_cache_counters, sum_request_cached_tokens
 
     t0 = time.perf_counter()
@@ -89,7 +109,7 @@ def _run_arm(llm: Any, arm: Arm, requests: Sequence[BenchRequest], sampling: Any
     llm.reset_prefix_cache()
     before = prefix_cache_counters(llm)
     t0 = time.perf_counter()
-    outputs = llm.generate([r.prompt for r in ordered], sampling, use_tqdm=True)
+    outputs = _generate(llm, [r.prompt for r in ordered], sampling, arrivals_per_step)
     wall_s = time.perf_counter() - t0
     engine = prefix_cache_counters(llm) - before
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
@@ -107,8 +127,12 @@ def _run_arm(llm: Any, arm: Arm, requests: Sequence[BenchRequest], sampling: Any
 
 def run_ab(name: str, requests: Sequence[BenchRequest], arms: Sequence[Arm], model: str | Path, *,
            max_tokens: int = 4, base_engine_args: Mapping[str, Any] | None = None,
-           out_dir: Path = RESULTS) -> list[ArmFigures]:
-    """Run every arm over ``requests`` on the model at ``model``; report and return the figures in arm order."""
+           arrivals_per_step: int | None = None, out_dir: Path = RESULTS) -> list[ArmFigures]:
+    """Run every arm over ``requests`` on the model at ``model``; report and return the figures in arm order.
+
+    By default each arm sends its requests as one batch (``LLM.generate``). With ``arrivals_per_step`` they
+    arrive online instead: that many new requests before each engine step, in the arm's order.
+    """
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
 
@@ -128,7 +152,8 @@ def run_ab(name: str, requests: Sequence[BenchRequest], arms: Sequence[Arm], mod
                 llm.generate([r.prompt for r in requests[:8]], sampling, use_tqdm=False)
                 for arm in group:
                     bar.set_postfix_str(arm.name)
-                    results[arm.name], answers[arm.name] = _run_arm(llm, arm, requests, sampling)
+                    results[arm.name], answers[arm.name] = _run_arm(llm, arm, requests, sampling,
+                                                                    arrivals_per_step)
                     bar.update()
             finally:
                 llm.llm_engine.engine_core.shutdown()
