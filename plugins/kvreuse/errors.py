@@ -17,6 +17,10 @@ class TableError(KVReuseError, ValueError):
     """A table given to a front end cannot be turned into requests (unknown field, duplicate field, ...)."""
 
 
+class BackendError(KVReuseError, RuntimeError):
+    """A backend could not answer: the server is unreachable or rejected a request, or it broke the contract."""
+
+
 class EngineVersionError(KVReuseError, RuntimeError):
     """An engine version that a patch or adapter was not written for."""
 

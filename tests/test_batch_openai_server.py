@@ -1,0 +1,134 @@
+"""The OpenAI-compatible server backend, against an in-process fake of ``/v1/completions``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from kvreuse.batch import BackendError, OpenAIServerBackend
+from kvreuse.errors import ConfigError
+
+
+class FakeServer:
+    """Echoes each prompt upper-cased after a delay that makes later prompts finish first; records traffic."""
+
+    def __init__(self, failures: list[int | str] | None = None, details: bool = True) -> None:
+        self.bodies: list[dict] = []
+        self.paths: list[str] = []
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.failures = list(failures or [])  # answered, in turn, before any success: a status or "drop"
+        self.details = details
+        self.authorization: str | None = None
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.paths.append(request.url.path)
+        self.authorization = request.headers.get("authorization")
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "served-small"}]})
+        if self.failures:
+            failure = self.failures.pop(0)
+            if failure == "drop":
+                raise httpx.ConnectError("connection refused", request=request)
+            return httpx.Response(failure, text=f"fake failure {failure}")
+        body = json.loads(request.content)
+        self.bodies.append(body)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await asyncio.sleep(0.02 / (1 + len(self.bodies)))
+        self.in_flight -= 1
+        usage = {"prompt_tokens": len(body["prompt"])}
+        if self.details:
+            usage["prompt_tokens_details"] = {"cached_tokens": len(body["prompt"]) // 2}
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": body["prompt"].upper()}], "usage": usage})
+
+
+def backend(server: FakeServer, **kwargs) -> OpenAIServerBackend:
+    return OpenAIServerBackend("http://fake:8000/v1/", transport=httpx.MockTransport(server), backoff_s=0.0,
+                               **kwargs)
+
+
+PROMPTS = [f"prompt {i}" for i in range(20)]
+
+
+def test_completions_come_back_in_prompt_order_although_the_server_finishes_out_of_order():
+    completions = backend(FakeServer(), concurrency=8).generate(PROMPTS, max_tokens=4)
+    assert [c.text for c in completions] == [p.upper() for p in PROMPTS]
+
+
+def test_requests_start_in_prompt_order_and_at_most_concurrency_are_in_flight():
+    server = FakeServer()
+    backend(server, concurrency=3).generate(PROMPTS, max_tokens=4)
+    assert [body["prompt"] for body in server.bodies] == PROMPTS
+    assert server.most_in_flight == 3
+
+
+def test_requests_are_greedy_with_the_given_length_for_the_listed_model():
+    server = FakeServer()
+    backend(server).generate(["a"], max_tokens=7)
+    assert server.paths == ["/v1/models", "/v1/completions"]
+    assert server.bodies[0] | {"prompt": None} == {"model": "served-small", "prompt": None, "max_tokens": 7,
+                                                   "temperature": 0.0, "n": 1, "stream": False}
+
+
+def test_a_named_model_is_used_without_asking_the_server():
+    server = FakeServer()
+    backend(server, model="mine").generate(["a"], max_tokens=1)
+    assert (server.paths, server.bodies[0]["model"]) == (["/v1/completions"], "mine")
+
+
+def test_an_api_key_is_sent_as_a_bearer_token():
+    server = FakeServer()
+    backend(server, model="m", api_key="secret").generate(["a"], max_tokens=1)
+    assert server.authorization == "Bearer secret"
+
+
+def test_usage_gives_prompt_and_cached_tokens_and_cached_is_unknown_without_details():
+    (completion,) = backend(FakeServer()).generate(["abcdef"], max_tokens=1)
+    assert (completion.prompt_tokens, completion.cached_tokens) == (6, 3)
+    (completion,) = backend(FakeServer(details=False)).generate(["abcdef"], max_tokens=1)
+    assert (completion.prompt_tokens, completion.cached_tokens) == (6, None)
+
+
+def test_connection_errors_429_and_5xx_are_retried():
+    server = FakeServer(failures=["drop", 429, 503, 500])
+    completions = backend(server, model="m", retries=4).generate(["a", "b"], max_tokens=1)
+    assert [c.text for c in completions] == ["A", "B"]
+
+
+def test_it_gives_up_after_the_retries_naming_the_url_and_the_last_failure():
+    server = FakeServer(failures=[503] * 3)
+    with pytest.raises(BackendError, match=r"http://fake:8000/v1/completions failed 3 time\(s\), last with HTTP 503"):
+        backend(server, model="m", retries=2).generate(["a"], max_tokens=1)
+
+
+def test_a_refused_request_fails_at_once_with_the_servers_message():
+    server = FakeServer(failures=[400, 400])
+    with pytest.raises(BackendError, match="refused the request with HTTP 400: fake failure 400"):
+        backend(server, model="m", retries=5).generate(["a"], max_tokens=1)
+    assert server.failures == [400]
+
+
+def test_no_prompts_make_no_requests():
+    server = FakeServer()
+    assert backend(server).generate([], max_tokens=1) == []
+    assert server.paths == []
+
+
+def test_it_works_when_called_from_inside_an_event_loop():
+    async def notebook_cell():
+        return backend(FakeServer()).generate(["a"], max_tokens=1)
+
+    assert [c.text for c in asyncio.run(notebook_cell())] == ["A"]
+
+
+@pytest.mark.parametrize(("url", "kwargs", "message"), [
+    ("localhost:8000", {}, "must start with http"),
+    ("http://h:1", {"concurrency": 0}, "concurrency >= 1"),
+])
+def test_bad_settings_are_config_errors(url, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        OpenAIServerBackend(url, **kwargs)

@@ -1,0 +1,136 @@
+"""DuckDB's ``llm()``: all rows of a query are asked as one batch, and each row gets the answer to its own values."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import duckdb
+import pandas as pd
+import pytest
+
+from kvreuse.batch import Completion, llm_sql, run_query
+from kvreuse.batch.sql import call_sites
+from kvreuse.errors import TableError
+
+
+class EchoBackend:
+    """Answers each prompt with the prompt itself, so an answer tells which values it was asked about."""
+
+    cache_model = None  # like a server backend: no tokenizer known, GGR alone
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def generate(self, prompts: Sequence[str], *, max_tokens: int, progress: bool = False) -> list[Completion]:
+        self.calls.append(list(prompts))
+        return [Completion(p, 1, 0) for p in prompts]
+
+
+def prompt(instruction: str, **fields: str) -> str:
+    return instruction + "\n\n" + "".join(f"{name}: {value}\n" for name, value in fields.items())
+
+
+@pytest.fixture
+def con() -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect()
+    con.execute("""CREATE TABLE movies AS SELECT * FROM (VALUES
+        (1, 'Heat', 'crime'), (2, 'Up', 'family'), (3, 'Heat', 'crime'), (4, 'Alien', NULL)) t(id, title, genre)""")
+    return con
+
+
+def test_each_row_gets_the_answer_to_its_own_values_with_fields_named_by_the_sql(con):
+    frame = llm_sql(con, "SELECT id, llm('Kids?', m.title, genre) AS answer FROM movies m ORDER BY id",
+                    backend=EchoBackend(), order="original")
+    assert frame["answer"].tolist() == [prompt("Kids?", title="Heat", genre="crime"),
+                                        prompt("Kids?", title="Up", genre="family"),
+                                        prompt("Kids?", title="Heat", genre="crime"),
+                                        prompt("Kids?", title="Alien", genre="")]
+
+
+def test_a_5000_row_query_is_one_backend_call_that_asks_each_distinct_row_once():
+    con = duckdb.connect()
+    con.execute("CREATE TABLE reviews AS SELECT i AS id, 'film ' || (i % 1234) AS title, (i % 2) AS half "
+                "FROM range(5000) t(i)")
+    backend = EchoBackend()
+    result = run_query(con, "SELECT id, title, llm('Kids?', title) AS answer FROM reviews ORDER BY id",
+                       backend=backend)
+    assert len(backend.calls) == 1
+    assert sorted(backend.calls[0]) == sorted(prompt("Kids?", title=f"film {k}") for k in range(1234))
+    assert len(result.frame) == 5000
+    assert (result.frame["answer"] == "Kids?\n\ntitle: " + result.frame["title"] + "\n").all()
+    assert (result.figures.requests, result.runs) == (1234, 2)
+
+
+def test_rows_are_sent_in_the_order_the_method_chose(con):
+    backend = EchoBackend()
+    llm_sql(con, "SELECT llm('Kids?', title) FROM movies", backend=backend, order="sorted")
+    assert backend.calls == [[prompt("Kids?", title=t) for t in ("Alien", "Heat", "Up")]]
+
+
+def test_expressions_are_named_by_their_position_and_shared_column_names_are_qualified(con):
+    sites = call_sites(con, "SELECT llm('Q', upper(a.title), a.genre, b.genre) FROM movies a, movies b")
+    assert [site.fields for site in sites] == [("arg1", "a.genre", "b.genre")]
+
+
+def test_two_instructions_in_one_query_share_one_backend_call(con):
+    backend = EchoBackend()
+    frame = llm_sql(con, "SELECT llm('Kids?', title) AS a, llm('Violent?', genre) AS b FROM movies WHERE id = 2",
+                    backend=backend)
+    assert len(backend.calls) == 1
+    assert frame.iloc[0].tolist() == [prompt("Kids?", title="Up"), prompt("Violent?", genre="family")]
+
+
+def test_a_filter_on_an_answer_runs_the_query_again_until_every_answer_is_known(con):
+    backend = EchoBackend()
+    result = run_query(con, f"""SELECT id, llm('Summary?', title) AS summary FROM movies
+                                WHERE llm('Kids?', genre) = '{prompt("Kids?", genre="crime")}' ORDER BY id""",
+                       backend=backend)
+    assert result.frame["id"].tolist() == [1, 3]
+    assert result.frame["summary"].tolist() == [prompt("Summary?", title="Heat")] * 2
+    assert [len(call) for call in backend.calls] == [3, 1]  # the filter's three genres, then the one title
+    assert result.runs == 3
+
+
+def test_an_llm_call_can_take_another_ones_answer(con):
+    frame = llm_sql(con, "SELECT llm('Again?', llm('Kids?', title)) AS a FROM movies WHERE id = 2",
+                    backend=EchoBackend())
+    assert frame["a"].tolist() == [prompt("Again?", arg1=prompt("Kids?", title="Up"))]
+
+
+def test_a_query_without_llm_runs_once_and_asks_nothing(con):
+    backend = EchoBackend()
+    result = run_query(con, "SELECT count(*) AS n FROM movies", backend=backend)
+    assert (result.frame["n"].tolist(), result.runs, backend.calls) == ([4], 1, [])
+
+
+def test_a_non_deterministic_query_is_refused(con):
+    with pytest.raises(TableError, match="deterministic"):
+        llm_sql(con, "SELECT llm('Kids?', random()) FROM range(3)", backend=EchoBackend())
+
+
+@pytest.mark.parametrize(("query", "message"), [
+    ("SELECT llm('Kids?', title) FROM films", "Table with name films does not exist"),
+    ("SELECT llm('Kids?', rating) FROM movies", "rating"),
+    ("SELEC llm('Kids?', title) FROM movies", "does not parse: syntax error"),
+    ("SELECT 1; SELECT llm('Kids?', title) FROM movies", "single SELECT statement; the query has 2"),
+    ("CREATE TABLE x AS SELECT llm('Kids?', title) FROM movies", "single SELECT statement"),
+    ("SELECT llm('Kids?') FROM movies", "needs an instruction and at least one value"),
+    ("SELECT llm('Kids?', title, title) FROM movies", "passes 'title' more than once"),
+])
+def test_bad_queries_are_table_errors_that_name_the_problem(con, query, message):
+    with pytest.raises(TableError, match=message):
+        llm_sql(con, query, backend=EchoBackend())
+
+
+def test_the_connection_is_left_as_it_was_even_after_an_error(con):
+    with pytest.raises(TableError):
+        llm_sql(con, "SELECT llm('Kids?', rating) FROM movies", backend=EchoBackend())
+    llm_sql(con, "SELECT llm('Kids?', title) FROM movies", backend=EchoBackend())
+    with pytest.raises(duckdb.CatalogException):
+        con.execute("SELECT kvreuse_llm(0, 'Kids?', title) FROM movies").fetchall()
+
+
+def test_registered_dataframes_and_non_ascii_text_work(con):
+    con.register("films", pd.DataFrame({"title": ["Amélie", "Léon"]}))
+    frame = llm_sql(con, "SELECT 'é' AS e, llm('Für Kinder?', title) AS a FROM films", backend=EchoBackend())
+    assert frame["a"].tolist() == [prompt("Für Kinder?", title="Amélie"), prompt("Für Kinder?", title="Léon")]
