@@ -33,3 +33,30 @@ def check_kernel_argument(ok: bool, message: str) -> None:
     """Raise :class:`KernelArgumentError` with ``message`` (which names the tensor) unless ``ok``."""
     if not ok:
         raise KernelArgumentError(message)
+
+
+class UnsupportedPositionalEncoding(KVReuseError, ValueError):
+    """A model's positional encoding cannot be re-applied to cached keys (so its modules cannot move)."""
+
+
+class RerotationMismatch(KVReuseError, RuntimeError):
+    """The start-up check found that rotating twice differs from rotating once (see ``kvreuse.kernels.rerotate.check_rerotation``)."""
+
+
+class PMLError(KVReuseError, ValueError):
+    """A PML schema or prompt is malformed or refers to something that does not exist; says where (line, column)."""
+
+    def __init__(self, message: str, line: int, column: int):
+        super().__init__(f"line {line}, column {column}: {message}")
+        self.reason, self.line, self.column = message, line, column
+
+
+class UnknownTable(KVReuseError, LookupError):
+    """A table asked for is not in the database's schema (or the database is not known)."""
+
+    def __str__(self) -> str:  # LookupError would quote the message
+        return str(self.args[0])
+
+
+class ModuleRegistrationError(KVReuseError, ValueError):
+    """A module cannot be registered: empty, or the same token ids as another module under another name."""
