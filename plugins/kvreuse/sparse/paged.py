@@ -1,0 +1,238 @@
+"""Sparse attention over vLLM's plain paged KV cache, engine-free: cache write, block bounds, dense causal prefill
+and DIPR decode, with the policy deciding per layer and per sequence.
+
+Layouts are the kernels' (``kvreuse.kernels.block_bounds``): ``key_cache``/``value_cache[num_blocks, block_size,
+num_kv_heads, head_dim]`` (any strides, last dimension contiguous), ``bounds[num_blocks, num_kv_heads, 2,
+head_dim]``; a batch is vLLM's: ``query[num_tokens, num_q_heads, head_dim]`` with each request's tokens contiguous
+(``query_start_loc[num_reqs + 1]``), ``seq_lens[num_reqs]`` counting the request's new tokens, ``block_table
+[num_reqs, max_blocks]`` int32 and ``slot_mapping[num_tokens]`` (negative = padding).
+
+``SparseAttention`` is one object per model shape: ``write`` stores a step's keys and values and merges the keys into
+their blocks' bounds (so the bounds are current after every write, prefill and decode alike); ``attend`` computes a
+layer's attention for the whole batch:
+
+- a request with more than one new token (prefill, chunked prefill, speculative verification) gets dense causal
+  attention over its cached context and its new tokens;
+- a request with one new token (decode) gets DIPR if the policy makes the layer sparse (``dense_layers`` and
+  ``layer_betas``) and the sequence is at least ``min_context`` tokens long; its beta may be ``inf``, which DIPR
+  computes as exact dense attention. Otherwise it gets the dense path.
+
+On CUDA, bounds and DIPR run the Triton launchers (``BlockBounds``, ``DIPRDecode``). Elsewhere (vLLM's CPU build,
+where Triton is off) they run in PyTorch: the bounds by ``scatter_reduce_``, DIPR by the kernels' references, which
+select the same blocks and tokens as the kernel but, computing every logit, save no bytes. Prefill is PyTorch on
+every device (a per-request loop, as a reference; a GPU deployment wants a fused prefill kernel here).
+
+Every DIPR decode adds the blocks and tokens it attended to ``figures`` (``AttendedFractions``); dense decodes of
+sequences the policy keeps dense add every block and token, so the fractions are over all decode work. Every
+``sample_recovery``-th DIPR decode of a layer also adds the share of dense attention mass the attended set kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvreuse.errors import check_kernel_argument as _check
+from kvreuse.sparse.config import SparseConfig
+from kvreuse.sparse.figures import AttendedFractions, recovery_ratio, sample_recovery, should_sample
+from kvreuse.sparse.policy import INF, RuleBasedPolicy
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """One engine step's batch, as vLLM's attention metadata gives it (see the module docstring).
+
+    ``query_start_loc_cpu`` and ``seq_lens_cpu`` are host copies (per-request loops read them without a device
+    sync); ``num_actual_tokens`` excludes padding.
+    """
+
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_actual_tokens: int
+    max_seq_len: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+def write_paged_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Store ``key``/``value[num_tokens, num_kv_heads, head_dim]`` at their slots; negative slots are skipped."""
+    n = min(len(slot_mapping), len(key))
+    slots = slot_mapping[:n].long()
+    valid = slots >= 0
+    slots, key, value = slots[valid], key[:n][valid], value[:n][valid]
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, offsets] = value.to(value_cache.dtype)
+
+
+def merge_bounds(bounds: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
+    """``BlockBounds.run`` in PyTorch: merge the keys written at ``slot_mapping`` into their blocks' bounds.
+
+    A block written at offset 0 this step is reset first (a re-used block forgets its previous owner's keys), as
+    the kernel does; ``key`` holds the values as stored (same dtype as the cache), so no rounding differs.
+    """
+    n = min(len(slot_mapping), len(key))
+    slots = slot_mapping[:n].long()
+    valid = slots >= 0
+    slots, key = slots[valid], key[:n][valid].to(bounds.dtype)
+    if slots.numel() == 0:
+        return
+    blocks = slots // block_size
+    starts = blocks[slots % block_size == 0]
+    hi, lo = bounds.select(2, 0), bounds.select(2, 1)
+    if starts.numel():
+        hi[starts] = float("-inf")
+        lo[starts] = float("inf")
+    index = blocks[:, None, None].expand_as(key)
+    hi.scatter_reduce_(0, index, key, "amax")
+    lo.scatter_reduce_(0, index, key, "amin")
+
+
+def causal_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_table: torch.Tensor, seq_len: int, req: int, scale: float) -> torch.Tensor:
+    """Dense causal attention of one request's last ``len(query)`` tokens over its first ``seq_len`` cached
+    tokens: ``query[q_len, num_q_heads, head_dim]`` -> fp32 ``[q_len, num_q_heads, head_dim]``."""
+    q_len, num_q_heads = query.shape[0], query.shape[1]
+    group = num_q_heads // key_cache.shape[2]
+    block_size = key_cache.shape[1]
+    blocks = block_table[req, : -(-seq_len // block_size)].long()
+    keys = key_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)  # [n, hq, d]
+    values = value_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
+    logits = torch.einsum("qhd,nhd->hqn", query.float(), keys) * scale
+    positions = torch.arange(seq_len - q_len, seq_len, device=query.device)
+    future = torch.arange(seq_len, device=query.device)[None, :] > positions[:, None]  # [q, n]
+    weights = torch.softmax(logits.masked_fill(future[None], float("-inf")), dim=-1)
+    return torch.einsum("hqn,nhd->qhd", weights, values)
+
+
+class SparseAttention:
+    """Cache write, bounds upkeep and attention for one model shape, under one ``SparseConfig``.
+
+    ``configure`` swaps the settings between steps (e.g. to sweep beta on one engine); ``figures`` accumulates the
+    attended fractions per layer.
+    """
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
+                 config: SparseConfig | None = None):
+        _check(num_kv_heads >= 1 and num_q_heads % num_kv_heads == 0,
+               f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+        self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size = (
+            num_q_heads, num_kv_heads, head_dim, block_size)
+        self.scale = float(scale)
+        self.figures = AttendedFractions()
+        self._dipr_steps: dict[int, int] = {}  # DIPR decode calls per layer, for sample_recovery
+        self.configure(config or SparseConfig())
+
+    def configure(self, config: SparseConfig) -> None:
+        self.config = config
+        self.policy = RuleBasedPolicy(config)
+
+    def allocate_bounds(self, num_blocks: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """Empty bounds (maxima ``-inf``, minima ``+inf``) for a cache of ``num_blocks`` blocks."""
+        bounds = torch.empty(num_blocks, self.num_kv_heads, 2, self.head_dim, dtype=dtype, device=device)
+        bounds[:, :, 0] = float("-inf")
+        bounds[:, :, 1] = float("inf")
+        return bounds
+
+    def dense_layer(self, layer: int) -> bool:
+        """Whether ``layer`` is dense for every sequence (rule 2 of the policy, not overridden by rule 1)."""
+        return layer < self.config.dense_layers and self.policy.layer_beta(layer) == INF
+
+    # -- write ----------------------------------------------------------------------------------------------------
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+              bounds: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store a step's keys and values and bring the bounds of the blocks written up to date."""
+        write_paged_kv(key, value, key_cache, value_cache, slot_mapping)
+        if key_cache.is_cuda:
+            from kvreuse.kernels.block_bounds import BlockBounds
+
+            launcher = BlockBounds(self.block_size, self.num_kv_heads, self.head_dim)
+            launcher.plan(slot_mapping[: len(key)])
+            launcher.run(key_cache, bounds)
+        else:
+            merge_bounds(bounds, key, slot_mapping, self.block_size)
+
+    # -- attention ------------------------------------------------------------------------------------------------
+
+    def attend(self, layer: int, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               bounds: torch.Tensor, batch: PagedBatch, out: torch.Tensor) -> torch.Tensor:
+        """Attention of every real token of ``batch`` in ``layer``, written into ``out[num_tokens, hq, d]``."""
+        starts = batch.query_start_loc_cpu.tolist()
+        lens = batch.seq_lens_cpu.tolist()
+        dense_layer = self.dense_layer(layer)
+        decode_reqs: list[int] = []
+        for req in range(batch.num_reqs):
+            first, last = starts[req], starts[req + 1]
+            if last <= first:
+                continue
+            if last - first == 1 and not dense_layer and lens[req] >= self.config.min_context:
+                decode_reqs.append(req)
+                continue
+            out[first:last] = causal_attention(query[first:last], key_cache, value_cache, batch.block_table,
+                                               lens[req], req, self.scale).to(out.dtype)
+            if last - first == 1:
+                self._count_dense(layer, lens[req])
+        if decode_reqs:
+            self._dipr_decode(layer, query, key_cache, value_cache, bounds, batch, decode_reqs, starts, out)
+        return out
+
+    def _dipr_decode(self, layer, query, key_cache, value_cache, bounds, batch, reqs, starts, out) -> None:
+        from kvreuse.kernels.dipr_decode import DIPRCounters
+
+        device = query.device
+        rows = torch.tensor([starts[r] for r in reqs], dtype=torch.long, device=device)
+        index = torch.tensor(reqs, dtype=torch.long, device=device)
+        q = query.index_select(0, rows)
+        seq_lens = batch.seq_lens.index_select(0, index).to(torch.int32)
+        block_table = batch.block_table.index_select(0, index).to(torch.int32).contiguous()
+        betas = torch.full((len(reqs),), self.policy.layer_beta(layer), dtype=torch.float32, device=device)
+        sink, local = self.config.sink, self.config.local
+        step = self._dipr_steps.get(layer, 0)
+        self._dipr_steps[layer] = step + 1
+        sampled = should_sample(step, self.config.sample_recovery)
+        if query.is_cuda:
+            from kvreuse.kernels.dipr_decode import DIPRDecode
+
+            launcher = DIPRDecode(self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size,
+                                  scale=self.scale, sink=sink, local=local)
+            launcher.plan(seq_lens, block_table, max_seq_len=batch.max_seq_len)
+            result, counters = launcher.run(q.contiguous(), key_cache, value_cache, bounds, betas,
+                                            return_counters=True)
+            if sampled:
+                self.figures.add_recovery(layer, sample_recovery(q, key_cache, bounds, block_table, seq_lens, betas,
+                                                                 self.scale, sink, local))
+        else:
+            from kvreuse.kernels.dipr_decode import dipr_selection_reference, masked_decode_reference
+
+            seq_lens_cpu = seq_lens.cpu()
+            sel = dipr_selection_reference(q, key_cache, bounds, block_table, seq_lens_cpu, betas, self.scale,
+                                           sink, local)
+            result = masked_decode_reference(value_cache, block_table, seq_lens_cpu, sel.logits, sel.attended)
+            counters = DIPRCounters(
+                torch.stack([read.sum(-1, dtype=torch.int32) for read in sel.blocks_read]),
+                (seq_lens_cpu + self.block_size - 1) // self.block_size,
+                torch.stack([att.sum(-1, dtype=torch.int32) for att in sel.attended]),
+                seq_lens_cpu.clone())
+            if sampled:
+                self.figures.add_recovery(layer, torch.stack([recovery_ratio(lg, at)
+                                                              for lg, at in zip(sel.logits, sel.attended)]))
+        out.index_copy_(0, rows, result.to(out.dtype))
+        self.figures.add(layer, counters)
+
+    def _count_dense(self, layer: int, seq_len: int) -> None:
+        from kvreuse.kernels.dipr_decode import DIPRCounters
+
+        blocks = -(-seq_len // self.block_size)
+        self.figures.add(layer, DIPRCounters(
+            torch.full((1, self.num_kv_heads), blocks, dtype=torch.int32), torch.tensor([blocks], dtype=torch.int32),
+            torch.full((1, self.num_q_heads), seq_len, dtype=torch.int32), torch.tensor([seq_len], dtype=torch.int32)))

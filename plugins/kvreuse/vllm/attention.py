@@ -1,0 +1,205 @@
+"""vLLM attention backend of the ``sparse`` plugin: dense causal prefill, DIPR decode, over vLLM's plain layout.
+
+Selected on a GPU with vLLM's own flag ``--attention-backend CUSTOM`` (``register()`` registers this class as
+``AttentionBackendEnum.CUSTOM``). vLLM's CPU platform ignores ``--attention-backend`` and always picks CPU_ATTN, so
+on CPU the backend is opt-in through ``KVREUSE_SPARSE_CPU_BACKEND=1``, with which ``register()`` puts it in place
+of CPU_ATTN in that process (and in vLLM's workers, which inherit the variable).
+
+The classes here are thin: the cache write, the bounds and the attention live in ``kvreuse.sparse.paged``.
+Settings come from ``--additional-config '{"kvreuse": {"sparse": {...}}}'`` or ``KVREUSE_SPARSE_*``. The attended
+fractions per layer are logged (logger ``vllm.plugins.kvreuse``) every ``LOG_EVERY_STEPS`` engine steps and at
+shutdown, and read in the worker process with ``sparse_figures()`` (e.g. through ``LLM.collective_rpc``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder, AttentionType,
+                                       CommonAttentionMetadata, MultipleOf)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from kvreuse.errors import ConfigError
+from kvreuse.sparse.config import SparseConfig
+from kvreuse.sparse.paged import PagedBatch, SparseAttention
+from kvreuse.vllm.registration import SPARSE_CPU_SWITCH
+from kvreuse.vllm.settings import kvreuse_flags
+
+logger = logging.getLogger("vllm.plugins.kvreuse")
+
+LOG_EVERY_STEPS = 1000  # engine steps between two log lines of the figures
+
+# One per worker process and model shape (all layers share it, so the figures are per process).
+_ATTENTION: SparseAttention | None = None
+_OWNER: VllmConfig | None = None
+
+
+def sparse_attention() -> SparseAttention | None:
+    """This process's ``SparseAttention`` (``None`` until the backend's first layer is built)."""
+    return _ATTENTION
+
+
+def sparse_figures() -> list[dict]:
+    """Rows of the attended fractions per layer in this process (``AttendedFractions.rows``)."""
+    return [] if _ATTENTION is None else _ATTENTION.figures.rows()
+
+
+def reset_sparse_figures() -> None:
+    if _ATTENTION is not None:
+        from kvreuse.sparse.figures import AttendedFractions
+
+        _ATTENTION.figures = AttendedFractions()
+
+
+def configure_sparse(flags: dict) -> SparseConfig:
+    """Replace this process's sparse settings between steps (``flags`` as in ``additional_config``)."""
+    config = SparseConfig.load(flags)
+    if _ATTENTION is None:
+        raise ConfigError("the kvreuse sparse attention backend is not running in this process")
+    _ATTENTION.configure(config)
+    return config
+
+
+@atexit.register
+def log_sparse_figures() -> None:
+    for row in sparse_figures():
+        recovery = "" if not row["samples"] else (
+            f", kept {row['recovery_mean']:.4f} of the attention mass (min {row['recovery_min']:.4f}, "
+            f"{row['samples']} samples)")
+        logger.info("kvreuse sparse: layer %d attended %.3f of blocks, %.3f of tokens%s", row["layer"],
+                    row["block_fraction"] or 0.0, row["token_fraction"] or 0.0, recovery)
+
+
+def _shared_attention(num_heads: int, num_kv_heads: int, head_size: int, scale: float) -> SparseAttention:
+    """The process's ``SparseAttention``, built by the first layer of each engine (an in-process engine started
+    after another gets its own settings and figures)."""
+    global _ATTENTION, _OWNER
+    vllm_config = get_current_vllm_config()
+    if _ATTENTION is None or _OWNER is not vllm_config:
+        config = SparseConfig.load(kvreuse_flags(vllm_config.additional_config, "sparse"))
+        block_size = vllm_config.cache_config.block_size
+        _ATTENTION = SparseAttention(num_heads, num_kv_heads, head_size, block_size, scale, config)
+        _OWNER = vllm_config
+        logger.info("kvreuse sparse attention: %s", config)
+    return _ATTENTION
+
+
+class SparseAttentionBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        # vLLM looks the name up in AttentionBackendEnum; CUSTOM is the member this class is registered under.
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type["SparseAttentionImpl"]:
+        return SparseAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["SparseAttentionMetadataBuilder"]:
+        return SparseAttentionMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # Block, token, head, channel: the per-layer view [B, H, N, 2D] transposed is [B, N, H, 2D], whose key and
+        # value halves are the kernels' key_cache/value_cache[num_blocks, block_size, num_kv_heads, head_dim].
+        return (KVCacheLayout.LBNHC,)
+
+
+@dataclass
+class SparseAttentionMetadata:
+    batch: PagedBatch
+
+
+class SparseAttentionMetadataBuilder(AttentionMetadataBuilder[SparseAttentionMetadata]):
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> SparseAttentionMetadata:
+        m = common_attn_metadata
+        return SparseAttentionMetadata(PagedBatch(
+            query_start_loc=m.query_start_loc[: m.num_reqs + 1],
+            query_start_loc_cpu=m.query_start_loc_cpu[: m.num_reqs + 1],
+            seq_lens=m.seq_lens[: m.num_reqs], seq_lens_cpu=m.seq_lens[: m.num_reqs].cpu(),
+            block_table=m.block_table_tensor[: m.num_reqs], slot_mapping=m.slot_mapping,
+            num_actual_tokens=m.num_actual_tokens, max_seq_len=m.max_seq_len))
+
+
+class SparseAttentionImpl(AttentionImpl[SparseAttentionMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 **unsupported) -> None:
+        problems = [name for name, given in (
+            ("ALiBi", alibi_slopes is not None), ("sliding window", sliding_window is not None),
+            ("logits soft cap", bool(logits_soft_cap)),
+            (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
+            (f"kv_cache_dtype {kv_cache_dtype}", kv_cache_dtype != "auto"),
+            ("KV cache sharing between layers (the bounds are per layer)", kv_sharing_target_layer_name is not None),
+            ("attention sinks", unsupported.get("sinks") is not None)) if given]
+        if problems:
+            raise ConfigError(f"the kvreuse sparse attention backend does not support {', '.join(problems)}; "
+                              f"unset {SPARSE_CPU_SWITCH} / --attention-backend CUSTOM for this model")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.attn_type = attn_type
+        self.attention = _shared_attention(num_heads, self.num_kv_heads, head_size, scale)
+        self._bounds: torch.Tensor | None = None
+        self._layer: int | None = None
+        self._steps = 0
+
+    def _caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # [blocks, heads, tokens, K|V] logical view of an LBNHC cache -> [blocks, tokens, heads, head_size] each.
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        self.attention.block_size = key_cache.shape[1]  # the kernel block size vLLM chose (a multiple of 16)
+        if self._bounds is None or self._bounds.shape[0] != key_cache.shape[0] or \
+                self._bounds.device != key_cache.device:
+            self._bounds = self.attention.allocate_bounds(key_cache.shape[0], key_cache.dtype, key_cache.device)
+        return key_cache, value_cache, self._bounds
+
+    def _layer_index(self, layer) -> int:
+        if self._layer is None:
+            self._layer = extract_layer_index(layer.layer_name)
+        return self._layer
+
+    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        key_cache, value_cache, bounds = self._caches(kv_cache)
+        self.attention.write(key, value, key_cache, value_cache, bounds, slot_mapping)
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: SparseAttentionMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by the kvreuse sparse backend")
+        if attn_metadata is None:  # profiling run
+            return output.fill_(0)
+        batch = attn_metadata.batch
+        n = batch.num_actual_tokens
+        key_cache, value_cache, bounds = self._caches(kv_cache)
+        layer_index = self._layer_index(layer)
+        self.attention.attend(layer_index, query[:n], key_cache, value_cache, bounds, batch, output[:n])
+        if layer_index == 0:  # one engine step per call of the first layer
+            self._steps += 1
+            if self._steps % LOG_EVERY_STEPS == 0:
+                log_sparse_figures()
+        return output

@@ -1,0 +1,191 @@
+"""The sparse attention backend's pieces without an engine (``kvreuse.sparse.paged``), on vLLM's plain layout.
+
+Shapes are the small test model's: head_dim 64, 4 query heads on 2 KV heads, block size 32; a shuffled block pool;
+two requests prefilled (300 and 45 tokens) and then decoded token by token, as vLLM's batches carry them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvreuse.kernels.block_bounds import merge_written_keys_reference, recompute_bounds_reference
+from kvreuse.kernels.dipr_decode import dense_decode_reference, dipr_selection_reference, masked_decode_reference
+from kvreuse.sparse.config import SparseConfig
+from kvreuse.sparse.paged import PagedBatch, SparseAttention, causal_attention, merge_bounds, write_paged_kv
+
+BLOCK, KV_HEADS, Q_HEADS, DIM, POOL = 32, 2, 4, 64, 40
+SCALE = DIM ** -0.5
+PROMPTS = [300, 45]
+
+
+class Engine:
+    """A stand-in for vLLM's model runner: a block pool, block tables, slot mappings and batches."""
+
+    def __init__(self, config: SparseConfig, seed: int = 0, peaked: bool = False):
+        self.g = torch.Generator().manual_seed(seed)
+        self.attention = SparseAttention(Q_HEADS, KV_HEADS, DIM, BLOCK, SCALE, config)
+        # One tensor like vLLM's LBNHC layer view: [blocks, tokens, heads, K|V].
+        kv = torch.zeros(POOL, BLOCK, KV_HEADS, 2 * DIM)
+        self.key_cache, self.value_cache = kv.split(DIM, dim=-1)
+        self.bounds = self.attention.allocate_bounds(POOL, torch.float32, "cpu")
+        self.order = torch.randperm(POOL, generator=self.g).to(torch.int32)
+        self.table = torch.zeros(len(PROMPTS), 16, dtype=torch.int32)
+        self.lens = [0] * len(PROMPTS)
+        self.used = 0
+        self.peaked = peaked
+        self.direction = torch.randn(KV_HEADS, DIM, generator=self.g)
+
+    def _slot(self, req: int, pos: int) -> int:
+        if pos % BLOCK == 0:
+            self.table[req, pos // BLOCK] = self.order[self.used]
+            self.used += 1
+        return int(self.table[req, pos // BLOCK]) * BLOCK + pos % BLOCK
+
+    def keys(self, n: int, start: int) -> torch.Tensor:
+        k = torch.randn(n, KV_HEADS, DIM, generator=self.g)
+        if self.peaked:  # small noise, with strong keys at positions 0 and 200 (the heavy hitters DIPR must keep)
+            k *= 0.05
+            for pos in (0, 200):
+                if start <= pos < start + n:
+                    k[pos - start] = self.direction
+        return k
+
+    def step(self, new_tokens: list[int]):
+        """Write one step's keys and values; return (query, key, value, batch)."""
+        slots, keys = [], []
+        for req, n in enumerate(new_tokens):
+            slots += [self._slot(req, self.lens[req] + i) for i in range(n)]
+            keys.append(self.keys(n, self.lens[req]))
+            self.lens[req] += n
+        total = sum(new_tokens)
+        key = torch.cat(keys)
+        value = torch.randn(total, KV_HEADS, DIM, generator=self.g)
+        query = torch.randn(total, Q_HEADS, DIM, generator=self.g)
+        if self.peaked:
+            query = 4 * self.direction.repeat_interleave(Q_HEADS // KV_HEADS, 0)[None] + 0.1 * query
+        starts = torch.tensor([0] + new_tokens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        lens = torch.tensor(self.lens, dtype=torch.int32)
+        batch = PagedBatch(starts, starts, lens, lens, self.table.clone(), torch.tensor(slots, dtype=torch.int64),
+                           total, max(self.lens))
+        self.attention.write(key, value, self.key_cache, self.value_cache, self.bounds, batch.slot_mapping)
+        return query, key, value, batch
+
+    def attend(self, layer: int, query: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        out = torch.empty_like(query)
+        return self.attention.attend(layer, query, self.key_cache, self.value_cache, self.bounds, batch, out)
+
+
+def sparse(beta: float, **settings) -> SparseConfig:
+    return SparseConfig(**{"beta": beta, "min_context": 0, "dense_layers": 0, "sink": 16, "local": 64, **settings})
+
+
+def test_cache_write_stores_each_token_at_its_slot_in_the_plain_layout():
+    engine = Engine(sparse(float("inf")))
+    _, key, value, batch = engine.step(PROMPTS)
+    for t, slot in enumerate(batch.slot_mapping.tolist()):
+        assert torch.equal(engine.key_cache[slot // BLOCK, slot % BLOCK], key[t])
+        assert torch.equal(engine.value_cache[slot // BLOCK, slot % BLOCK], value[t])
+
+
+def test_cache_write_skips_padding_slots():
+    cache = torch.zeros(2, 4, 1, 2), torch.zeros(2, 4, 1, 2)
+    key = torch.ones(3, 1, 2)
+    write_paged_kv(key, 2 * key, *cache, torch.tensor([5, -1, 6]))
+    assert int((cache[0] != 0).any(-1).sum()) == 2 and torch.equal(cache[1][1, 2, 0], torch.tensor([2.0, 2.0]))
+
+
+def test_bounds_stay_equal_to_bounds_recomputed_from_the_cache_after_prefill_and_every_decode():
+    engine = Engine(sparse(6.0))
+    expected = engine.attention.allocate_bounds(POOL, torch.float32, "cpu")
+    for new_tokens in (PROMPTS, [1, 1], [1, 1], *([[1, 1]] * 40)):  # request 1 crosses block boundaries
+        *_, batch = engine.step(new_tokens)
+        merge_written_keys_reference(expected, engine.key_cache, batch.slot_mapping)
+        assert torch.equal(engine.bounds, expected)
+    filled = torch.tensor([min(BLOCK, max(0, n - i * BLOCK)) for n in engine.lens for i in range(16)])
+    blocks = engine.table.flatten().long()
+    used = filled > 0
+    assert torch.equal(engine.bounds[blocks[used]],
+                       recompute_bounds_reference(engine.key_cache, blocks[used], filled[used]))
+
+
+def test_a_reused_block_forgets_its_previous_owners_keys():
+    bounds = SparseAttention(1, 1, 2, 4, 1.0).allocate_bounds(1, torch.float32, "cpu")
+    merge_bounds(bounds, torch.tensor([[[100.0, -100.0]]]), torch.tensor([0]), 4)
+    merge_bounds(bounds, torch.tensor([[[1.0, 2.0]], [[3.0, 0.0]]]), torch.tensor([0, 1]), 4)
+    assert bounds[0, 0].tolist() == [[3.0, 2.0], [1.0, 0.0]]
+
+
+def test_prefill_is_dense_and_causal():
+    engine = Engine(sparse(1.0))
+    query, key, value, batch = engine.step(PROMPTS)
+    out = engine.attend(1, query, batch)
+    for req, (first, last) in enumerate(zip(batch.query_start_loc.tolist(), batch.query_start_loc.tolist()[1:])):
+        q = query[first:last].transpose(0, 1)
+        k = key[first:last].transpose(0, 1).repeat_interleave(2, 0)
+        v = value[first:last].transpose(0, 1).repeat_interleave(2, 0)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE)
+        torch.testing.assert_close(out[first:last], expected.transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_at_beta_inf_equals_the_dense_reference():
+    engine = Engine(sparse(float("inf")))
+    engine.step(PROMPTS)
+    for _ in range(3):
+        query, _, _, batch = engine.step([1, 1])
+        out = engine.attend(1, query, batch)
+        expected = dense_decode_reference(query, engine.key_cache, engine.value_cache, batch.block_table,
+                                          batch.seq_lens, SCALE)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    rows = engine.attention.figures.rows()
+    assert rows[0]["block_fraction"] == 1.0 and rows[0]["token_fraction"] == 1.0
+
+
+def test_finite_beta_attends_a_superset_of_the_exact_dipr_set_and_reads_fewer_blocks():
+    engine = Engine(sparse(4.0, sink=4, local=8), peaked=True)
+    engine.step(PROMPTS)
+    query, _, _, batch = engine.step([1, 1])
+    out = engine.attend(1, query, batch)
+    sel = dipr_selection_reference(query, engine.key_cache, engine.bounds, batch.block_table, batch.seq_lens, 4.0,
+                                   SCALE, 4, 8)
+    for attended, exact in zip(sel.attended, sel.exact):
+        assert bool((attended | ~exact).all()), "a token of the exact DIPR set was not attended"
+    torch.testing.assert_close(out, masked_decode_reference(engine.value_cache, batch.block_table, batch.seq_lens,
+                                                            sel.logits, sel.attended), atol=1e-5, rtol=1e-5)
+    row = engine.attention.figures.rows()[0]
+    # 301 tokens = 10 blocks: the sink block, the local block and block 6 (position 200) are read, 7 are not.
+    assert row["block_fraction"] < 0.5 and row["token_fraction"] < 0.1
+
+
+@pytest.mark.parametrize("settings", [{"dense_layers": 2}, {"min_context": 1000}])
+def test_dense_layers_and_short_contexts_decode_densely(settings):
+    engine = Engine(sparse(0.5, **settings), peaked=True)
+    engine.step(PROMPTS)
+    query, _, _, batch = engine.step([1, 1])
+    out = engine.attend(1, query, batch)
+    expected = dense_decode_reference(query, engine.key_cache, engine.value_cache, batch.block_table,
+                                      batch.seq_lens, SCALE)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert engine.attention.figures.rows()[0]["block_fraction"] == 1.0
+
+
+def test_causal_attention_of_one_token_is_decode_attention():
+    engine = Engine(sparse(float("inf")))
+    engine.step(PROMPTS)
+    query, _, _, batch = engine.step([1, 1])
+    out = torch.cat([causal_attention(query[r:r + 1], engine.key_cache, engine.value_cache, batch.block_table,
+                                      engine.lens[r], r, SCALE) for r in range(2)])
+    expected = dense_decode_reference(query, engine.key_cache, engine.value_cache, batch.block_table,
+                                      batch.seq_lens, SCALE)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_sample_recovery_measures_the_kept_attention_mass_every_nth_dipr_decode():
+    engine = Engine(sparse(4.0, sink=4, local=8, sample_recovery=2), peaked=True)
+    engine.step(PROMPTS)
+    for _ in range(3):  # DIPR decodes 0, 1, 2 of the layer: 0 and 2 are sampled, 2 sequences x 4 heads each
+        query, _, _, batch = engine.step([1, 1])
+        engine.attend(1, query, batch)
+    row = engine.attention.figures.rows()[0]
+    assert row["samples"] == 2 * 2 * Q_HEADS
+    assert 0.99 < row["recovery_min"] <= row["recovery_mean"] <= 1.0
