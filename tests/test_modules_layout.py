@@ -68,15 +68,8 @@ def test_resolution_errors_name_the_problem_at_the_tag(prompt, problem):
     assert problem in str(info.value) and info.value.line >= 1 and info.value.column >= 1
 
 
-def test_layout_with_the_local_byte_level_bpe_tokenizer():
-    from pathlib import Path
-
-    model = Path(__file__).resolve().parents[1] / "build/models/small"
-    if not (model / "tokenizer.json").exists():
-        pytest.skip("the local model is not built (python -m kvreuse.localmodel)")
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+def test_layout_with_the_local_byte_level_bpe_tokenizer(local_tokenizer):
+    tok = local_tokenizer
     encode = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
     layout = layout_schema(SCHEMA, encode)
     doc = layout.modules["doc-a"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sqlite3
-from pathlib import Path
 
 import pytest
 
@@ -95,15 +94,9 @@ def test_duckdb_catalog_gives_columns_and_keys():
     assert schema.encoding_order() == ["singer", "concert", "singer_in_concert"]
 
 
-MODEL = Path(__file__).resolve().parents[1] / "build/models/small/tokenizer.json"
-
-
 @needs_spider
-@pytest.mark.skipif(not MODEL.exists(), reason="the local model is not built (python -m kvreuse.localmodel)")
-def test_tables_listed_in_any_order_are_found_as_modules_in_the_prompt_tokens():
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(MODEL))
+def test_tables_listed_in_any_order_are_found_as_modules_in_the_prompt_tokens(local_tokenizer):
+    tok = local_tokenizer
     encode = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
     farm = spider_schema(SPIDER, "farm")
     trie = ModuleTrie((name, encode(ddl)) for name, ddl in farm.modules())

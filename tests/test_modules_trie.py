@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -32,27 +31,17 @@ def test_registration_refuses_empty_and_conflicting_modules():
     assert len(trie) == 1 and "a" in trie
 
 
-def test_scan_of_a_long_prompt_is_fast():
-    import time
-
+def test_a_long_prompt_among_many_modules_yields_its_one_match():
     trie = ModuleTrie((f"m{k}", list(range(k * 100, k * 100 + 50))) for k in range(200))
     prompt = [7] * 100_000 + list(range(500, 550)) + [3] * 100_000
-    start = time.perf_counter()
     assert trie.find(prompt) == [ModuleMatch("m5", 100_000, 100_050)]
-    assert time.perf_counter() - start < 2.0  # ~0.05 s: one dict look-up per token
 
 
-MODEL = Path(__file__).resolve().parents[1] / "build/models/small/tokenizer.json"
-
-
-@pytest.mark.skipif(not MODEL.exists(), reason="the local model is not built (python -m kvreuse.localmodel)")
 @pytest.mark.parametrize(("before", "after"), [("", "Question: how many singers?"),
                                                ("Database concert_singer.\n", "Question: how many?"),
                                                ("Tables:\n", ""), ("x\n", "CREATE TABLE b (x int)\n")])
-def test_a_module_has_the_same_tokens_alone_and_inside_a_prompt(before, after):
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(MODEL))
+def test_a_module_has_the_same_tokens_alone_and_inside_a_prompt(before, after, local_tokenizer):
+    tok = local_tokenizer
     encode = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
     module = module_text("  CREATE TABLE singer (Singer_ID int, Name text, PRIMARY KEY (Singer_ID))  ")
     ids = encode(module)
