@@ -1,0 +1,171 @@
+"""DIPR decode against dense decode on a GPU: time, bytes read, and the memory-bandwidth floor.
+
+For each context (4K-128K tokens) and batch (1-64 sequences), one decode step per layer-shaped call: the keys are
+the structured synthetic keys of ``sparse_bytes.py`` (rows sharing a centre, outlier channels, an attention sink;
+fp16, ``head_dim`` 128, 4 KV heads x 4 query heads), each sequence in its own paged blocks (vLLM's layout,
+block size 16). Arms:
+
+- ``dense``: FlashAttention through PyTorch (``scaled_dot_product_attention`` with GQA) on contiguous K/V, which
+  favours dense (no paging);
+- ``dipr beta=B``: ``kvreuse.kernels.dipr_decode.DIPRDecode`` with its block bounds, for each beta.
+
+Reported per arm: median time of 20 launches (CUDA events, after 3 warm-ups), the fraction of blocks read (the
+kernel's own counters), bytes read (K and V of the blocks read, the bounds, the window), and the floor = those
+bytes / the device's measured copy bandwidth. The issue's target: at 32K and more with at most 10% of blocks
+kept, DIPR at least 3x faster than dense and within 2x of its floor.
+
+Run on a GPU: ``.venv/bin/python benchmarks/sparse_decode_gpu.py`` (writes ``results/sparse_decode_gpu.json``
+and ``.png``). ``--smoke`` runs tiny sizes on the CPU in Triton's interpreter to check the script itself; its
+times mean nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
+
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from kvreuse.kernels.block_bounds import BlockBounds  # noqa: E402
+from kvreuse.kernels.dipr_decode import DIPRDecode  # noqa: E402
+from sparse_bytes import DIM, GROUP, KV_HEADS, LOCAL, SINK, synthetic_step  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BLOCK = 16
+CONTEXTS = [256] if SMOKE else [4096, 16384, 32768, 65536, 131072]
+BATCHES = [1, 2] if SMOKE else [1, 8, 64]
+BETAS = [4.0] if SMOKE else [2.0, 4.0, 6.0]
+MAX_TOKENS = 1 << 20 if SMOKE else 8 << 20  # K/V of at most this many tokens in memory (8M tokens ~ 16 GiB fp16)
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after 3 warm-ups (CUDA events on a GPU)."""
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a large device copy (read + write), the practical floor for a memory-bound kernel."""
+    src = torch.empty(1 << 28 if device.type == "cuda" else 1 << 22, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / timed(lambda: dst.copy_(src), device, 10)
+
+
+def paged_batch(context: int, batch: int, device: torch.device, dtype: torch.dtype):
+    """Query, paged K/V caches (one run of blocks per sequence), block table, lengths, and contiguous K/V."""
+    query, keys = synthetic_step(context, seed=context)
+    values = torch.randn(context, KV_HEADS, DIM, generator=torch.Generator().manual_seed(1))
+    blocks_per_seq = -(-context // BLOCK)
+    pad = blocks_per_seq * BLOCK - context
+
+    def paged(x: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([x, x.new_zeros(pad, KV_HEADS, DIM)]).to(device=device, dtype=dtype)
+        return x.view(blocks_per_seq, BLOCK, KV_HEADS, DIM).repeat(batch, 1, 1, 1)  # distinct memory per sequence
+
+    key_cache, value_cache = paged(keys), paged(values)
+    table = torch.arange(batch * blocks_per_seq, dtype=torch.int32, device=device).view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = query.expand(batch, -1, -1).to(device=device, dtype=dtype).contiguous()
+    k = keys.to(device=device, dtype=dtype).transpose(0, 1).expand(batch, -1, -1, -1).contiguous()
+    v = values.to(device=device, dtype=dtype).transpose(0, 1).expand(batch, -1, -1, -1).contiguous()
+    return q, key_cache, value_cache, table, seq_lens, k, v
+
+
+def main() -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not SMOKE:
+        sys.exit("no GPU: run with --smoke to check the script in Triton's interpreter")
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    element = torch.finfo(dtype).bits // 8
+    bandwidth = copy_bandwidth(device)
+    repeats = 2 if SMOKE else 20
+    rows = []
+    for context in CONTEXTS:
+        for batch in BATCHES:
+            if context * batch > MAX_TOKENS:
+                continue
+            q, key_cache, value_cache, table, seq_lens, k, v = paged_batch(context, batch, device, dtype)
+            bounder = BlockBounds(BLOCK, KV_HEADS, DIM)
+            bounds = bounder.allocate(key_cache.shape[0], dtype, device)
+            blocks = torch.arange(key_cache.shape[0], device=device)
+            bounder.recompute(key_cache, bounds, blocks, torch.full_like(blocks, BLOCK))
+            dense_s = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, None], k, v, enable_gqa=True), device, repeats)
+            dense_bytes = 2 * batch * context * KV_HEADS * DIM * element
+            rows.append(dict(context=context, batch=batch, arm="dense", seconds=dense_s, blocks_read=1.0,
+                             bytes=dense_bytes, floor_s=dense_bytes / bandwidth))
+            decode = DIPRDecode(KV_HEADS * GROUP, KV_HEADS, DIM, BLOCK, sink=SINK, local=LOCAL)
+            decode.plan(seq_lens, table, max_seq_len=context)
+            for beta in BETAS:
+                _, counters = decode.run(q, key_cache, value_cache, bounds, beta, return_counters=True)
+                read = int(counters.blocks_read.sum())  # (sequence, KV head) blocks whose K and V were loaded
+                total = int(counters.blocks_total.sum()) * KV_HEADS  # each has bounds of 2 x DIM values
+                window_tokens = batch * KV_HEADS * min(SINK + LOCAL, context)  # keys read again by the window pass
+                dipr_bytes = (2 * read * BLOCK + 2 * total + window_tokens) * DIM * element
+                seconds = timed(lambda: decode.run(q, key_cache, value_cache, bounds, beta), device, repeats)
+                rows.append(dict(context=context, batch=batch, arm=f"dipr beta={beta:g}", seconds=seconds,
+                                 blocks_read=read / total, bytes=dipr_bytes, floor_s=dipr_bytes / bandwidth,
+                                 speedup_vs_dense=dense_s / seconds))
+            del q, key_cache, value_cache, k, v, bounds
+    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (smoke)'}, "
+          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    print(f"{'context':>8} {'batch':>5} {'arm':>14} {'time us':>10} {'blocks':>7} {'MB read':>9} "
+          f"{'x floor':>8} {'vs dense':>9}")
+    for r in rows:
+        print(f"{r['context']:>8} {r['batch']:>5} {r['arm']:>14} {r['seconds'] * 1e6:>10.1f} {r['blocks_read']:>7.1%} "
+              f"{r['bytes'] / 1e6:>9.1f} {r['seconds'] / r['floor_s']:>8.2f} "
+              f"{r.get('speedup_vs_dense', 1.0):>8.2f}x")
+    name = "sparse_decode_smoke" if SMOKE else "sparse_decode_gpu"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=2))
+    plot(rows, RESULTS / f"{name}.png")
+    print(f"wrote {RESULTS / (name + '.json')} and {RESULTS / (name + '.png')}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for batch in sorted({r["batch"] for r in rows}):
+        for arm in sorted({r["arm"] for r in rows if r["arm"] != "dense"}):
+            points = [(r["context"], r["speedup_vs_dense"]) for r in rows if r["batch"] == batch and r["arm"] == arm]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=f"{arm}, batch {batch}")
+    ax.set_xscale("log", base=2)
+    ax.axhline(3.0, color="grey", linestyle="--", label="target 3x")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("speed-up over dense decode")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
