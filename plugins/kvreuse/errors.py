@@ -60,3 +60,11 @@ class UnknownTable(KVReuseError, LookupError):
 
 class ModuleRegistrationError(KVReuseError, ValueError):
     """A module cannot be registered: empty, or the same token ids as another module under another name."""
+
+
+class ModuleMismatch(ModuleRegistrationError):
+    """A module was encoded for another model or tokenizer than the store serves, or its key does not match it."""
+
+
+class ModuleTooLarge(KVReuseError, ValueError):
+    """A module is larger than the capacity of every tier of the store."""

@@ -1,0 +1,498 @@
+"""Tiered store of encoded prompt modules (engine-free): GPU, host memory and disk, with eviction and prefetch.
+
+An :class:`EncodedModule` is a module's KV cache for every layer, one tensor ``kv`` of shape
+``[layers, 2, tokens, kv_heads, head_dim]`` (index 0 of the second axis holds keys, 1 values). Keys are kept as
+encoded at the module's reference position ``start``; a splice at position ``p`` re-rotates them by
+``p - start`` (:mod:`kvreuse.kernels.rerotate`), values carry no position.
+
+A module is identified by a :class:`ModuleKey`: its name and a fingerprint of the model id, the tokenizer id and
+its token ids. A store serves one model and tokenizer; a module encoded for another is refused with
+:class:`ModuleMismatch`.
+
+Tiers, fastest first: ``gpu`` (tensors on ``ModulesConfig.gpu_device``; on a machine without CUDA that device
+falls back to ``cpu``, so the tier logic runs and is tested anywhere), ``cpu`` (host tensors, pinned when
+``pin_cpu_memory`` and CUDA is available) and ``disk`` (one safetensors file per module, written to a temporary
+file and renamed into place, in ``disk_dir`` or a temporary folder). A tier of capacity 0 is off. The disk tier is
+a cache of this process, not a persistent store: files are deleted when their module leaves it and on
+:meth:`ModuleStore.close`, and files found in ``disk_dir`` at start are not read. Invariants, after every public call:
+
+* each module lives in exactly one tier;
+* the bytes of the modules in a tier (``EncodedModule.nbytes``; file headers not counted) never exceed the
+  tier's capacity;
+* a module is never returned with KV other than what was put: a disk file that is missing, unreadable, or whose
+  contents differ from the checksum taken when it was written is a load failure; :meth:`ModuleStore.get` then
+  returns ``None`` (the caller recomputes) and forgets the module.
+
+A put goes to the fastest tier that can hold the module; a full tier moves its victims (chosen by the eviction
+policy: ``lru``, ``lfu`` or ``fifo``) one tier down, and the last tier drops them. A get that finds the module in
+a slower tier promotes it to the fastest tier that can hold it. The store owns the tensors it is given and those
+it returns: callers must not write to them. All public methods take one lock, so a background prefetch thread
+and the engine's thread can share the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+from collections import Counter
+from collections.abc import Collection, Hashable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvreuse.errors import ConfigError, ModuleMismatch, ModuleRegistrationError, ModuleTooLarge
+from kvreuse.modules.config import ModulesConfig
+from kvreuse.reorder.rerank import rerank_by_module_sets
+
+TIERS = ("gpu", "cpu", "disk")
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def module_fingerprint(model_id: str, tokenizer_id: str, token_ids: Sequence[int]) -> str:
+    """Hex digest identifying what a module's KV depends on: the model, the tokenizer and the token ids."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps([str(model_id), str(tokenizer_id), [int(t) for t in token_ids]]).encode())
+    return digest.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class ModuleKey:
+    """How the store finds a module: its registered name and :func:`module_fingerprint`."""
+
+    name: Hashable
+    fingerprint: str
+
+
+@dataclass
+class EncodedModule:
+    """One module's KV cache for every layer, keys as encoded at token position ``start``.
+
+    ``kv``: ``[layers, 2, tokens, kv_heads, head_dim]``, fp16, bf16 or fp32; ``kv[layer, 0]`` are keys,
+    ``kv[layer, 1]`` values; ``tokens == len(token_ids)``.
+    """
+
+    name: Hashable
+    model_id: str
+    tokenizer_id: str
+    token_ids: tuple[int, ...]
+    start: int
+    kv: torch.Tensor
+    key: ModuleKey = field(init=False)
+
+    def __post_init__(self):
+        self.token_ids = tuple(int(t) for t in self.token_ids)
+        if not self.token_ids:
+            raise ModuleRegistrationError(f"module {self.name!r} has no tokens")
+        if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0:
+            raise ModuleRegistrationError(f"module {self.name!r}: start must be a position >= 0, got {self.start!r}")
+        kv = self.kv
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2:
+            shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
+            raise ModuleRegistrationError(
+                f"module {self.name!r}: kv must be [layers, 2, tokens, kv_heads, head_dim], got {shape}")
+        if kv.shape[2] != len(self.token_ids):
+            raise ModuleRegistrationError(
+                f"module {self.name!r}: kv holds {kv.shape[2]} tokens but token_ids has {len(self.token_ids)}")
+        if kv.dtype not in SUPPORTED_DTYPES:
+            raise ModuleRegistrationError(f"module {self.name!r}: kv dtype {kv.dtype} is not fp16, bf16 or fp32")
+        self.key = ModuleKey(self.name, module_fingerprint(self.model_id, self.tokenizer_id, self.token_ids))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv.shape[0]
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """``[tokens, kv_heads, head_dim]`` keys of ``layer``, at positions ``start, start + 1, ...``."""
+        return self.kv[layer, 0]
+
+    def values(self, layer: int) -> torch.Tensor:
+        """``[tokens, kv_heads, head_dim]`` values of ``layer``."""
+        return self.kv[layer, 1]
+
+
+@dataclass
+class StoreFigures:
+    """Counters of a :class:`ModuleStore` since it was made (or since :meth:`ModuleStore.reset_figures`).
+
+    ``hits[tier]``: gets answered from that tier; ``misses``: gets of unknown modules (load failures not
+    included); ``moves["cpu->gpu"]`` and ``bytes_moved["cpu->gpu"]``: modules and bytes moved between tiers
+    (promotions and demotions); ``evictions[tier]``: modules moved out of a tier to make room (demoted or, from
+    the last tier, dropped); ``drops``: modules that left the store to make room; ``load_failures``: disk files
+    that were missing, unreadable or corrupt; ``prefetched``: promotions made by :meth:`ModuleStore.prefetch`.
+    """
+
+    hits: Counter = field(default_factory=Counter)
+    misses: int = 0
+    moves: Counter = field(default_factory=Counter)
+    bytes_moved: Counter = field(default_factory=Counter)
+    evictions: Counter = field(default_factory=Counter)
+    drops: int = 0
+    load_failures: int = 0
+    prefetched: int = 0
+
+    def promotions(self, into: str = "gpu") -> int:
+        """Modules moved up into tier ``into`` (from any slower tier)."""
+        order = TIERS.index(into)
+        return sum(n for move, n in self.moves.items()
+                   if move.endswith(f"->{into}") and TIERS.index(move.split("->")[0]) > order)
+
+
+@dataclass
+class _Entry:
+    nbytes: int
+    entered: int  # tick at which the module entered this tier (fifo)
+    module: EncodedModule | None = None  # memory tiers
+    path: Path | None = None  # disk tier
+    checksum: str = ""
+    meta: dict | None = None  # disk tier: what is needed to rebuild the EncodedModule
+
+
+@dataclass
+class _Tier:
+    name: str
+    capacity: int
+    device: torch.device | None  # None for disk
+    entries: dict[ModuleKey, _Entry] = field(default_factory=dict)
+    used: int = 0
+
+
+def _checksum(kv: torch.Tensor) -> str:
+    raw = kv.detach().contiguous().cpu().view(torch.uint8).numpy()
+    return hashlib.blake2b(memoryview(raw), digest_size=16).hexdigest()
+
+
+class ModuleStore:
+    """Encoded modules of one model and tokenizer, in tiers ``gpu`` -> ``cpu`` -> ``disk`` (see the module doc)."""
+
+    def __init__(self, config: ModulesConfig, *, model_id: str, tokenizer_id: str):
+        if not (config.gpu_bytes or config.cpu_bytes or config.disk_bytes):
+            raise ConfigError("modules: gpu_bytes, cpu_bytes and disk_bytes are all 0; give at least one tier a size")
+        self.config, self.model_id, self.tokenizer_id = config, str(model_id), str(tokenizer_id)
+        gpu = torch.device(config.gpu_device)
+        if gpu.type == "cuda" and not torch.cuda.is_available():
+            gpu = torch.device("cpu")
+        self._pin = config.pin_cpu_memory and torch.cuda.is_available()
+        self._owns_dir = False
+        self._dir: Path | None = None
+        if config.disk_bytes:
+            if config.disk_dir:
+                self._dir = Path(config.disk_dir)
+                self._dir.mkdir(parents=True, exist_ok=True)
+            else:
+                self._dir, self._owns_dir = Path(tempfile.mkdtemp(prefix="kvreuse-modules-")), True
+        all_tiers = [_Tier("gpu", config.gpu_bytes, gpu), _Tier("cpu", config.cpu_bytes, torch.device("cpu")),
+                     _Tier("disk", config.disk_bytes, None)]
+        self._tiers = [tier for tier in all_tiers if tier.capacity > 0]
+        self._where: dict[ModuleKey, _Tier] = {}
+        self._uses: Counter = Counter()  # gets and puts per module (lfu)
+        self._last: dict[ModuleKey, int] = {}  # tick of the last get or put (lru)
+        self._tick = 0
+        self._lock = threading.RLock()
+        self._executor: ThreadPoolExecutor | None = None
+        self.figures = StoreFigures()
+
+    # ---------------------------------------------------------------- public
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """Names of the tiers that are on, fastest first."""
+        return tuple(tier.name for tier in self._tiers)
+
+    def key(self, name: Hashable, token_ids: Sequence[int]) -> ModuleKey:
+        """The key of module ``name`` with ``token_ids`` for this store's model and tokenizer."""
+        return ModuleKey(name, module_fingerprint(self.model_id, self.tokenizer_id, token_ids))
+
+    def put(self, module: EncodedModule) -> str:
+        """Store ``module`` (replacing one with the same key) in the fastest tier that can hold it; its tier name.
+
+        Raises :class:`ModuleMismatch` for a module of another model or tokenizer and :class:`ModuleTooLarge` for
+        one larger than every tier.
+        """
+        for what, theirs, ours in (("model", module.model_id, self.model_id),
+                                   ("tokenizer", module.tokenizer_id, self.tokenizer_id)):
+            if str(theirs) != ours:
+                raise ModuleMismatch(f"module {module.name!r} was encoded for {what} {theirs!r}, but this store "
+                                     f"serves {what} {ours!r}; re-encode it with this {what}")
+        largest = max(tier.capacity for tier in self._tiers)
+        if module.nbytes > largest:
+            raise ModuleTooLarge(
+                f"module {module.name!r} holds {module.nbytes} bytes of KV, more than any tier "
+                f"({', '.join(f'{t.name}: {t.capacity}' for t in self._tiers)}); raise modules.gpu_bytes, "
+                f"cpu_bytes or disk_bytes, or split the module")
+        with self._lock:
+            if module.key in self._where:
+                self._remove(module.key)
+            self._touch(module.key)
+            start = next(i for i, tier in enumerate(self._tiers) if tier.capacity >= module.nbytes)
+            landed = self._insert(module, start, source=None)
+            assert landed is not None  # the first tier that can hold it always takes it
+            return landed
+
+    def get(self, key: ModuleKey) -> EncodedModule | None:
+        """The module with ``key``, promoted to the fastest tier that can hold it, or ``None`` (recompute it)."""
+        with self._lock:
+            tier = self._where.get(key)
+            if tier is None:
+                self.figures.misses += 1
+                return None
+            module = self._promote(key)
+            if module is None:
+                return None
+            self.figures.hits[tier.name] += 1
+            self._touch(key)
+            return module
+
+    def __contains__(self, key: ModuleKey) -> bool:
+        with self._lock:
+            return key in self._where
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._where)
+
+    def tier_of(self, key: ModuleKey) -> str | None:
+        """Name of the tier holding ``key``, or ``None``."""
+        with self._lock:
+            tier = self._where.get(key)
+            return None if tier is None else tier.name
+
+    def used_bytes(self) -> dict[str, int]:
+        """Bytes of module KV held per tier that is on."""
+        with self._lock:
+            return {tier.name: tier.used for tier in self._tiers}
+
+    def capacities(self) -> dict[str, int]:
+        return {tier.name: tier.capacity for tier in self._tiers}
+
+    def evict(self, key: ModuleKey) -> bool:
+        """Remove ``key`` from the store (all tiers); whether it was there."""
+        with self._lock:
+            if key not in self._where:
+                return False
+            self._remove(key)
+            self._forget(key)
+            return True
+
+    def prefetch(self, keys: Iterable[ModuleKey], *, background: bool = True) -> Future:
+        """Promote the modules of the first ``prefetch_depth`` of ``keys``, in the order given, to the fastest tier.
+
+        Runs on one background thread (calls queue behind each other) unless ``background`` is false; the future
+        gives the number of modules promoted. Unknown keys are skipped; no hits or misses are counted, but a
+        prefetched module counts as just used for ``lru`` (so the next prefetched one does not push it out).
+        """
+        wanted = list(keys)[: self.config.prefetch_depth]
+        if not background:
+            done: Future = Future()
+            done.set_result(self._prefetch(wanted))
+            return done
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvreuse-prefetch")
+            return self._executor.submit(self._prefetch, wanted)
+
+    def prefetch_order(self, requests_module_sets: Sequence[Collection[ModuleKey]]) -> list[int]:
+        """Request indices ordered so that consecutive requests share modules (``rerank_by_module_sets``).
+
+        Fewer modules change between neighbours, so fewer are promoted and demoted when the requests run (and
+        are prefetched) in this order.
+        """
+        ids: dict[ModuleKey, int] = {}
+        sets = [[ids.setdefault(key, len(ids)) for key in modules] for modules in requests_module_sets]
+        return [int(i) for i in rerank_by_module_sets(sets, len(ids))]
+
+    def reset_figures(self) -> None:
+        with self._lock:
+            self.figures = StoreFigures()
+
+    def close(self) -> None:
+        """Stop the prefetch thread, forget every module and delete the disk tier's files."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        with self._lock:
+            for key in list(self._where):
+                self._remove(key)
+            if self._owns_dir and self._dir is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> "ModuleStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --------------------------------------------------------------- private
+    def _touch(self, key: ModuleKey) -> None:
+        self._tick += 1
+        self._uses[key] += 1
+        self._last[key] = self._tick
+
+    def _prefetch(self, keys: list[ModuleKey]) -> int:
+        promoted = 0
+        for key in keys:
+            with self._lock:
+                tier = self._where.get(key)
+                if tier is None or tier is self._tiers[0]:
+                    continue
+                self._tick += 1
+                self._last[key] = self._tick  # about to be used: recent for lru, no use counted for lfu
+                module = self._promote(key)
+                if module is not None and self._where.get(key) is not tier:
+                    promoted += 1
+                    self.figures.prefetched += 1
+        return promoted
+
+    def _victim(self, tier: _Tier) -> ModuleKey:
+        policy = self.config.eviction
+        if policy == "fifo":
+            return min(tier.entries, key=lambda k: tier.entries[k].entered)
+        if policy == "lfu":
+            return min(tier.entries, key=lambda k: (self._uses[k], self._last.get(k, 0)))
+        return min(tier.entries, key=lambda k: self._last.get(k, 0))
+
+    def _insert(self, module: EncodedModule, index: int, source: str | None) -> str | None:
+        """Put ``module`` in tier ``index`` or, if it cannot hold it, a slower one; demote victims. Landing tier."""
+        while index < len(self._tiers) and self._tiers[index].capacity < module.nbytes:
+            index += 1
+        if index == len(self._tiers):
+            return None
+        tier = self._tiers[index]
+        while tier.used + module.nbytes > tier.capacity:
+            victim = self._victim(tier)
+            self.figures.evictions[tier.name] += 1
+            if not any(t.capacity >= tier.entries[victim].nbytes for t in self._tiers[index + 1:]):
+                self._remove(victim)  # no slower tier can hold it: it leaves the store
+                self._forget(victim)
+                self.figures.drops += 1
+                continue
+            moved = self._take(tier, victim)
+            if moved is not None:  # None: a disk file that can no longer be read, counted as a load failure
+                self._insert(moved, index + 1, source=tier.name)
+        self._tick += 1
+        if tier.device is None:
+            entry = self._write(module, self._tick)
+        else:
+            entry = _Entry(module.nbytes, self._tick, module=self._on_device(module, tier))
+        tier.entries[module.key] = entry
+        tier.used += module.nbytes
+        self._where[module.key] = tier
+        if source is not None:
+            move = f"{source}->{tier.name}"
+            self.figures.moves[move] += 1
+            self.figures.bytes_moved[move] += module.nbytes
+        return tier.name
+
+    def _promote(self, key: ModuleKey) -> EncodedModule | None:
+        """Move ``key`` to the fastest tier that can hold it; the module, or ``None`` after a load failure."""
+        tier = self._where[key]
+        entry = tier.entries[key]
+        target = next(i for i, t in enumerate(self._tiers) if t.capacity >= entry.nbytes)
+        if self._tiers[target] is tier:  # already as fast as it can be
+            if entry.module is not None:
+                return entry.module
+            module = self._load(entry)
+            if module is None:
+                self._remove(key)
+                self._forget(key)
+            return module
+        module = self._take(tier, key)
+        if module is None:
+            return None
+        self._insert(module, target, source=tier.name)
+        # target is faster than the tier it came from, so it is a memory tier and takes the module
+        return self._where[key].entries[key].module
+
+    def _take(self, tier: _Tier, key: ModuleKey) -> EncodedModule | None:
+        """Remove ``key`` from ``tier`` and return its module (read from disk), or ``None`` on a load failure."""
+        entry = tier.entries.pop(key)
+        tier.used -= entry.nbytes
+        del self._where[key]
+        if entry.module is not None:
+            return entry.module
+        module = self._load(entry)
+        self._unlink(entry)
+        if module is None:
+            self._forget(key)
+        return module
+
+    def _forget(self, key: ModuleKey) -> None:
+        self._uses.pop(key, None)
+        self._last.pop(key, None)
+
+    def _remove(self, key: ModuleKey) -> None:
+        tier = self._where.pop(key)
+        entry = tier.entries.pop(key)
+        tier.used -= entry.nbytes
+        if entry.path is not None:
+            self._unlink(entry)
+
+    def _on_device(self, module: EncodedModule, tier: _Tier) -> EncodedModule:
+        kv = module.kv
+        if kv.device != tier.device:
+            kv = kv.to(tier.device)
+        if tier.name == "cpu" and self._pin and not kv.is_pinned():
+            kv = kv.pin_memory()
+        if kv is module.kv:
+            return module
+        moved = EncodedModule(module.name, module.model_id, module.tokenizer_id, module.token_ids, module.start, kv)
+        return moved
+
+    def _write(self, module: EncodedModule, tick: int) -> _Entry:
+        from safetensors.torch import save_file
+
+        assert self._dir is not None
+        kv = module.kv.detach().contiguous().cpu()
+        meta = {"name": json.dumps(module.name), "model_id": module.model_id, "tokenizer_id": module.tokenizer_id,
+                "token_ids": json.dumps(list(module.token_ids)), "start": str(module.start),
+                "fingerprint": module.key.fingerprint}
+        stem = hashlib.sha256(f"{module.key.name!r}\0{module.key.fingerprint}".encode()).hexdigest()[:40]
+        path = self._dir / f"{stem}.safetensors"
+        handle, tmp = tempfile.mkstemp(dir=self._dir, prefix=f".{stem}.", suffix=".tmp")
+        os.close(handle)
+        try:
+            save_file({"kv": kv}, tmp, metadata=meta)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return _Entry(module.nbytes, tick, path=path, checksum=_checksum(kv),
+                      meta={**meta, "name": module.name, "shape": tuple(kv.shape), "dtype": kv.dtype})
+
+    def _load(self, entry: _Entry) -> EncodedModule | None:
+        from safetensors import safe_open
+
+        assert entry.path is not None and entry.meta is not None
+        meta = entry.meta
+        try:
+            with safe_open(str(entry.path), framework="pt") as f:
+                header = f.metadata() or {}
+                kv = f.get_tensor("kv")
+            if (header.get("fingerprint") != meta["fingerprint"] or tuple(kv.shape) != meta["shape"]
+                    or kv.dtype != meta["dtype"] or _checksum(kv) != entry.checksum):
+                raise ValueError("contents differ from what was written")
+            module = EncodedModule(meta["name"], meta["model_id"], meta["tokenizer_id"],
+                                   tuple(json.loads(meta["token_ids"])), int(meta["start"]), kv)
+            if module.key.fingerprint != meta["fingerprint"]:
+                raise ValueError("the file's module is not the one asked for")
+            return module
+        except Exception:  # missing, truncated, corrupt: never hand back wrong KV
+            self.figures.load_failures += 1
+            return None
+
+    @staticmethod
+    def _unlink(entry: _Entry) -> None:
+        if entry.path is not None:
+            entry.path.unlink(missing_ok=True)

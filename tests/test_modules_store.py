@@ -1,0 +1,287 @@
+"""The tiered module store: eviction policies, demotion, disk round trips, capacity, failures, prefetch."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvreuse.errors import ConfigError
+from kvreuse.modules.config import ModulesConfig
+from kvreuse.modules.store import EncodedModule, ModuleMismatch, ModuleStore, ModuleTooLarge
+
+MODEL, TOKENIZER = "local/small", "local/small-bpe"
+# One token of one layer with 1 head of dim 4 in fp32: 2 (k, v) * 4 * 4 bytes = 32 bytes per token.
+TOKEN_BYTES = 32
+
+
+def module(name, tokens=4, *, seed=None, dtype=torch.float32, layers=1, model=MODEL, tokenizer=TOKENIZER,
+           start=0, first_id=None):
+    """A module of ``tokens`` tokens (``tokens * 32`` bytes in fp32 with the defaults) with distinct token ids."""
+    generator = torch.Generator().manual_seed(seed if seed is not None else abs(hash(name)) % 2 ** 31)
+    kv = torch.randn(layers, 2, tokens, 1, 4, generator=generator).to(dtype)
+    base = first_id if first_id is not None else 1000 * (abs(hash(name)) % 10_000)
+    return EncodedModule(name, model, tokenizer, tuple(range(base, base + tokens)), start, kv)
+
+
+def store(gpu=0, cpu=0, disk=0, eviction="lru", **kw):
+    cfg = ModulesConfig(gpu_bytes=gpu, cpu_bytes=cpu, disk_bytes=disk, eviction=eviction, gpu_device="cpu",
+                        pin_cpu_memory=False, **kw)
+    return ModuleStore(cfg, model_id=MODEL, tokenizer_id=TOKENIZER)
+
+
+def test_config_reads_modules_variables_and_rejects_an_unknown_policy():
+    cfg = ModulesConfig.load({"gpu_bytes": 1024}, environ={"KVREUSE_MODULES_EVICTION": "fifo"})
+    assert (cfg.gpu_bytes, cfg.eviction, cfg.cpu_bytes) == (1024, "fifo", 8 * 1024 ** 3)
+    with pytest.raises(ConfigError, match=r"modules\.eviction .*'mru' is not one of lru, lfu, fifo"):
+        ModulesConfig.load({"eviction": "mru"}, environ={})
+    with pytest.raises(ConfigError, match="all 0"):
+        store()
+
+
+def test_encoded_module_layout_and_size():
+    m = module("t", tokens=5, layers=3, dtype=torch.bfloat16, start=7)
+    assert m.nbytes == 3 * 2 * 5 * 4 * 2 and m.dtype == torch.bfloat16 and m.num_layers == 3
+    assert torch.equal(m.keys(1), m.kv[1, 0]) and m.keys(1).shape == (5, 1, 4) and m.start == 7
+
+
+@pytest.mark.parametrize(("policy", "evicted"), [("lru", "c"), ("lfu", "b"), ("fifo", "a")])
+def test_policy_chooses_the_module_that_leaves_a_full_tier(policy, evicted):
+    # gpu holds 3 modules of 128 bytes. a, b, c are put in that order, then read c, c, c, b, a.
+    # Uses (put + gets): a 2, b 2, c 4; last use: c before b before a. When d needs room, LRU moves c (used
+    # longest ago), LFU moves b (fewest uses; a tie with a broken by the older last use), FIFO moves a (first in).
+    s = store(gpu=3 * 128, cpu=10 * 128, eviction=policy)
+    a, b, c, d = (module(n) for n in "abcd")
+    for m in (a, b, c):
+        s.put(m)
+    for m in (c, c, c, b, a):
+        s.get(m.key)
+    s.put(d)
+    assert [s.tier_of(module(n).key) for n in "abcd"] == ["cpu" if n == evicted else "gpu" for n in "abcd"]
+    assert s.figures.evictions["gpu"] == 1 and s.figures.moves["gpu->cpu"] == 1
+
+
+def test_lru_and_fifo_differ_when_the_first_in_was_used_last():
+    # a put first but read last: FIFO still evicts a, LRU evicts b.
+    for policy, evicted in (("lru", "b"), ("fifo", "a")):
+        s = store(gpu=2 * 128, cpu=4 * 128, eviction=policy)
+        s.put(module("a"))
+        s.put(module("b"))
+        s.get(module("a").key)
+        s.put(module("c"))
+        assert s.tier_of(module(evicted).key) == "cpu", policy
+
+
+def test_demotion_chain_gpu_cpu_disk_then_drop():
+    # each tier holds one 128-byte module: the 4th put pushes a from gpu to cpu to disk and then off the store.
+    with store(gpu=128, cpu=128, disk=128) as s:
+        a, b, c, d = (module(n) for n in "abcd")
+        s.put(a)
+        assert s.tier_of(a.key) == "gpu"
+        s.put(b)
+        assert (s.tier_of(a.key), s.tier_of(b.key)) == ("cpu", "gpu")
+        s.put(c)
+        assert [s.tier_of(m.key) for m in (a, b, c)] == ["disk", "cpu", "gpu"]
+        s.put(d)
+        assert [s.tier_of(m.key) for m in (a, b, c, d)] == [None, "disk", "cpu", "gpu"]
+        f = s.figures
+        assert (f.moves["gpu->cpu"], f.moves["cpu->disk"], f.drops) == (3, 2, 1)
+        assert f.bytes_moved["gpu->cpu"] == 3 * 128 and f.evictions == {"gpu": 3, "cpu": 2, "disk": 1}
+        assert s.get(a.key) is None and s.figures.misses == 1
+
+
+def test_get_promotes_to_the_fastest_tier_and_counts_the_hit_where_found():
+    with store(gpu=128, cpu=128, disk=128) as s:
+        a, b, c = (module(n) for n in "abc")
+        for m in (a, b, c):
+            s.put(m)
+        got = s.get(a.key)  # on disk
+        assert torch.equal(got.kv, a.kv) and s.tier_of(a.key) == "gpu"
+        assert [s.tier_of(m.key) for m in (b, c)] == ["disk", "cpu"]  # c demoted to cpu, b to disk
+        assert s.figures.hits == {"disk": 1} and s.figures.moves["disk->gpu"] == 1
+        assert s.figures.promotions("gpu") == 1
+
+
+def test_module_larger_than_fast_tiers_goes_to_the_first_tier_that_fits():
+    with store(gpu=128, cpu=512) as s:
+        big = module("big", tokens=8)  # 256 bytes
+        assert s.put(big) == "cpu"
+        assert s.get(big.key) is not None and s.tier_of(big.key) == "cpu"  # stays: gpu cannot hold it
+        assert s.figures.hits == {"cpu": 1} and not s.figures.moves
+
+
+def test_module_larger_than_every_tier_is_refused():
+    with store(gpu=128, cpu=256) as s:
+        with pytest.raises(ModuleTooLarge, match=r"'huge' holds 320 bytes of KV, more than any tier \(gpu: 128, "
+                                                 r"cpu: 256\)"):
+            s.put(module("huge", tokens=10))
+        assert len(s) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_disk_round_trip_is_bit_exact(dtype):
+    with store(gpu=1, disk=1 << 20) as s:  # gpu too small: the module lives on disk
+        m = module("t", tokens=7, layers=3, dtype=dtype, start=42)
+        m.kv[0, 0, 0, 0, 0] = float("nan")
+        m.kv[0, 1, 0, 0, 1] = -0.0
+        expected = m.kv.clone()
+        assert s.put(m) == "disk"
+        got = s.get(m.key)
+        assert got.kv.dtype == dtype
+        assert torch.equal(got.kv.view(torch.uint8), expected.view(torch.uint8))
+        assert (got.name, got.token_ids, got.start, got.key) == ("t", m.token_ids, 42, m.key)
+
+
+def test_disk_file_is_written_atomically_one_file_per_module():
+    with tempfile.TemporaryDirectory() as folder:
+        with store(cpu=1, disk=1 << 20, disk_dir=folder) as s:
+            for n in "abc":
+                s.put(module(n))
+            assert len(list(Path(folder).glob("*.safetensors"))) == 3
+            assert not list(Path(folder).glob(".*tmp"))
+            s.evict(module("b").key)
+            assert len(list(Path(folder).glob("*.safetensors"))) == 2
+        assert not list(Path(folder).iterdir())  # close deletes the store's files
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "flipped"])
+def test_damaged_disk_file_gives_none_and_counts_a_load_failure(damage):
+    with tempfile.TemporaryDirectory() as folder:
+        with store(cpu=1, disk=1 << 20, disk_dir=folder) as s:
+            m = module("t", tokens=16)
+            s.put(m)
+            (path,) = Path(folder).glob("*.safetensors")
+            raw = path.read_bytes()
+            if damage == "missing":
+                path.unlink()
+            elif damage == "truncated":
+                path.write_bytes(raw[: len(raw) // 2])
+            else:  # one bit of the last KV value: a readable file with wrong contents
+                path.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+            assert s.get(m.key) is None
+            assert s.figures.load_failures == 1 and m.key not in s and s.used_bytes()["disk"] == 0
+            assert s.get(m.key) is None and s.figures.misses == 1  # then it is simply unknown
+
+
+def test_damaged_file_of_a_module_being_promoted_gives_none_and_leaves_the_tiers_consistent():
+    with tempfile.TemporaryDirectory() as folder:
+        with store(cpu=512, disk=1 << 20, disk_dir=folder) as s:
+            m, other = module("t", tokens=16), module("u", tokens=16)  # 512 bytes each
+            s.put(m)
+            s.put(other)  # pushes m down to disk
+            assert s.tier_of(m.key) == "disk"
+            (path,) = Path(folder).glob("*.safetensors")
+            path.write_bytes(b"not a safetensors file")
+            assert s.get(m.key) is None and s.figures.load_failures == 1
+            assert s.used_bytes() == {"cpu": 512, "disk": 0} and s.tier_of(other.key) == "cpu"
+
+
+def test_module_of_another_model_or_tokenizer_is_refused():
+    with store(gpu=1 << 20) as s:
+        with pytest.raises(ModuleMismatch, match=r"encoded for model 'other/model', but this store serves model "
+                                                 r"'local/small'"):
+            s.put(module("t", model="other/model"))
+        with pytest.raises(ModuleMismatch, match="tokenizer 'other-bpe'"):
+            s.put(module("t", tokenizer="other-bpe"))
+        # the same name and ids under another model or tokenizer is another key: never found by this store
+        foreign = module("t", model="other/model")
+        s.put(module("t"))
+        assert foreign.key != module("t").key and s.get(foreign.key) is None
+        assert s.get(s.key("t", module("t").token_ids)) is not None
+
+
+def test_prefetch_promotes_in_order_up_to_the_depth():
+    with store(gpu=2 * 128, cpu=8 * 128, prefetch_depth=2) as s:
+        ms = [module(n) for n in "abcde"]
+        for m in ms:
+            s.put(m)  # a, b, c on cpu; d, e on gpu
+        assert [s.tier_of(m.key) for m in ms] == ["cpu", "cpu", "cpu", "gpu", "gpu"]
+        assert s.prefetch([ms[0].key, ms[1].key, ms[2].key], background=False).result() == 2
+        assert [s.tier_of(m.key) for m in ms] == ["gpu", "gpu", "cpu", "cpu", "cpu"]
+        assert s.figures.prefetched == 2 and not s.figures.hits  # prefetch counts no hits
+
+
+def test_background_prefetch_promotes_while_the_caller_reads():
+    with store(gpu=4 * 128, cpu=1 << 20, disk=0) as s:
+        ms = [module(f"m{i}", first_id=100 * i) for i in range(12)]
+        for m in ms:
+            s.put(m)
+        cold = [m.key for m in ms[:4]]
+        future = s.prefetch(cold)
+        for m in ms[4:]:
+            assert torch.equal(s.get(m.key).kv, m.kv)
+        future.result(timeout=10)
+        assert all(s.tier_of(k) in ("gpu", "cpu") for k in cold)
+        assert s.used_bytes()["gpu"] <= 4 * 128
+
+
+def test_prefetch_order_cuts_promotions_on_clustered_requests():
+    # Three clusters of two modules each; requests arrive interleaved (A, B, C, A, B, C, ...), 5 of each.
+    # The gpu tier holds one cluster (the last put, z): in arrival order every request promotes its 2 modules
+    # from cpu (15 * 2 = 30); reranked (x x x x x y ... z ...), only the first request of each cluster does (3 * 2).
+    clusters = [[module(f"{c}{i}", first_id=1000 * j + 10 * i) for i in range(2)] for j, c in enumerate("xyz")]
+    requests = [clusters[i % 3] for i in range(15)]
+
+    def promotions(order):
+        with store(gpu=2 * 128, cpu=1 << 20) as s:
+            for cluster in clusters:
+                for m in cluster:
+                    s.put(m)
+            for i in order:
+                for m in requests[i]:
+                    assert s.get(m.key) is not None
+            return s.figures.promotions("gpu"), s
+
+    arrival, s = promotions(range(15))
+    order = s.prefetch_order([[m.key for m in r] for r in requests])
+    reranked, _ = promotions(order)
+    assert sorted(order) == list(range(15))
+    assert (arrival, reranked) == (30, 6)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(caps=st.tuples(*[st.integers(0, 6)] * 3).filter(any),
+       ops=st.lists(st.tuples(st.sampled_from(["put", "get", "get", "evict"]), st.integers(0, 7),
+                              st.integers(1, 5)), max_size=30),
+       policy=st.sampled_from(["lru", "lfu", "fifo"]))
+def test_capacity_is_never_exceeded(caps, ops, policy):
+    # capacities in units of 64 bytes (2 tokens); modules of 1-5 units. After every call: no tier over its
+    # capacity, a get returns exactly what was put (or None), one disk file per module on the disk tier.
+    with tempfile.TemporaryDirectory() as folder:
+        with store(*(64 * c for c in caps), eviction=policy, disk_dir=folder) as s:
+            put: dict = {}
+            for op, i, units in ops:
+                m = module(f"m{i}", tokens=2 * units, first_id=100 * i, seed=i)
+                if op == "put":
+                    if m.nbytes > 64 * max(caps):
+                        with pytest.raises(ModuleTooLarge):
+                            s.put(m)
+                        continue
+                    put[m.key] = m.kv.clone()
+                    s.put(m)
+                elif op == "get":
+                    stored = m.key in s
+                    got = s.get(m.key)
+                    assert (got is not None) == stored and (not stored or m.key in put)
+                    if got is not None:
+                        assert torch.equal(got.kv, put[m.key])
+                else:
+                    s.evict(m.key)
+                for name, used in s.used_bytes().items():
+                    assert used <= s.capacities()[name], (name, used)
+                on_disk = sum(s.tier_of(key) == "disk" for key in put)
+                assert len(list(Path(folder).glob("*.safetensors"))) == on_disk
+
+
+def test_every_modules_setting_is_documented():
+    from kvreuse.config import describe
+
+    rows = describe(ModulesConfig, "modules")
+    assert [key for key, *_ in rows] == ["modules.gpu_bytes", "modules.cpu_bytes", "modules.disk_bytes",
+                                         "modules.disk_dir", "modules.eviction", "modules.pin_cpu_memory",
+                                         "modules.prefetch_depth", "modules.gpu_device"]
+    assert all(doc for *_, doc in rows)
