@@ -30,6 +30,17 @@ REPO = Path(__file__).resolve().parents[1]
 INSTRUCTION = "Given the following fields of a movie and a user review, is this movie suitable for kids? Answer yes or no."
 
 
+def movies_table(rows: int | None = None) -> pd.DataFrame:
+    """The demo's table as prompt text: every field of ``movies_small.csv`` but ``id``; the first ``rows`` if given.
+
+    The scheduler and Ray benchmarks ask the same question of the same table, so they take it from here.
+    """
+    df = pd.read_csv(DATASETS / "movies_small.csv", dtype=str, keep_default_na=False)
+    if rows:
+        df = df.head(rows)
+    return prepare_table(df, [c for c in df.columns if c != "id"])
+
+
 def table_requests(table: pd.DataFrame, method: str) -> list[BenchRequest]:
     """The table's requests in the send order of ``method``; keys are row positions in the original table."""
     ordering = solve(table, method)
@@ -44,10 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     model = build_model(args.preset, REPO / "build" / "models" / args.preset)
-    df = pd.read_csv(DATASETS / "movies_small.csv", dtype=str, keep_default_na=False)
-    if args.rows:
-        df = df.head(args.rows)
-    table = prepare_table(df, [c for c in df.columns if c != "id"])
+    table = movies_table(args.rows)
     ggr = lambda _requests: table_requests(table, "ggr")  # noqa: E731 - the arm re-renders prompts in GGR order
     affinity = {"scheduler_cls": "kvreuse.vllm.PrefixAffinityScheduler"}
     arms = [

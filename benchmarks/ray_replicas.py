@@ -21,15 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-import pandas as pd
-
 from kvreuse.batch.distributed import answer_rows
-from kvreuse.localmodel import DATASETS, build_model, local_engine_args
-from kvreuse.reorder import prepare_table, prompts, solve
+from demo import INSTRUCTION, movies_table
+from kvreuse.localmodel import build_model, local_engine_args
+from kvreuse.reorder import prompts, solve
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
-INSTRUCTION = "Given the following fields of a movie and a user review, is this movie suitable for kids? Answer yes or no."
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -48,13 +46,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from kvreuse.batch.ray_replicas import RayVLLMReplicas
 
     model = build_model("small", REPO / "build" / "models" / "small")
-    df = pd.read_csv(DATASETS / "movies_small.csv", dtype=str, keep_default_na=False)
-    if args.rows:
-        df = df.head(args.rows)
-    table = prepare_table(df, [c for c in df.columns if c != "id"])
+    table = movies_table(args.rows)
     ordering = solve(table, "ggr")  # for its per-row field order; the row order is what the arms change
     by_row = dict(zip(ordering.rows, prompts(ordering, table, INSTRUCTION, "lines")))
-    shuffled = [by_row[row] for row in range(len(df))]  # the table's rows are shuffled already
+    shuffled = [by_row[row] for row in range(len(table))]  # the table's rows are shuffled already
     arms = [("naive", shuffled, dict(bucket=False, router="round-robin")),
             ("sorted", sorted(shuffled), dict(bucket=False, router="round-robin")),
             ("bucketed+prefix-aware", shuffled, dict(bucket=True, router="prefix-aware", buffer_size=args.buffer))]
@@ -81,7 +76,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ray.shutdown()
     same = all(answers[name] == answers["naive"] for name in answers)
     base = results[0]
-    print(f"{len(df):,} rows of movies_small.csv on {args.replicas} replicas, batches of {args.batch_size}, "
+    print(f"{len(table):,} rows of movies_small.csv on {args.replicas} replicas, batches of {args.batch_size}, "
           f"{args.kv_cache_mib} MiB of KV cache each, bucketing buffer {args.buffer}")
     print(f"{'arm':<22} {'hit rate':>8} {'computed tok':>12} {'wall s':>7} {'speedup':>7}  rows per replica")
     for r in results:

@@ -17,14 +17,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vLLM is i
 from dataclasses import asdict  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import pandas as pd  # noqa: E402
-
 from harness import Arm, BenchRequest, run_ab  # noqa: E402
-from kvreuse.localmodel import DATASETS, build_model  # noqa: E402
-from kvreuse.reorder import fixed_field_order, column_stats, prepare_table, render_prompt  # noqa: E402
+from demo import INSTRUCTION, movies_table  # noqa: E402
+from kvreuse.localmodel import build_model  # noqa: E402
+from kvreuse.reorder import column_stats, fixed_field_order, render_prompt  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-INSTRUCTION = "Given the following fields of a movie and a user review, is this movie suitable for kids? Answer yes or no."
 MAX_SKIPS = 32
 ENGINE = dict(kv_cache_memory_bytes=8 << 20, max_num_seqs=8, max_model_len=1024)
 
@@ -35,8 +33,7 @@ def scheduler_counters(llm) -> dict:
 
 def main() -> None:
     model = build_model("small", REPO / "build" / "models" / "small")
-    df = pd.read_csv(DATASETS / "movies_small.csv", dtype=str, keep_default_na=False)
-    table = prepare_table(df, [c for c in df.columns if c != "id"])
+    table = movies_table()
     fields = [table.columns[c] for c in fixed_field_order(column_stats(table))]
     stream = [BenchRequest(i, render_prompt(INSTRUCTION, fields, [row[f] for f in fields]))
               for i, row in enumerate(table.to_dict("records"))]

@@ -18,6 +18,10 @@ from kvreuse.errors import ConfigError
 
 T = TypeVar("T")
 
+# How a boolean setting may be spelt in a KVREUSE_* variable.
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
 
 def setting(default: Any, doc: str, *, low: float | None = None, high: float | None = None,
             choices: tuple[str, ...] | None = None) -> Any:
@@ -37,9 +41,9 @@ def _coerce(plugin: str, field: dataclasses.Field, raw: Any) -> Any:
     try:
         if kind is bool:
             if isinstance(raw, str):
-                if raw.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                if raw.lower() not in TRUE_WORDS + FALSE_WORDS:
                     raise ValueError(raw)
-                value: Any = raw.lower() in ("1", "true", "yes", "on")
+                value: Any = raw.lower() in TRUE_WORDS
             else:
                 value = bool(raw)
         elif kind is int:

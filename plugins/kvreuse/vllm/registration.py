@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import os
 
+from kvreuse.config import TRUE_WORDS
+
 # Under vLLM's logger namespace so the line is printed in vLLM's format, tagged with the process it runs in.
 logger = logging.getLogger("vllm.plugins.kvreuse")
 
@@ -53,7 +55,7 @@ def _register_sparse_backend() -> None:
                        "registered under that name", custom.get_path())
     else:
         register_backend(custom, SPARSE_BACKEND)
-    if os.environ.get(SPARSE_CPU_SWITCH, "").lower() in ("1", "true", "yes", "on"):
+    if os.environ.get(SPARSE_CPU_SWITCH, "").lower() in TRUE_WORDS:
         register_backend(AttentionBackendEnum.CPU_ATTN, SPARSE_BACKEND)
         logger.info("kvreuse: %s is set, the sparse attention backend replaces CPU_ATTN in pid %d",
                     SPARSE_CPU_SWITCH, os.getpid())
