@@ -306,6 +306,17 @@ def rerotate_keys(keys: torch.Tensor, deltas: torch.Tensor, spec: RopeSpec, *,
     return rotation.run(keys, out=out)
 
 
+def move_keys(keys: torch.Tensor, deltas: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """What engines call: ``keys`` moved by ``deltas``, in the keys' dtype, as a new tensor.
+
+    On a GPU this is the Triton kernel. On CPU it is the float64 reference rounded to the keys' dtype: Triton's
+    interpreter is far too slow inside an engine, and the reference is the kernel's own yardstick.
+    """
+    if keys.is_cuda:
+        return rerotate_keys(keys, deltas, spec)
+    return rerotate_keys_reference(keys, deltas, spec).to(keys.dtype)
+
+
 # fp32 rotation then a rounding to the keys' dtype per move: two moves are within a few units in the last place.
 _CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -313,7 +324,8 @@ _CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e
 def check_rerotation(config: Mapping[str, Any] | RopeSpec, *, device: torch.device | str = "cpu",
                      dtype: torch.dtype = torch.float32, num_kv_heads: int = 2,
                      positions: tuple[int, int] = (37, 4093)) -> RopeSpec:
-    """Start-up check: refuse an encoding that cannot be re-applied, and test that moving works on ``device``.
+    """Start-up check: refuse an encoding that cannot be re-applied, and test that moving works on ``device``
+    (through :func:`move_keys`, the path an engine on that device takes).
 
     A key encoded at position 0 is moved to ``p1`` and then to ``p2``; it must equal the key encoded directly at
     ``p2`` (float64 reference) within the dtype's tolerance (relative to the largest coordinate). Returns the
@@ -325,8 +337,8 @@ def check_rerotation(config: Mapping[str, Any] | RopeSpec, *, device: torch.devi
     raw = torch.randn(8, num_kv_heads, spec.head_dim, generator=gen, dtype=torch.float64)
     keys = raw.to(dtype).to(device)
     n = len(raw)
-    moved = rerotate_keys(keys, torch.full((n,), p1, dtype=torch.int64), spec)
-    moved = rerotate_keys(moved, torch.full((n,), p2 - p1, dtype=torch.int64), spec)
+    moved = move_keys(keys, torch.full((n,), p1, dtype=torch.int64), spec)
+    moved = move_keys(moved, torch.full((n,), p2 - p1, dtype=torch.int64), spec)
     direct = apply_rope_reference(keys, torch.full((n,), p2), spec)
     error = (moved.cpu().to(torch.float64) - direct).abs().max().item() / direct.abs().max().item()
     if not error <= _CHECK_TOLERANCE[dtype]:

@@ -1,0 +1,72 @@
+"""Which prompt tokens an engine can take from cached modules instead of computing them, and where they go.
+
+An engine that caches prefixes (vLLM, SGLang) computes a request from its first uncached token to its end, so
+KV can only be supplied for one run of tokens that starts where the engine's own prefix hit ends. Given the
+modules found in the prompt (``ModuleTrie.find``: sorted, never overlapping), :func:`plan_splice` takes the
+module covering that first uncached token (from the right offset when the hit ends inside it) and then every
+module that starts exactly where the previous one ends, while the store holds them. Free text between two
+modules ends the run: the tokens after it are computed, even where they are a module. So prompts gain most when
+their modules come first and their free text (the question) last, or when recurring free text (an
+instruction) is itself registered as a module.
+
+Each :class:`Piece` moves a module's keys from the positions it was encoded at to the prompt positions it takes:
+``delta = prompt_start - (module_start + offset)``, one rotation for the whole piece (``kvreuse.kernels.rerotate``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+from kvreuse.modules.trie import ModuleMatch
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Prompt tokens ``[prompt_start, prompt_start + length)`` are module ``name``'s tokens from ``offset`` on."""
+
+    name: Hashable
+    offset: int
+    prompt_start: int
+    length: int
+
+    @property
+    def prompt_end(self) -> int:
+        return self.prompt_start + self.length
+
+    def delta(self, module_start: int) -> int:
+        """Positions to move the piece's keys by, for a module encoded at ``module_start``."""
+        return self.prompt_start - (module_start + self.offset)
+
+
+def plan_splice(matches: Sequence[ModuleMatch], start: int, stop: int,
+                available: Callable[[Hashable], bool]) -> list[Piece]:
+    """The pieces covering prompt tokens ``[start, end)`` for the largest ``end <= stop`` the modules reach.
+
+    ``matches`` are sorted and disjoint; ``available(name)`` says whether the store holds a module now. The run
+    ends at the first gap (free text), at the first module the store lacks, or at ``stop`` (an engine must
+    compute at least a prompt's last token, so callers pass ``len(prompt) - 1``).
+    """
+    pieces: list[Piece] = []
+    pos = start
+    for match in matches:
+        if match.end <= pos:
+            continue
+        if match.start > pos or pos >= stop or not available(match.name):
+            break
+        end = min(match.end, stop)
+        pieces.append(Piece(match.name, pos - match.start, pos, end - pos))
+        pos = end
+    return pieces
+
+
+def token_slots(block_ids: Sequence[int], block_size: int, start: int, stop: int) -> list[int]:
+    """Paged-cache slots (``block * block_size + offset``) of a request's tokens ``[start, stop)``.
+
+    The linear slot does not change when an engine splits its blocks into smaller kernel blocks, so the result
+    indexes any per-layer view whose block size divides ``block_size``.
+    """
+    if stop > len(block_ids) * block_size:
+        raise ValueError(f"tokens up to {stop} need {-(-stop // block_size)} blocks of {block_size}, "
+                         f"the request has {len(block_ids)}")
+    return [block_ids[t // block_size] * block_size + t % block_size for t in range(start, stop)]

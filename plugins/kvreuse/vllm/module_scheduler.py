@@ -1,0 +1,170 @@
+"""Scheduler side of the module-cache connector (``kvreuse.vllm.connector``): which prompt tokens come from modules.
+
+It runs in vLLM's engine-core process and never touches KV. It knows the modules the workers hold (from their
+per-step reports), finds them in new prompts with a :class:`~kvreuse.modules.trie.ModuleTrie`, plans each load
+with :func:`~kvreuse.modules.splice.plan_splice`, turns the plan into slots once vLLM has allocated the request's
+blocks, and asks the workers to store the module of every encode request once its prompt has been computed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
+
+from kvreuse.errors import ConfigError, ModuleRegistrationError, UnsupportedPositionalEncoding
+from kvreuse.kernels.rerotate import rope_spec_from_hf_config
+from kvreuse.modules.splice import Piece, plan_splice, token_slots
+from kvreuse.modules.store import ModuleKey
+from kvreuse.modules.trie import ModuleMatch, ModuleTrie
+from kvreuse.vllm.connector import (ENCODE_CONTEXT, ENCODE_MODULE, LoadSpec, ModuleCacheMetadata,
+                                    ModuleCacheWorkerMeta, SaveSpec)
+from kvreuse.vllm.registration import MODULE_CONNECTOR
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm.plugins.kvreuse")
+
+
+def model_identity(vllm_config: "VllmConfig") -> tuple[str, str]:
+    """The (model id, tokenizer id) a module's fingerprint is taken with, the same in every process."""
+    model = vllm_config.model_config
+    return (f"{model.model}@{model.revision or ''}", f"{model.tokenizer}@{model.tokenizer_revision or ''}")
+
+
+def encode_request(params: dict | None, num_prompt_tokens: int) -> tuple[Hashable, int] | None:
+    """``(module name, context length)`` if ``kv_transfer_params`` mark an encode request, else ``None``.
+
+    Raises :class:`ModuleRegistrationError` for malformed parameters (the request then runs as a plain one).
+    """
+    if not params or ENCODE_MODULE not in params:
+        return None
+    name, context = params[ENCODE_MODULE], params.get(ENCODE_CONTEXT, 0)
+    if not isinstance(name, str) or not name:
+        raise ModuleRegistrationError(f"{ENCODE_MODULE} must be a non-empty string, got {name!r}")
+    if isinstance(context, bool) or not isinstance(context, int) or not 0 <= context < num_prompt_tokens:
+        raise ModuleRegistrationError(f"{ENCODE_CONTEXT} of module {name!r} must be an integer in "
+                                      f"0..{num_prompt_tokens - 1} (the prompt has {num_prompt_tokens} tokens), "
+                                      f"got {context!r}")
+    return name, context
+
+
+class ModuleScheduler:
+    def __init__(self, vllm_config: "VllmConfig"):
+        transfer = vllm_config.kv_transfer_config
+        if transfer.kv_load_failure_policy != "recompute":
+            raise ConfigError(
+                f'{MODULE_CONNECTOR} needs "kv_load_failure_policy": "recompute" in --kv-transfer-config, so that a '
+                f"module that cannot be loaded is computed instead (got {transfer.kv_load_failure_policy!r})")
+        self.block_size = vllm_config.cache_config.block_size
+        self.enabled = True
+        try:
+            rope_spec_from_hf_config(vllm_config.model_config.hf_config.to_dict())
+        except UnsupportedPositionalEncoding as why:
+            self.enabled = False
+            logger.error("kvreuse module cache is off for this model: %s", why)
+        self.trie = ModuleTrie()
+        self.available: set[ModuleKey] = set()
+        self._matches: dict[str, list[ModuleMatch]] = {}
+        self._plans: dict[str, list[Piece]] = {}  # asked about, not yet allocated
+        self._loads: list[LoadSpec] = []  # allocated, for the next step's metadata
+        self._encodes: dict[str, tuple[Hashable, int, tuple[int, ...]]] = {}  # req id -> name, context, prompt
+
+    # -- vLLM's calls ---------------------------------------------------------------------------------------------
+    def matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+        """Prompt tokens after ``num_computed_tokens`` that cached modules cover (side-effect free for vLLM)."""
+        if not self.enabled or not self.available or self._is_encode(request):
+            self._plans.pop(request.request_id, None)
+            return 0
+        prompt = request.prompt_token_ids or []
+        matches = self._matches.get(request.request_id)
+        if matches is None:
+            matches = self._matches[request.request_id] = self.trie.find(prompt)
+        stop = min(len(prompt), request.num_tokens) - 1  # vLLM computes at least the last token
+        pieces = plan_splice(matches, num_computed_tokens, stop, self.available.__contains__)
+        self._plans[request.request_id] = pieces
+        return sum(piece.length for piece in pieces)
+
+    def allocated(self, request: "Request", block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """vLLM gave the request its blocks and took ``num_external_tokens`` of the planned tokens."""
+        rid = request.request_id
+        pieces = self._plans.pop(rid, [])
+        self._remember_encode(request)
+        if num_external_tokens <= 0:
+            return
+        kept, left = [], num_external_tokens
+        for piece in pieces:  # vLLM may take fewer tokens than offered
+            if left <= 0:
+                break
+            take = min(piece.length, left)
+            kept.append(Piece(piece.name, piece.offset, piece.prompt_start, take))
+            left -= take
+        if left:
+            raise RuntimeError(f"{MODULE_CONNECTOR}: vLLM took {num_external_tokens} tokens of request {rid}, more "
+                               f"than the {num_external_tokens - left} planned")
+        slots = tuple(tuple(token_slots(block_ids, self.block_size, p.prompt_start, p.prompt_end)) for p in kept)
+        blocks = tuple(tuple(sorted({s // self.block_size for s in piece_slots})) for piece_slots in slots)
+        self._loads.append(LoadSpec(rid, tuple(kept), slots, blocks))
+
+    def build_metadata(self, scheduler_output: "SchedulerOutput",
+                       kv_cache_manager: "KVCacheManager") -> ModuleCacheMetadata:
+        meta = ModuleCacheMetadata(loads=self._loads)
+        self._loads = []
+        progress = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        progress.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for rid, computed in progress.items():
+            encode = self._encodes.get(rid)
+            if encode is None:
+                continue
+            name, context, prompt = encode
+            if computed + scheduler_output.num_scheduled_tokens.get(rid, 0) < len(prompt):
+                continue  # chunked prefill: the module is complete in a later step
+            del self._encodes[rid]
+            block_ids = kv_cache_manager.get_block_ids(rid)[0]
+            meta.saves.append(SaveSpec(rid, name, prompt[context:], context,
+                                       tuple(token_slots(block_ids, self.block_size, context, len(prompt)))))
+        seen: set[ModuleKey] = set()
+        for pieces in self._plans.values():  # requests still waiting: their modules are worth promoting now
+            for piece in pieces:
+                if piece.name not in seen:
+                    seen.add(piece.name)
+                    meta.prefetch.append(piece.name)
+        return meta
+
+    def worker_reported(self, report: ModuleCacheWorkerMeta) -> None:
+        for key, token_ids in report.stored.items():
+            try:
+                self.trie.add(key, token_ids)
+            except ModuleRegistrationError as why:
+                logger.error("kvreuse module %r is stored but cannot be found in prompts: %s", key.name, why)
+                continue
+            self.available.add(key)
+            logger.info("kvreuse module %r (%d tokens) is cached", key.name, len(token_ids))
+        self.available -= report.dropped
+        for name, why in report.failed.items():
+            logger.error("kvreuse module %r was not stored: %s", name, why)
+
+    def finished(self, request_id: str) -> None:
+        for state in (self._matches, self._plans, self._encodes):
+            state.pop(request_id, None)
+
+    # -- helpers ----------------------------------------------------------------------------------------------------
+    def _is_encode(self, request: "Request") -> bool:
+        return bool(request.kv_transfer_params) and ENCODE_MODULE in request.kv_transfer_params
+
+    def _remember_encode(self, request: "Request") -> None:
+        if not self.enabled or request.request_id in self._encodes or not self._is_encode(request):
+            return
+        prompt = tuple(request.prompt_token_ids or ())
+        try:
+            found = encode_request(request.kv_transfer_params, len(prompt))
+        except ModuleRegistrationError as why:
+            logger.error("kvreuse: request %s runs without encoding a module: %s", request.request_id, why)
+            return
+        if found is not None:
+            self._encodes[request.request_id] = (found[0], found[1], prompt)

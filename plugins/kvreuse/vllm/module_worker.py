@@ -1,0 +1,224 @@
+"""Worker side of the module-cache connector (``kvreuse.vllm.connector``): the store, and KV in and out of vLLM's cache.
+
+It runs in each vLLM worker process and owns that process's :class:`~kvreuse.modules.store.ModuleStore`. Per step
+it writes the planned pieces into their slots (re-rotated, through the attention backend's ``do_kv_cache_update``),
+copies the KV of finished encode requests out of the paged cache into the store, and reports back what entered and
+left the store and which blocks could not be loaded.
+
+``module_figures()`` gives this process's counters (e.g. through ``LLM.collective_rpc``); the same counts go to
+vLLM's metrics every step (``kvreuse.vllm.module_metrics``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.model_executor.models.utils import extract_layer_index
+
+from kvreuse.errors import (ConfigError, ModuleRegistrationError, ModuleTooLarge, RerotationMismatch,
+                            UnsupportedPositionalEncoding)
+from kvreuse.kernels.rerotate import RopeSpec, check_rerotation, move_keys
+from kvreuse.modules.config import ModulesConfig
+from kvreuse.modules.splice import Piece
+from kvreuse.modules.store import EncodedModule, ModuleKey, ModuleStore
+from kvreuse.vllm.connector import LoadSpec, ModuleCacheMetadata, ModuleCacheWorkerMeta
+from kvreuse.vllm.registration import MODULE_CONNECTOR, SPARSE_CPU_SWITCH
+from kvreuse.vllm.settings import kvreuse_flags
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+
+logger = logging.getLogger("vllm.plugins.kvreuse")
+
+# Backends whose per-layer view is not the plain [blocks, kv_heads, block_size, 2 * head_dim] layout.
+PACKED_LAYOUT_BACKENDS = {"CPU_ATTN": f"it packs KV in an ISA-specific layout; set {SPARSE_CPU_SWITCH}=1 to run "
+                                      "kvreuse's attention backend over the plain layout instead (dense with "
+                                      '--additional-config \'{"kvreuse": {"sparse": {"beta": "inf"}}}\')'}
+
+_WORKER: "ModuleWorker | None" = None  # this process's, for module_figures()
+
+
+def model_identity(vllm_config: "VllmConfig") -> tuple[str, str]:
+    """The (model id, tokenizer id) modules are fingerprinted with."""
+    model = vllm_config.model_config
+    return (f"{model.model}@{model.revision or ''}", f"{model.tokenizer}@{model.tokenizer_revision or ''}")
+
+
+@dataclass
+class ModuleFigures:
+    """Counters of one worker since it started (the store's own are in ``ModuleStore.figures``).
+
+    ``pieces_loaded``/``tokens_loaded``: module pieces and prompt tokens written into requests;
+    ``load_failures``: pieces that could not be loaded (recomputed by vLLM); ``modules_encoded``: encode requests
+    whose module entered the store; ``encode_failures``: those refused (too large, bad tokens).
+    """
+
+    pieces_loaded: int = 0
+    tokens_loaded: int = 0
+    load_failures: int = 0
+    modules_encoded: int = 0
+    encode_failures: int = 0
+
+
+def module_figures() -> dict[str, Any]:
+    """This worker's counters and its store's, as plain values (``{}`` if no connector runs in this process)."""
+    if _WORKER is None:
+        return {}
+    store = _WORKER.store
+    figures = store.figures
+    return {**asdict(_WORKER.figures), "modules": len(store), "used_bytes": store.used_bytes(),
+            "hits": dict(figures.hits), "misses": figures.misses, "bytes_moved": dict(figures.bytes_moved),
+            "evictions": dict(figures.evictions), "drops": figures.drops,
+            "store_load_failures": figures.load_failures, "prefetched": figures.prefetched}
+
+
+def module_worker() -> "ModuleWorker | None":
+    """This process's worker side (its ``store``, ``layers`` and ``last_loads``), ``None`` if there is none."""
+    return _WORKER
+
+
+class ModuleWorker:
+    def __init__(self, vllm_config: "VllmConfig"):
+        global _WORKER
+        self.vllm_config = vllm_config
+        self.config = ModulesConfig.load(kvreuse_flags(vllm_config.additional_config, "modules"))
+        model_id, tokenizer_id = model_identity(vllm_config)
+        self.store = ModuleStore(self.config, model_id=model_id, tokenizer_id=tokenizer_id)
+        self.spec: RopeSpec | None = None  # None: positions cannot be moved, every load fails over to recompute
+        self.layers: list[str] = []
+        self._copies: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._errors: set[int] = set()
+        self._report = ModuleCacheWorkerMeta()
+        self._known: set[ModuleKey] = set()
+        self._reported_stats: dict[str, int] = {}
+        self.figures = ModuleFigures()
+        # (request id, piece, slots) of every piece written by the last step that loaded any: lets a test or an
+        # operator read back exactly what was spliced where.
+        self.last_loads: list[tuple[str, Piece, tuple[int, ...]]] = []
+        _WORKER = self
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Learn the attention layers (in model order), refuse packed layouts, check RoPE on the cache's device."""
+        layers = self.vllm_config.compilation_config.static_forward_context
+        self.layers = sorted(kv_caches, key=extract_layer_index)
+        for name in self.layers:
+            backend = layers[name].attn_backend.get_name() if name in layers else "?"
+            if backend in PACKED_LAYOUT_BACKENDS:
+                raise ConfigError(f"{MODULE_CONNECTOR} cannot use attention backend {backend} (layer {name}): "
+                                  f"{PACKED_LAYOUT_BACKENDS[backend]}")
+            if kv_caches[name].dim() != 4:
+                raise ConfigError(f"{MODULE_CONNECTOR} needs per-layer KV caches [blocks, kv_heads, block_size, "
+                                  f"2 * head_dim]; layer {name} ({backend}) has {tuple(kv_caches[name].shape)}")
+        first = kv_caches[self.layers[0]]
+        try:
+            self.spec = check_rerotation(self.vllm_config.model_config.hf_config.to_dict(), device=first.device,
+                                         dtype=first.dtype, num_kv_heads=first.shape[1])
+        except (UnsupportedPositionalEncoding, RerotationMismatch) as why:
+            logger.error("kvreuse module cache is off for this model: %s", why)
+
+    # -- loads --------------------------------------------------------------------------------------------------
+    def load(self, meta: ModuleCacheMetadata, forward_context: "ForwardContext") -> None:
+        if meta.prefetch and self.config.prefetch_depth:
+            self.store.prefetch(meta.prefetch)
+        if meta.loads:
+            self.last_loads = []
+        for spec in meta.loads:
+            self._load_request(spec, forward_context)
+
+    def _load_request(self, spec: LoadSpec, forward_context: "ForwardContext") -> None:
+        for piece, slots, blocks in zip(spec.pieces, spec.slots, spec.blocks):
+            module = self.store.get(piece.name) if self.spec is not None else None
+            if module is None or module.num_layers != len(self.layers):
+                self._errors.update(blocks)
+                self.figures.load_failures += 1
+                logger.warning("kvreuse module %r could not be loaded for request %s; vLLM recomputes its %d "
+                               "tokens", getattr(piece.name, "name", piece.name), spec.req_id, piece.length)
+                continue
+            self._write(module, piece, slots, forward_context)
+            self.last_loads.append((spec.req_id, piece, slots))
+            self.figures.pieces_loaded += 1
+            self.figures.tokens_loaded += piece.length
+
+    def _write(self, module: EncodedModule, piece: Piece, slots: tuple[int, ...],
+               forward_context: "ForwardContext") -> None:
+        assert self.spec is not None
+        part = slice(piece.offset, piece.offset + piece.length)
+        deltas = torch.full((piece.length,), piece.delta(module.start), dtype=torch.int64)
+        slot_mapping = None
+        for index, name in enumerate(self.layers):
+            layer = forward_context.no_compile_layers[name]
+            kv_cache = layer.kv_cache
+            if slot_mapping is None:
+                slot_mapping = torch.tensor(slots, dtype=torch.int64, device=kv_cache.device)
+            keys = module.keys(index)[part].to(kv_cache.device)
+            values = module.values(index)[part].to(kv_cache.device)
+            layer.impl.do_kv_cache_update(layer, move_keys(keys, deltas, self.spec), values, kv_cache, slot_mapping)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    # -- saves --------------------------------------------------------------------------------------------------
+    def copy_layer(self, meta: ModuleCacheMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
+        """Copy this layer's KV of every module being encoded this step (called after the layer's attention)."""
+        if not meta.saves:
+            return
+        head_dim = kv_layer.shape[-1] // 2
+        block_size = kv_layer.shape[2]
+        for save in meta.saves:
+            slots = torch.tensor(save.slots, dtype=torch.int64, device=kv_layer.device)
+            rows = kv_layer[slots // block_size, :, slots % block_size]  # [tokens, kv_heads, 2 * head_dim]
+            self._copies.setdefault(save.req_id, []).append(
+                (rows[..., :head_dim].clone(), rows[..., head_dim:].clone()))
+
+    def store_saved(self, meta: ModuleCacheMetadata) -> None:
+        """Put the modules copied this step into the store (called once per step, after the forward)."""
+        for save in meta.saves:
+            copies = self._copies.pop(save.req_id, [])
+            if len(copies) != len(self.layers):
+                continue  # no forward ran for it this step (vLLM sends metadata to empty steps too)
+            kv = torch.stack([torch.stack(pair) for pair in copies])  # [layers, 2, tokens, kv_heads, head_dim]
+            try:
+                module = EncodedModule(save.name, self.store.model_id, self.store.tokenizer_id, save.token_ids,
+                                       save.start, kv)
+                tier = self.store.put(module)
+            except (ModuleRegistrationError, ModuleTooLarge) as why:
+                self._report.failed[str(save.name)] = str(why)
+                self.figures.encode_failures += 1
+                continue
+            self._report.stored[module.key] = module.token_ids
+            self._known.add(module.key)
+            self.figures.modules_encoded += 1
+            logger.info("kvreuse module %r: %d tokens at position %d, %d bytes, stored in %s", save.name,
+                        len(save.token_ids), save.start, module.nbytes, tier)
+
+    # -- reports --------------------------------------------------------------------------------------------------
+    def take_report(self) -> ModuleCacheWorkerMeta | None:
+        """What entered the store since the last report, and what left it (evicted, failed to load)."""
+        lost = {key for key in self._known if key not in self.store}
+        self._known -= lost
+        self._report.dropped |= lost
+        self._report.stored = {k: v for k, v in self._report.stored.items() if k not in lost}
+        report = self._report
+        self._report = ModuleCacheWorkerMeta()
+        return report if (report.stored or report.dropped or report.failed) else None
+
+    def take_stats(self):
+        """Counts since the last call, for vLLM's metrics (``None`` when nothing changed)."""
+        from kvreuse.vllm.module_metrics import ModuleCacheStats, counter_values
+
+        now = counter_values(self.figures, self.store.figures)
+        delta = {name: value - self._reported_stats.get(name, 0) for name, value in now.items()}
+        delta = {name: value for name, value in delta.items() if value}
+        self._reported_stats = now
+        return ModuleCacheStats(data=delta) if delta else None
+
+    def close(self) -> None:
+        global _WORKER
+        self.store.close()
+        if _WORKER is self:
+            _WORKER = None
