@@ -1,0 +1,93 @@
+"""Engine-side pieces of the module cache that need no running engine: encode parameters, what workers report,
+the figures sent to vLLM's metrics, the CPU path of the key rotation, and the tokenizer's special prefix."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from kvreuse.errors import ModuleRegistrationError
+from kvreuse.kernels.rerotate import RopeSpec, move_keys, rerotate_keys_reference
+from kvreuse.modules.store import ModuleKey, StoreFigures
+from kvreuse.vllm.connector import ModuleCacheWorkerMeta
+from kvreuse.vllm.module_metrics import ModuleCachePromMetrics, ModuleCacheStats, counter_values
+from kvreuse.vllm.module_scheduler import encode_request
+from kvreuse.vllm.module_worker import ModuleFigures
+from kvreuse.vllm.modules import encode_params, special_prefix
+
+
+def test_encode_parameters_round_trip_and_bad_ones_name_the_problem():
+    assert encode_request(encode_params("doc", 3), 10) == ("doc", 3)
+    assert encode_request({"kvreuse_module": "doc"}, 10) == ("doc", 0)
+    assert encode_request(None, 10) is None and encode_request({"other": 1}, 10) is None
+    with pytest.raises(ModuleRegistrationError, match="non-empty string"):
+        encode_request({"kvreuse_module": ""}, 10)
+    with pytest.raises(ModuleRegistrationError, match=r"0\.\.9 \(the prompt has 10 tokens\), got 10"):
+        encode_request(encode_params("doc", 10), 10)
+    with pytest.raises(ModuleRegistrationError, match="got True"):
+        encode_request({"kvreuse_module": "doc", "kvreuse_context": True}, 10)
+
+
+def test_worker_reports_aggregate_to_modules_every_worker_stored_and_any_worker_lost():
+    a, b, c = (ModuleKey(n, n * 4) for n in "abc")
+    one = ModuleCacheWorkerMeta(stored={a: (1,), b: (2,)}, dropped={c}, failed={"x": "too large"})
+    two = ModuleCacheWorkerMeta(stored={a: (1,)}, dropped=set(), failed={"y": "bad tokens"})
+    both = one.aggregate(two)
+    assert both.stored == {a: (1,)} and both.dropped == {c} and both.failed == {"x": "too large", "y": "bad tokens"}
+
+
+def test_stats_flatten_the_counters_and_sum_across_steps_and_workers():
+    store = StoreFigures()
+    store.hits["gpu"] += 3
+    store.bytes_moved["cpu->gpu"] += 4096
+    store.evictions["gpu"] += 1
+    store.misses = 2
+    values = counter_values(ModuleFigures(tokens_loaded=100, pieces_loaded=2), store)
+    assert values["tokens_loaded"] == 100 and values["hits:gpu"] == 3 and values["bytes_moved:cpu->gpu"] == 4096
+    assert values["evictions:gpu"] == 1 and values["misses"] == 2
+    total = ModuleCacheStats(data={"tokens_loaded": 5}).aggregate(ModuleCacheStats(data={"tokens_loaded": 7,
+                                                                                          "hits:cpu": 1}))
+    assert total.reduce() == {"hits:cpu": 1, "tokens_loaded": 12}
+    assert ModuleCacheStats(data={"misses": 0}).is_empty() and not total.is_empty()
+
+
+def test_prometheus_counters_take_the_stats_with_their_labels():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    registry = CollectorRegistry()
+    types = {kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    from vllm.config import VllmConfig
+
+    metrics = ModuleCachePromMetrics(VllmConfig(), types, ["engine"], {0: ["0"]})
+    metrics.observe({"tokens_loaded": 64, "bytes_moved:cpu->gpu": 4096, "hits:gpu": 2, "unknown": 1}, 0)
+    metrics.observe({"tokens_loaded": 36}, 0)
+    get = registry.get_sample_value
+    assert get("kvreuse:module_tokens_loaded_total", {"engine": "0"}) == 100
+    assert get("kvreuse:module_bytes_moved_total", {"engine": "0", "move": "cpu->gpu"}) == 4096
+    assert get("kvreuse:module_hits_total", {"engine": "0", "tier": "gpu"}) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_move_on_cpu_by_the_reference_rounded_once(dtype):
+    spec = RopeSpec(head_dim=64, rotary_dim=64)
+    keys = torch.randn(9, 2, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    deltas = torch.full((9,), 1234, dtype=torch.int64)
+    moved = move_keys(keys, deltas, spec)
+    assert moved.dtype == dtype and torch.equal(moved, rerotate_keys_reference(keys, deltas, spec).to(dtype))
+    back = move_keys(moved, -deltas, spec)
+    assert (back.double() - keys.double()).abs().max() <= (4e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_the_special_prefix_is_what_the_tokenizer_puts_before_every_text(local_tokenizer):
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    plain = PreTrainedTokenizerFast(tokenizer_object=local_tokenizer)
+    assert special_prefix(plain) == []
+    bos = local_tokenizer.token_to_id("<|begin_of_text|>")
+    with_bos = local_tokenizer.__class__.from_str(local_tokenizer.to_str())
+    with_bos.post_processor = TemplateProcessing(single="<|begin_of_text|> $A",
+                                                 special_tokens=[("<|begin_of_text|>", bos)])
+    assert special_prefix(PreTrainedTokenizerFast(tokenizer_object=with_bos)) == [bos]
