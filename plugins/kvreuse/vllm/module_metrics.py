@@ -69,11 +69,22 @@ class ModuleCacheStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+def _unregister_previous() -> None:
+    """Drop the counters of an earlier engine in this process (vLLM does the same for its ``vllm:`` metrics),
+    so a second engine, e.g. a second ``LLM`` in one script, can register its own."""
+    from prometheus_client import REGISTRY
+
+    for collector in list(REGISTRY._collector_to_names):
+        if getattr(collector, "_name", "").startswith(PREFIX):
+            REGISTRY.unregister(collector)
+
+
 class ModuleCachePromMetrics(KVConnectorPromMetrics):
     """Prometheus counters of :data:`COUNTERS`, one child per engine (and per label value, made on first use)."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        _unregister_previous()
         self._counters = {
             name: self._counter_cls(name=PREFIX + prom, documentation=doc,
                                     labelnames=list(labelnames) + ([label] if label else []))

@@ -12,6 +12,7 @@ vLLM's metrics every step (``kvreuse.vllm.module_metrics``).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +55,9 @@ class ModuleFigures:
 
     ``pieces_loaded``/``tokens_loaded``: module pieces and prompt tokens written into requests;
     ``load_failures``: pieces that could not be loaded (recomputed by vLLM); ``modules_encoded``: encode requests
-    whose module entered the store; ``encode_failures``: those refused (too large, bad tokens).
+    whose module entered the store; ``encode_failures``: those refused (too large, bad tokens); ``load_s``:
+    host seconds spent looking modules up and writing them into requests (on a GPU, the copies and rotations it
+    queues run on the device afterwards).
     """
 
     pieces_loaded: int = 0
@@ -62,6 +65,7 @@ class ModuleFigures:
     load_failures: int = 0
     modules_encoded: int = 0
     encode_failures: int = 0
+    load_s: float = 0.0
 
 
 def module_figures() -> dict[str, Any]:
@@ -124,10 +128,13 @@ class ModuleWorker:
     def load(self, meta: ModuleCacheMetadata, forward_context: "ForwardContext") -> None:
         if meta.prefetch and self.config.prefetch_depth:
             self.store.prefetch(meta.prefetch)
-        if meta.loads:
-            self.last_loads = []
+        if not meta.loads:
+            return
+        self.last_loads = []
+        started = time.perf_counter()
         for spec in meta.loads:
             self._load_request(spec, forward_context)
+        self.figures.load_s += time.perf_counter() - started
 
     def _load_request(self, spec: LoadSpec, forward_context: "ForwardContext") -> None:
         for piece, slots, blocks in zip(spec.pieces, spec.slots, spec.blocks):
