@@ -42,3 +42,21 @@ integration: setup
 
 clean:
 	rm -rf build benchmarks/results/*.json benchmarks/results/*.png
+
+# SGLang adapter tests, in their own environment (SGLang's wheel pins a CUDA torch that must stay out of .venv):
+# `make test-sglang` creates $(VENV_SGLANG) on first use from tests/sglang/requirements.txt (all pinned, installed
+# with --no-deps over the CPU build of torch) and runs tests/sglang against SGLang's real classes on CPU.
+VENV_SGLANG  ?= .venv-sglang
+SGLANG_STAMP := $(VENV_SGLANG)/.kvreuse-installed
+
+.PHONY: test-sglang
+
+$(SGLANG_STAMP): pyproject.toml tests/sglang/requirements.txt
+	$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { echo "the SGLang test environment needs Python 3.11 (set PYTHON=...)"; exit 1; }
+	test -x $(VENV_SGLANG)/bin/python || $(PYTHON) -m venv $(VENV_SGLANG)
+	$(VENV_SGLANG)/bin/python -m pip install -q --no-deps -r tests/sglang/requirements.txt
+	$(VENV_SGLANG)/bin/python -m pip install -q --no-deps -e .
+	touch $(SGLANG_STAMP)
+
+test-sglang: $(SGLANG_STAMP)
+	$(VENV_SGLANG)/bin/pytest tests/sglang

@@ -7,6 +7,9 @@
 import os
 
 import pytest
+
+# tests/sglang runs in its own environment (`make test-sglang`): SGLang is not installed next to vLLM.
+collect_ignore = ["sglang"]
 import torch
 
 if not torch.cuda.is_available():

@@ -1,0 +1,175 @@
+"""SGLang radix cache of the ``modules`` plugin (``--radix-cache-backend kvreuse_modules``): cached prompt modules
+spliced into requests at any position.
+
+SGLang lets a plugin replace the whole prefix cache (``register_radix_cache_backend``); this is SGLang's own
+``RadixCache`` with two additions, both in the scheduler process, where the tree and the KV pool live:
+
+* **Learning a module.** Every insertion into the tree (SGLang inserts a request's computed tokens after its prefill
+  and when it finishes) is scanned for the registered modules (``kvreuse.modules.trie.ModuleTrie``, filled from
+  ``KVREUSE_SGLANG_MODULES_FILE``). A module the store does not hold yet is copied out of SGLang's KV pool, every
+  layer, into the store (``kvreuse.modules.store.ModuleStore``), its keys as encoded at the position it had there.
+* **Using a module.** ``match_prefix`` first matches as SGLang does. Where that hit ends, the modules that follow
+  in the request's tokens (``kvreuse.modules.splice.plan_splice``: the module covering the first uncached token,
+  then every module right after it that the store holds, never the prompt's last token) are written into freshly
+  allocated KV slots, keys re-rotated to the positions they take (``kvreuse.kernels.rerotate.move_keys``), and
+  inserted into the tree under the request's own tokens; the match is then repeated and returns the longer hit.
+  Spliced entries are ordinary tree nodes: later requests share them, and eviction frees them as any other.
+
+Like the Prompt Cache design it follows, a spliced module's keys and values are those it had where it was learnt:
+they attended to what preceded it there, not to what precedes it now. Requests whose modules are all learnt at the
+start of a prompt (no context) get exactly the KV of the module alone. What SGLang does not let a plugin do: hand
+the KV to the attention backend (the slots are written directly, so the module cache cannot be combined with
+``--attention-backend kvreuse_sparse``, whose page bounds would miss them), or splice from HiCache's storage tier
+(its look-ups are chained page hashes that stop at the first gap, so only prefixes are found).
+
+Settings: ``KVREUSE_MODULES_*`` (``ModulesConfig``, the store's tiers) and ``KVREUSE_SGLANG_MODULES_FILE``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, InsertResult, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+from kvreuse.errors import ConfigError
+from kvreuse.kernels.rerotate import RopeSpec, check_rerotation, move_keys, rope_spec_from_hf_config
+from kvreuse.modules.config import ModulesConfig
+from kvreuse.modules.splice import Piece, plan_splice
+from kvreuse.modules.store import EncodedModule, ModuleStore
+from kvreuse.modules.trie import ModuleTrie
+from kvreuse.sglang.settings import MODULE_CACHE_BACKEND, SPARSE_ATTENTION_BACKEND, SGLangConfig, read_modules_file
+
+logger = logging.getLogger("sglang.plugins.kvreuse.module_cache")
+
+
+class ModuleRadixCache(RadixCache):
+    """SGLang's ``RadixCache`` that learns registered modules and splices them after a prefix hit."""
+
+    def __init__(self, params: CacheInitParams, *, store: ModuleStore, rope: RopeSpec,
+                 modules: Sequence[tuple[Hashable, Sequence[int]]] = ()) -> None:
+        super().__init__(params)
+        self.store = store
+        self.rope = rope
+        self.module_trie = ModuleTrie(modules)  # the module-sets schedule policy reads it too
+        self._module_tokens = {name: tuple(ids) for name, ids in modules}
+        self.spliced_tokens = 0  # prompt tokens taken from modules instead of computed
+        self.learnt_modules = 0
+
+    def add_module(self, name: Hashable, token_ids: Sequence[int]) -> None:
+        """Register a module to learn and splice (as the modules file does)."""
+        self.module_trie.add(name, token_ids)
+        self._module_tokens[name] = tuple(int(t) for t in token_ids)
+
+    # -- learning --------------------------------------------------------------------------------------------------
+
+    def insert(self, params: InsertParams) -> InsertResult:
+        result = super().insert(params)
+        if not self.disable and params.value is not None and len(self.module_trie):
+            self._learn(params.key, params.value)
+        return result
+
+    def _learn(self, key: RadixKey, slots: torch.Tensor) -> None:
+        ids = key.token_ids[: len(slots)]
+        for match in self.module_trie.find(ids):
+            module_key = self.store.key(match.name, self._module_tokens[match.name])
+            if module_key in self.store:
+                continue
+            kv = self._read_kv(slots[match.start:match.end])
+            self.store.put(EncodedModule(match.name, self.store.model_id, self.store.tokenizer_id,
+                                         self._module_tokens[match.name], match.start, kv))
+            self.learnt_modules += 1
+
+    def _pool(self) -> Any:
+        return self.token_to_kv_pool_allocator.get_kvcache()
+
+    def _read_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        pool = self._pool()
+        slots = slots.to(pool.get_key_buffer(pool.start_layer).device)
+        return torch.stack([torch.stack([pool.get_key_buffer(layer)[slots], pool.get_value_buffer(layer)[slots]])
+                            for layer in range(pool.start_layer, pool.start_layer + pool.layer_num)]).clone()
+
+    # -- splicing --------------------------------------------------------------------------------------------------
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        result = super().match_prefix(params)
+        if self.disable or not len(self.module_trie):
+            return result
+        ids = params.key.token_ids
+        hit = result.device_prefix_len
+        pieces = plan_splice(self.module_trie.find(ids), hit, len(ids) - 1, self._available)
+        end = hit + (sum(piece.length for piece in pieces) // self.page_size) * self.page_size
+        if end <= hit or not self._splice(params.key, result, pieces, end):
+            return result
+        return super().match_prefix(params)
+
+    def _available(self, name: Hashable) -> bool:
+        return self.store.key(name, self._module_tokens[name]) in self.store
+
+    def _splice(self, key: RadixKey, result: MatchResult, pieces: list[Piece], end: int) -> bool:
+        """Write the pieces' KV for tokens ``[hit, end)`` into new slots and insert them; False if it could not."""
+        hit = result.device_prefix_len
+        modules = {}
+        for piece in pieces:
+            module = self.store.get(self.store.key(piece.name, self._module_tokens[piece.name]))
+            if module is None:  # gone since the plan (a failed disk load): splice nothing, compute as usual
+                return False
+            modules[piece.name] = module
+        slots = self.token_to_kv_pool_allocator.alloc(end - hit)
+        if slots is None:
+            return False
+        pool = self._pool()
+        at = 0
+        for piece in pieces:
+            length = min(piece.length, end - hit - at)
+            if length <= 0:
+                break
+            module = modules[piece.name]
+            part = slots[at:at + length]
+            deltas = torch.full((length,), piece.delta(module.start), dtype=torch.int64)
+            for index, layer in enumerate(range(pool.start_layer, pool.start_layer + pool.layer_num)):
+                keys = module.keys(index)[piece.offset:piece.offset + length]
+                key_buffer, value_buffer = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+                part_here = part.to(key_buffer.device)
+                key_buffer[part_here] = move_keys(keys.to(key_buffer.device), deltas.to(key_buffer.device),
+                                                  self.rope).to(key_buffer.dtype)
+                value_buffer[part_here] = module.values(index)[piece.offset:piece.offset + length].to(
+                    device=value_buffer.device, dtype=value_buffer.dtype)
+            at += length
+        prefix = self.path_device_indices(result.last_device_node).to(slots.device)
+        inserted = super().insert(InsertParams(
+            key=RadixKey(key.token_ids[:end], key.extra_key, cache_salt=key.cache_salt),
+            value=torch.cat([prefix[:hit], slots])))
+        if inserted.prefix_len > hit:  # another request inserted part of it meanwhile: ours are duplicates
+            self.token_to_kv_pool_allocator.free(slots[: inserted.prefix_len - hit])
+        self.spliced_tokens += end - hit
+        return True
+
+
+def create_module_radix_cache(ctx: Any) -> ModuleRadixCache:
+    """SGLang's radix-cache factory (``TreeCacheBuildContext`` -> cache) for ``--radix-cache-backend
+    kvreuse_modules``; refuses the configurations it cannot serve, naming the flag."""
+    args = ctx.server_args
+    problems = [what for what, given in (
+        ("--disable-radix-cache", ctx.disable_radix_cache),
+        ("hierarchical caching (--enable-hierarchical-cache)", ctx.enable_hierarchical_cache),
+        ("hybrid sliding-window or state-space models", ctx.is_hybrid_swa or ctx.is_hybrid_ssm),
+        (f"--attention-backend {SPARSE_ATTENTION_BACKEND} (spliced slots would have no page bounds)",
+         SPARSE_ATTENTION_BACKEND in (getattr(args, "attention_backend", None),
+                                      getattr(args, "decode_attention_backend", None))),
+        ("speculative decoding with EAGLE (bigram keys)", ctx.params.is_eagle),
+        ("tensor parallelism (each rank would need the same splice)", ctx.tp_size > 1)) if given]
+    if problems:
+        raise ConfigError(f"--radix-cache-backend {MODULE_CACHE_BACKEND} does not support {', '.join(problems)}")
+    hf_config = ctx.model_config.hf_config
+    rope = check_rerotation(rope_spec_from_hf_config(hf_config.to_dict()))
+    settings = SGLangConfig.load()
+    modules = read_modules_file(settings.modules_file) if settings.modules_file else []
+    store = ModuleStore(ModulesConfig.load(), model_id=str(args.model_path),
+                        tokenizer_id=str(getattr(args, "tokenizer_path", None) or args.model_path))
+    logger.info("kvreuse module cache: %d modules registered, store tiers %s", len(modules), store.tiers)
+    return ModuleRadixCache(ctx.params, store=store, rope=rope, modules=modules)

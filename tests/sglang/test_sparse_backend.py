@@ -1,0 +1,217 @@
+"""``--attention-backend kvreuse_sparse`` on SGLang's real KV pool, ``ForwardBatch`` and ``RadixAttention`` layers.
+
+Shapes: head_dim 64, 4 query heads on 2 KV heads, two layers, ``--page-size 16``; a real ``MHATokenToKVPool`` and
+``ReqToTokenPool`` on CPU. SGLang's ``ModelRunner`` cannot be built without a GPU, so a namespace hands the backend
+the five things it reads from one (device, page size, the two pools, MLA or not); pages are handed out from a
+shuffled list, as SGLang's paged allocator would (token ``t`` of a request in slot ``page * 16 + t % 16``). Every
+forward goes through ``RadixAttention.__call__`` under SGLang's ``forward_context``, as in a model.
+
+Two requests are prefilled (300 and 45 tokens, one extend batch) and then decoded token by token; the reference is
+dense causal attention over the keys and values the test generated.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+from kvreuse.errors import ConfigError
+from kvreuse.sglang.attention import SparseAttnBackend
+from kvreuse.sparse.config import SparseConfig
+
+PAGE, KV_HEADS, Q_HEADS, DIM, LAYERS, PAGES = 16, 2, 4, 64, 2, 48
+SCALE = DIM ** -0.5
+PROMPTS = [300, 45]
+
+
+def sparse(beta: float, **settings) -> SparseConfig:
+    return SparseConfig(**{"beta": beta, "min_context": 0, "dense_layers": 0, "sink": 16, "local": 32, **settings})
+
+
+class Engine:
+    """SGLang's pools and batches for two requests, a stand-in only for the scheduler's page allocator."""
+
+    def __init__(self, config: SparseConfig, page_size: int = PAGE, seed: int = 0, peaked: bool = False):
+        self.g = torch.Generator().manual_seed(seed)
+        self.page = page_size
+        self.kv_pool = MHATokenToKVPool(size=PAGES * page_size, page_size=page_size, dtype=torch.float32,
+                                        head_num=KV_HEADS, head_dim=DIM, layer_num=LAYERS, device="cpu",
+                                        enable_memory_saver=False)
+        self.req_pool = ReqToTokenPool(size=4, max_context_len=1024, device="cpu", enable_memory_saver=False)
+        self.runner = SimpleNamespace(device="cpu", page_size=page_size, req_to_token_pool=self.req_pool,
+                                      token_to_kv_pool=self.kv_pool, use_mla_backend=False)
+        self.backend = SparseAttnBackend(self.runner, config)
+        self.layers = [RadixAttention(Q_HEADS, DIM, SCALE, KV_HEADS, layer_id=i) for i in range(LAYERS)]
+        self.free_pages = (torch.randperm(PAGES - 1, generator=self.g) + 1).tolist()  # page 0 holds slot 0 (padding)
+        self.rows = [1, 2]  # req_pool_indices
+        self.lens = [0, 0]
+        self.peaked = peaked
+        self.direction = torch.randn(KV_HEADS, DIM, generator=self.g)
+        self.history = [[{"k": [], "v": []} for _ in PROMPTS] for _ in range(LAYERS)]
+
+    def _slot(self, req: int, pos: int) -> int:
+        row = self.req_pool.req_to_token[self.rows[req]]
+        if pos % self.page == 0:
+            page = self.free_pages.pop()
+        else:
+            page = int(row[pos - 1]) // self.page
+        slot = page * self.page + pos % self.page
+        row[pos] = slot
+        return slot
+
+    def batch(self, new_tokens: list[int]) -> ForwardBatch:
+        slots = [self._slot(r, self.lens[r] + i) for r, n in enumerate(new_tokens) for i in range(n)]
+        prefix = list(self.lens)
+        self.lens = [a + b for a, b in zip(self.lens, new_tokens)]
+        decode = all(n == 1 for n in new_tokens)
+        fb = ForwardBatch(forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
+                          batch_size=len(new_tokens), input_ids=torch.zeros(sum(new_tokens), dtype=torch.int64),
+                          req_pool_indices=torch.tensor(self.rows), seq_lens=torch.tensor(self.lens),
+                          out_cache_loc=torch.tensor(slots), seq_lens_sum=sum(self.lens),
+                          seq_lens_cpu=torch.tensor(self.lens))
+        if not decode:
+            fb.extend_seq_lens = torch.tensor(new_tokens)
+            fb.extend_prefix_lens = torch.tensor(prefix)
+            fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = list(new_tokens), prefix
+        return fb
+
+    def qkv(self, new_tokens: list[int], layer: int):
+        total = sum(new_tokens)
+        k = torch.randn(total, KV_HEADS, DIM, generator=self.g)
+        v = torch.randn(total, KV_HEADS, DIM, generator=self.g)
+        q = torch.randn(total, Q_HEADS, DIM, generator=self.g)
+        if self.peaked:  # small noise keys, with strong ones at positions 0 and 200 (the heavy hitters)
+            k *= 0.05
+            q = 4 * self.direction.repeat_interleave(Q_HEADS // KV_HEADS, 0)[None] + 0.1 * q
+            at = 0
+            for r, n in enumerate(new_tokens):
+                for pos in (0, 200):
+                    if self.lens[r] - n <= pos < self.lens[r]:
+                        k[at + pos - (self.lens[r] - n)] = self.direction
+                at += n
+        at = 0
+        for r, n in enumerate(new_tokens):
+            self.history[layer][r]["k"].append(k[at:at + n])
+            self.history[layer][r]["v"].append(v[at:at + n])
+            at += n
+        return q, k, v
+
+    def step(self, new_tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One forward of every layer through SGLang's RadixAttention; (output, dense reference) per layer."""
+        fb = self.batch(new_tokens)
+        self.backend.init_forward_metadata(fb)
+        results = []
+        with forward_context(ForwardContext(attn_backend=self.backend)):
+            for i, layer in enumerate(self.layers):
+                q, k, v = self.qkv(new_tokens, i)
+                out = layer(q.reshape(len(q), -1), k.reshape(len(k), -1), v.reshape(len(v), -1), fb)
+                results.append((out.view(-1, Q_HEADS, DIM), self.dense(i, q, new_tokens)))
+        return results
+
+    def dense(self, layer: int, q: torch.Tensor, new_tokens: list[int]) -> torch.Tensor:
+        out, at = [], 0
+        for r, n in enumerate(new_tokens):
+            keys = torch.cat(self.history[layer][r]["k"]).repeat_interleave(Q_HEADS // KV_HEADS, 1)
+            values = torch.cat(self.history[layer][r]["v"]).repeat_interleave(Q_HEADS // KV_HEADS, 1)
+            total = len(keys)
+            logits = torch.einsum("qhd,nhd->hqn", q[at:at + n], keys) * SCALE
+            future = torch.arange(total)[None, :] > torch.arange(total - n, total)[:, None]
+            weights = torch.softmax(logits.masked_fill(future[None], float("-inf")), -1)
+            out.append(torch.einsum("hqn,nhd->qhd", weights, values))
+            at += n
+        return torch.cat(out)
+
+
+def test_prefill_and_decode_with_infinite_beta_equal_dense_attention():
+    engine = Engine(sparse(float("inf")))
+    for out, dense in engine.step(PROMPTS):
+        torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
+    for _ in range(3):
+        for out, dense in engine.step([1, 1]):
+            torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
+
+
+def test_the_metadata_is_sglangs_batch_in_pages():
+    engine = Engine(sparse(8.0))
+    fb = engine.batch(PROMPTS)
+    engine.backend.init_forward_metadata(fb)
+    batch = engine.backend.forward_metadata
+    assert batch.query_start_loc_cpu.tolist() == [0, 300, 345]
+    assert batch.seq_lens_cpu.tolist() == [300, 45] and batch.max_seq_len == 300 and batch.num_actual_tokens == 345
+    assert batch.block_table.shape == (2, 19) and batch.block_table.dtype == torch.int32
+    rows = engine.req_pool.req_to_token
+    for r, n in enumerate(PROMPTS):  # every token's slot is page * 16 + offset, the page from the block table
+        pages = batch.block_table[r, torch.arange(n) // PAGE].long()
+        assert torch.equal(pages * PAGE + torch.arange(n) % PAGE, rows[engine.rows[r], :n].long())
+    assert torch.equal(batch.slot_mapping, fb.out_cache_loc)
+    fb = engine.batch([1, 1])
+    engine.backend.init_forward_metadata(fb)
+    assert engine.backend.forward_metadata.query_start_loc_cpu.tolist() == [0, 1, 2]
+    assert engine.backend.forward_metadata.seq_lens_cpu.tolist() == [301, 46]
+
+
+def test_the_kv_and_the_page_bounds_are_written_into_sglangs_pool():
+    engine = Engine(sparse(8.0))
+    engine.step(PROMPTS)
+    for layer in range(LAYERS):
+        keys = engine.kv_pool.get_key_buffer(layer)
+        slots = engine.req_pool.req_to_token[engine.rows[0], :300].long()
+        torch.testing.assert_close(keys[slots], torch.cat(engine.history[layer][0]["k"]))
+        bounds = engine.backend.bounds[layer]
+        page = int(slots[0]) // PAGE
+        page_keys = keys[page * PAGE:(page + 1) * PAGE]
+        torch.testing.assert_close(bounds[page, :, 0], page_keys.amax(0))
+        torch.testing.assert_close(bounds[page, :, 1], page_keys.amin(0))
+
+
+def test_decode_with_finite_beta_reads_fewer_tokens_and_keeps_the_heavy_hitters():
+    engine = Engine(sparse(4.0), peaked=True)
+    engine.step(PROMPTS)
+    for _ in range(2):
+        for out, dense in engine.step([1, 1]):
+            torch.testing.assert_close(out, dense, atol=2e-3, rtol=2e-3)
+    rows = {row["layer"]: row for row in engine.backend.attention.figures.rows()}
+    assert set(rows) == {0, 1}
+    assert all(row["token_fraction"] < 0.5 for row in rows.values())
+
+
+def test_the_triton_kernel_reads_sglangs_pool_pages_as_the_backend_does():
+    """The DIPR kernel (Triton's interpreter on CPU) on the backend's views of SGLang's pool gives the backend's
+    decode output: the layout mapping holds for the kernel, not only for the PyTorch path."""
+    from kvreuse.kernels.dipr_decode import DIPRDecode
+
+    assert os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+    engine = Engine(sparse(6.0), peaked=True)
+    engine.step(PROMPTS)
+    fb = engine.batch([1, 1])
+    engine.backend.init_forward_metadata(fb)
+    q, k, v = engine.qkv([1, 1], 1)
+    with forward_context(ForwardContext(attn_backend=engine.backend)):
+        out = engine.layers[1](q.reshape(2, -1), k.reshape(2, -1), v.reshape(2, -1), fb).view(2, Q_HEADS, DIM)
+    key_cache, value_cache, bounds = engine.backend._caches(engine.layers[1])
+    batch = engine.backend.forward_metadata
+    kernel = DIPRDecode(Q_HEADS, KV_HEADS, DIM, PAGE, scale=SCALE, sink=16, local=32)
+    kernel.plan(batch.seq_lens.to(torch.int32), batch.block_table, max_seq_len=batch.max_seq_len)
+    result = kernel.run(q.contiguous(), key_cache, value_cache, bounds, torch.full((2,), 6.0))
+    torch.testing.assert_close(result, out, atol=1e-4, rtol=1e-4)
+
+
+def test_page_size_one_is_refused_naming_the_flag():
+    with pytest.raises(ConfigError, match="--page-size"):
+        Engine(sparse(8.0), page_size=1)
+
+
+def test_unsupported_layers_and_cuda_graphs_are_refused():
+    engine = Engine(sparse(8.0))
+    window = RadixAttention(Q_HEADS, DIM, SCALE, KV_HEADS, layer_id=0, sliding_window_size=128)
+    with pytest.raises(ConfigError, match="sliding windows"):
+        engine.backend._attention(window)
+    with pytest.raises(ConfigError, match="--disable-cuda-graph"):
+        engine.backend.init_cuda_graph_state(8, 8)
