@@ -30,10 +30,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.plugins.kvreuse")
 
 
-def model_identity(vllm_config: "VllmConfig") -> tuple[str, str]:
-    """The (model id, tokenizer id) a module's fingerprint is taken with, the same in every process."""
-    model = vllm_config.model_config
-    return (f"{model.model}@{model.revision or ''}", f"{model.tokenizer}@{model.tokenizer_revision or ''}")
+def marks_encode(params: dict | None) -> bool:
+    """Whether a request's ``kv_transfer_params`` make it an encode request (well formed or not)."""
+    return bool(params) and ENCODE_MODULE in params
 
 
 def encode_request(params: dict | None, num_prompt_tokens: int) -> tuple[Hashable, int] | None:
@@ -41,7 +40,7 @@ def encode_request(params: dict | None, num_prompt_tokens: int) -> tuple[Hashabl
 
     Raises :class:`ModuleRegistrationError` for malformed parameters (the request then runs as a plain one).
     """
-    if not params or ENCODE_MODULE not in params:
+    if not marks_encode(params):
         return None
     name, context = params[ENCODE_MODULE], params.get(ENCODE_CONTEXT, 0)
     if not isinstance(name, str) or not name:
@@ -77,7 +76,7 @@ class ModuleScheduler:
     # -- vLLM's calls ---------------------------------------------------------------------------------------------
     def matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
         """Prompt tokens after ``num_computed_tokens`` that cached modules cover (side-effect free for vLLM)."""
-        if not self.enabled or not self.available or self._is_encode(request):
+        if not self.enabled or not self.available or marks_encode(request.kv_transfer_params):
             self._plans.pop(request.request_id, None)
             return 0
         prompt = request.prompt_token_ids or []
@@ -112,8 +111,21 @@ class ModuleScheduler:
 
     def build_metadata(self, scheduler_output: "SchedulerOutput",
                        kv_cache_manager: "KVCacheManager") -> ModuleCacheMetadata:
-        meta = ModuleCacheMetadata(loads=self._loads)
+        meta = ModuleCacheMetadata(loads=self._loads, saves=self._saves(scheduler_output, kv_cache_manager))
         self._loads = []
+        seen: set[ModuleKey] = set()
+        for pieces in self._plans.values():  # requests still waiting: their modules are worth promoting now
+            for piece in pieces:
+                if piece.name not in seen:
+                    seen.add(piece.name)
+                    meta.prefetch.append(piece.name)
+        return meta
+
+    def _saves(self, scheduler_output: "SchedulerOutput", kv_cache_manager: "KVCacheManager") -> list[SaveSpec]:
+        """The encode requests whose prompt is complete after this step."""
+        saves: list[SaveSpec] = []
+        if not self._encodes:
+            return saves
         progress = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         progress.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -126,15 +138,9 @@ class ModuleScheduler:
                 continue  # chunked prefill: the module is complete in a later step
             del self._encodes[rid]
             block_ids = kv_cache_manager.get_block_ids(rid)[0]
-            meta.saves.append(SaveSpec(rid, name, prompt[context:], context,
-                                       tuple(token_slots(block_ids, self.block_size, context, len(prompt)))))
-        seen: set[ModuleKey] = set()
-        for pieces in self._plans.values():  # requests still waiting: their modules are worth promoting now
-            for piece in pieces:
-                if piece.name not in seen:
-                    seen.add(piece.name)
-                    meta.prefetch.append(piece.name)
-        return meta
+            saves.append(SaveSpec(rid, name, prompt[context:], context,
+                                  tuple(token_slots(block_ids, self.block_size, context, len(prompt)))))
+        return saves
 
     def worker_reported(self, report: ModuleCacheWorkerMeta) -> None:
         for key, token_ids in report.stored.items():
@@ -154,11 +160,8 @@ class ModuleScheduler:
             state.pop(request_id, None)
 
     # -- helpers ----------------------------------------------------------------------------------------------------
-    def _is_encode(self, request: "Request") -> bool:
-        return bool(request.kv_transfer_params) and ENCODE_MODULE in request.kv_transfer_params
-
     def _remember_encode(self, request: "Request") -> None:
-        if not self.enabled or request.request_id in self._encodes or not self._is_encode(request):
+        if not self.enabled or request.request_id in self._encodes or not marks_encode(request.kv_transfer_params):
             return
         prompt = tuple(request.prompt_token_ids or ())
         try:
