@@ -15,9 +15,13 @@ Each :class:`Piece` moves a module's keys from the positions it was encoded at t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
+from kvreuse.kernels.rerotate import RopeSpec, move_keys
+from kvreuse.modules.store import EncodedModule
 from kvreuse.modules.trie import ModuleMatch
 
 
@@ -70,3 +74,15 @@ def token_slots(block_ids: Sequence[int], block_size: int, start: int, stop: int
         raise ValueError(f"tokens up to {stop} need {-(-stop // block_size)} blocks of {block_size}, "
                          f"the request has {len(block_ids)}")
     return [block_ids[t // block_size] * block_size + t % block_size for t in range(start, stop)]
+
+
+def piece_kv(module: EncodedModule, piece: Piece, spec: RopeSpec, device: torch.device | str,
+             length: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer of ``module``, in order: the keys and values of the piece's first ``length`` tokens (default
+    all) on ``device``, keys moved to the prompt positions the piece takes. What an engine adapter writes into its
+    own cache."""
+    length = piece.length if length is None else length
+    part = slice(piece.offset, piece.offset + length)
+    deltas = torch.full((length,), piece.delta(module.start), dtype=torch.int64)
+    for layer in range(module.num_layers):
+        yield move_keys(module.keys(layer)[part].to(device), deltas, spec), module.values(layer)[part].to(device)

@@ -37,9 +37,9 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from kvreuse.errors import ConfigError
-from kvreuse.kernels.rerotate import RopeSpec, check_rerotation, move_keys, rope_spec_from_hf_config
+from kvreuse.kernels.rerotate import RopeSpec, check_rerotation, rope_spec_from_hf_config
 from kvreuse.modules.config import ModulesConfig
-from kvreuse.modules.splice import Piece, plan_splice
+from kvreuse.modules.splice import Piece, piece_kv, plan_splice
 from kvreuse.modules.store import EncodedModule, ModuleStore
 from kvreuse.modules.trie import ModuleTrie
 from kvreuse.sglang.settings import MODULE_CACHE_BACKEND, SPARSE_ATTENTION_BACKEND, SGLangConfig, read_modules_file
@@ -128,17 +128,13 @@ class ModuleRadixCache(RadixCache):
             length = min(piece.length, end - hit - at)
             if length <= 0:
                 break
-            module = modules[piece.name]
-            part = slots[at:at + length]
-            deltas = torch.full((length,), piece.delta(module.start), dtype=torch.int64)
-            for index, layer in enumerate(range(pool.start_layer, pool.start_layer + pool.layer_num)):
-                keys = module.keys(index)[piece.offset:piece.offset + length]
+            layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
+            device = pool.get_key_buffer(pool.start_layer).device
+            part = slots[at:at + length].to(device)
+            for layer, (keys, values) in zip(layers, piece_kv(modules[piece.name], piece, self.rope, device, length)):
                 key_buffer, value_buffer = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
-                part_here = part.to(key_buffer.device)
-                key_buffer[part_here] = move_keys(keys.to(key_buffer.device), deltas.to(key_buffer.device),
-                                                  self.rope).to(key_buffer.dtype)
-                value_buffer[part_here] = module.values(index)[piece.offset:piece.offset + length].to(
-                    device=value_buffer.device, dtype=value_buffer.dtype)
+                key_buffer[part] = keys.to(key_buffer.dtype)
+                value_buffer[part] = values.to(value_buffer.dtype)
             at += length
         prefix = self.path_device_indices(result.last_device_node).to(slots.device)
         inserted = super().insert(InsertParams(

@@ -21,9 +21,9 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from kvreuse.errors import (ConfigError, ModuleRegistrationError, ModuleTooLarge, RerotationMismatch,
                             UnsupportedPositionalEncoding)
-from kvreuse.kernels.rerotate import RopeSpec, check_rerotation, move_keys
+from kvreuse.kernels.rerotate import RopeSpec, check_rerotation
 from kvreuse.modules.config import ModulesConfig
-from kvreuse.modules.splice import Piece
+from kvreuse.modules.splice import Piece, piece_kv
 from kvreuse.modules.store import EncodedModule, ModuleKey, ModuleStore
 from kvreuse.vllm.connector import LoadSpec, ModuleCacheMetadata, ModuleCacheWorkerMeta
 from kvreuse.vllm.registration import MODULE_CONNECTOR, SPARSE_CPU_SWITCH
@@ -153,17 +153,11 @@ class ModuleWorker:
     def _write(self, module: EncodedModule, piece: Piece, slots: tuple[int, ...],
                forward_context: "ForwardContext") -> None:
         assert self.spec is not None
-        part = slice(piece.offset, piece.offset + piece.length)
-        deltas = torch.full((piece.length,), piece.delta(module.start), dtype=torch.int64)
-        slot_mapping = None
-        for index, name in enumerate(self.layers):
-            layer = forward_context.no_compile_layers[name]
-            kv_cache = layer.kv_cache
-            if slot_mapping is None:
-                slot_mapping = torch.tensor(slots, dtype=torch.int64, device=kv_cache.device)
-            keys = module.keys(index)[part].to(kv_cache.device)
-            values = module.values(index)[part].to(kv_cache.device)
-            layer.impl.do_kv_cache_update(layer, move_keys(keys, deltas, self.spec), values, kv_cache, slot_mapping)
+        layers = [forward_context.no_compile_layers[name] for name in self.layers]
+        device = layers[0].kv_cache.device
+        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+        for layer, (keys, values) in zip(layers, piece_kv(module, piece, self.spec, device)):
+            layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slot_mapping)
 
     def take_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
