@@ -52,6 +52,23 @@ def _figures(llm):
     return llm.collective_rpc(call)[0]
 
 
+def _kv_layout(worker):
+    """Layer 0's KV cache and bounds as the worker holds them: sizes, and whether the bounds share its memory."""
+    import torch
+
+    layer = next(module for module in worker.model_runner.compilation_config.static_forward_context.values()
+                 if getattr(module, "impl", None) is not None and getattr(module.impl, "_views", None))
+    kv_cache = layer.kv_cache
+    key_cache, _, bounds = layer.impl._views[1]
+    written = torch.isfinite(bounds[:, :, 0]).all(-1).all(-1)  # blocks whose bounds hold keys
+    first = int(written.nonzero()[0])
+    return {"num_blocks": kv_cache.shape[0], "block_stride_bytes": kv_cache.stride(0) * kv_cache.element_size(),
+            "page_bytes": kv_cache[0].numel() * kv_cache.element_size(),
+            "same_memory": bounds.untyped_storage().data_ptr() == kv_cache.untyped_storage().data_ptr(),
+            "written_blocks": int(written.sum()),
+            "max_is_key_max": bool((bounds[first, :, 0] == key_cache[first].amax(0)).all())}
+
+
 @pytest.fixture(scope="module")
 def stock_tokens(small_model):
     llm = start_llm(small_model)
@@ -116,3 +133,19 @@ def test_finite_beta_runs_and_reports_what_each_layer_attended(sparse_llm):
         assert 0.0 < row["block_fraction"] <= 1.0
         assert 0.0 < row["token_fraction"] < 0.5
         assert row["samples"] > 0 and 0.0 < row["recovery_min"] <= row["recovery_mean"] <= 1.0
+
+
+def test_block_bounds_are_one_padding_row_of_each_kv_page_inside_the_cache_budget(sparse_llm):
+    from kvreuse.localmodel import local_engine_args
+
+    sparse_llm.collective_rpc(_configure(EXACT))
+    greedy_tokens(sparse_llm, [LONG_PROMPT], max_tokens=4)
+    layout = sparse_llm.collective_rpc(_kv_layout)[0]
+    # Small model: 2 layers, 2 KV heads x head_dim 64, fp32, 32-token blocks: a page is 32 x 2 x 128 x 4 = 32 KiB
+    # and its bounds row 2 x 128 x 4 = 1 KiB more; 256 MiB of cache then holds 3,971 blocks (4,096 without bounds).
+    assert layout["page_bytes"] == 32 * 2 * 128 * 4
+    assert layout["block_stride_bytes"] == 33 * 2 * 128 * 4
+    budget = local_engine_args("model")["kv_cache_memory_bytes"]
+    assert layout["num_blocks"] == budget // (2 * 33 * 2 * 128 * 4) == 3971
+    assert layout["same_memory"]
+    assert layout["written_blocks"] >= 1600 // 32 and layout["max_is_key_max"]

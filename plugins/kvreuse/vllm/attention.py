@@ -6,6 +6,11 @@ on CPU the backend is opt-in through ``KVREUSE_SPARSE_CPU_BACKEND=1``, with whic
 of CPU_ATTN in that process (and in vLLM's workers, which inherit the variable).
 
 The classes here are thin: the cache write, the bounds and the attention live in ``kvreuse.sparse.paged``.
+
+The block bounds are inside vLLM's KV cache budget: ``customize_spec`` pads each block's page by one token row
+(``num_kv_heads x 2 x head_dim`` values, the size of one block's bounds), so vLLM sizes the cache, and so the number
+of blocks, with the bounds counted, and ``page_bounds`` views that row as the kernels' ``bounds`` tensor: the K half
+of the row holds the channel-wise maxima, the V half the minima. A block's bounds thus live and die with the block.
 Settings come from ``--additional-config '{"kvreuse": {"sparse": {...}}}'`` or ``KVREUSE_SPARSE_*``. The attended
 fractions per layer are logged (logger ``vllm.plugins.kvreuse``) every ``LOG_EVERY_STEPS`` engine steps and at
 shutdown, and read in the worker process with ``sparse_figures()`` (e.g. through ``LLM.collective_rpc``).
@@ -15,7 +20,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -23,6 +28,7 @@ from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder, AttentionType,
                                        CommonAttentionMetadata, MultipleOf)
+from vllm.utils.torch_utils import get_dtype_size
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvreuse.errors import ConfigError
@@ -113,10 +119,47 @@ class SparseAttentionBackend(AttentionBackend):
         return [MultipleOf(16)]
 
     @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """Pad each page by one token row for the block's bounds (see ``page_bounds``), so that vLLM counts them
+        in the KV cache budget. A page someone already padded enough is kept as it is."""
+        needed = spec.unpadded_page_size_bytes + bounds_row_bytes(spec)
+        if spec.page_size_padded is None:
+            return replace(spec, page_size_padded=needed)
+        if spec.page_size_padded < needed:
+            raise ConfigError(f"the kvreuse sparse attention backend needs {needed} bytes per KV page (the block "
+                              f"plus its bounds) but vLLM padded the page to {spec.page_size_padded}")
+        return spec
+
+    @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
         # Block, token, head, channel: the per-layer view [B, H, N, 2D] transposed is [B, N, H, 2D], whose key and
         # value halves are the kernels' key_cache/value_cache[num_blocks, block_size, num_kv_heads, head_dim].
         return (KVCacheLayout.LBNHC,)
+
+
+def bounds_row_bytes(spec: AttentionSpec) -> int:
+    """Bytes of one block's bounds: a max and a min per channel and KV head, i.e. one token row of the page."""
+    return spec.num_kv_heads * 2 * spec.head_size * get_dtype_size(spec.dtype)
+
+
+def page_bounds(kv_cache: torch.Tensor, head_size: int) -> torch.Tensor:
+    """The bounds ``[num_blocks, num_kv_heads, 2, head_size]`` kept in the padding row after each block's tokens.
+
+    ``kv_cache`` is vLLM's per-layer ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` view of an LBNHC
+    cache, whose pages ``customize_spec`` padded by one token row: token ``n`` of a page starts ``n * stride(2)``
+    elements into it, so row ``block_size`` is the padding, and within it KV head ``h`` starts at ``h *
+    stride(1)`` with its K half (the maxima) then its V half (the minima).
+    """
+    num_blocks, num_kv_heads, block_size, width = kv_cache.shape
+    block_stride, head_stride, token_stride, channel_stride = kv_cache.stride()
+    if (width != 2 * head_size or channel_stride != 1 or head_stride != width
+            or token_stride != num_kv_heads * width or block_stride < (block_size + 1) * token_stride):
+        raise ConfigError(
+            f"the kvreuse sparse attention backend keeps its block bounds in one padding row after each KV page, "
+            f"but this KV cache view (shape {list(kv_cache.shape)}, strides {list(kv_cache.stride())}) has no such "
+            f"row: vLLM did not use the backend's page size (a hybrid model, or another layout than LBNHC)")
+    return kv_cache.as_strided((num_blocks, num_kv_heads, 2, head_size), (block_stride, head_stride, head_size, 1),
+                               kv_cache.storage_offset() + block_size * token_stride)
 
 
 @dataclass
@@ -162,18 +205,22 @@ class SparseAttentionImpl(AttentionImpl[SparseAttentionMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
         self.attention = _shared_attention(num_heads, self.num_kv_heads, head_size, scale)
-        self._bounds: torch.Tensor | None = None
+        self._views: tuple[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._layer: int | None = None
         self._steps = 0
 
     def _caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # [blocks, heads, tokens, K|V] logical view of an LBNHC cache -> [blocks, tokens, heads, head_size] each.
-        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-        self.attention.block_size = key_cache.shape[1]  # the kernel block size vLLM chose (a multiple of 16)
-        if self._bounds is None or self._bounds.shape[0] != key_cache.shape[0] or \
-                self._bounds.device != key_cache.device:
-            self._bounds = self.attention.allocate_bounds(key_cache.shape[0], key_cache.dtype, key_cache.device)
-        return key_cache, value_cache, self._bounds
+        """Key and value caches ``[blocks, tokens, heads, head_size]`` and the bounds of ``kv_cache`` (vLLM's
+        ``[blocks, heads, tokens, K|V]`` view of an LBNHC cache). Made once per cache memory: only then are the
+        bounds set to empty (-inf/+inf); afterwards only writes change them."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride())
+        if self._views is None or self._views[0] != key:
+            key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+            self.attention.block_size = key_cache.shape[1]  # the kernel block size vLLM chose (a multiple of 16)
+            bounds = page_bounds(kv_cache, self.head_size)
+            bounds.copy_(self.attention.allocate_bounds(1, bounds.dtype, bounds.device).expand_as(bounds))
+            self._views = (key, (key_cache, value_cache, bounds))
+        return self._views[1]
 
     def _layer_index(self, layer) -> int:
         if self._layer is None:
