@@ -12,7 +12,7 @@ import torch
 from kvreuse.kernels.block_bounds import merge_written_keys_reference, recompute_bounds_reference
 from kvreuse.kernels.dipr_decode import dense_decode_reference, dipr_selection_reference, masked_decode_reference
 from kvreuse.sparse.config import SparseConfig
-from kvreuse.sparse.paged import PagedBatch, SparseAttention, causal_attention, merge_bounds, write_paged_kv
+from kvreuse.sparse.paged import PagedBatch, SparseAttention, merge_bounds, write_paged_kv
 
 BLOCK, KV_HEADS, Q_HEADS, DIM, POOL = 32, 2, 4, 64, 40
 SCALE = DIM ** -0.5
@@ -22,9 +22,9 @@ PROMPTS = [300, 45]
 class Engine:
     """A stand-in for vLLM's model runner: a block pool, block tables, slot mappings and batches."""
 
-    def __init__(self, config: SparseConfig, seed: int = 0, peaked: bool = False):
+    def __init__(self, config: SparseConfig, seed: int = 0, peaked: bool = False, kernels: bool | None = None):
         self.g = torch.Generator().manual_seed(seed)
-        self.attention = SparseAttention(Q_HEADS, KV_HEADS, DIM, BLOCK, SCALE, config)
+        self.attention = SparseAttention(Q_HEADS, KV_HEADS, DIM, BLOCK, SCALE, config, kernels=kernels)
         # One tensor like vLLM's LBNHC layer view: [blocks, tokens, heads, K|V].
         kv = torch.zeros(POOL, BLOCK, KV_HEADS, 2 * DIM)
         self.key_cache, self.value_cache = kv.split(DIM, dim=-1)
@@ -157,6 +157,22 @@ def test_finite_beta_attends_a_superset_of_the_exact_dipr_set_and_reads_fewer_bl
     assert row["block_fraction"] < 0.5 and row["token_fraction"] < 0.1
 
 
+def test_the_triton_path_computes_what_the_pytorch_path_computes_step_by_step():
+    """What the backend runs on a GPU (the Triton kernels, here in Triton's interpreter) against what it runs on CPU:
+    a prefill, then steps mixing DIPR decodes (request 0, 300+ tokens), dense decodes (request 1, under
+    ``min_context``) and a 20-token chunk of request 0."""
+    config = sparse(4.0, sink=4, local=8, min_context=100)
+    engines = [Engine(config, peaked=True, kernels=kernels) for kernels in (False, True)]
+    for new_tokens in (PROMPTS, [1, 1], [20, 1], [1, 1]):
+        (q0, _, _, batch0), (q1, _, _, batch1) = (engine.step(new_tokens) for engine in engines)
+        for layer in (0, 1):
+            torch.testing.assert_close(engines[1].attend(layer, q1, batch1), engines[0].attend(layer, q0, batch0),
+                                       atol=1e-5, rtol=0)
+        assert torch.equal(engines[1].bounds, engines[0].bounds)
+    assert engines[1].attention.figures.rows() == engines[0].attention.figures.rows()
+    assert engines[1].attention.figures.rows()[1]["block_fraction"] < 0.8
+
+
 @pytest.mark.parametrize("settings", [{"dense_layers": 2}, {"min_context": 1000}])
 def test_dense_layers_and_short_contexts_decode_densely(settings):
     engine = Engine(sparse(0.5, **settings), peaked=True)
@@ -167,17 +183,6 @@ def test_dense_layers_and_short_contexts_decode_densely(settings):
                                       batch.seq_lens, SCALE)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert engine.attention.figures.rows()[0]["block_fraction"] == 1.0
-
-
-def test_causal_attention_of_one_token_is_decode_attention():
-    engine = Engine(sparse(float("inf")))
-    engine.step(PROMPTS)
-    query, _, _, batch = engine.step([1, 1])
-    out = torch.cat([causal_attention(query[r:r + 1], engine.key_cache, engine.value_cache, batch.block_table,
-                                      engine.lens[r], r, SCALE) for r in range(2)])
-    expected = dense_decode_reference(query, engine.key_cache, engine.value_cache, batch.block_table,
-                                      batch.seq_lens, SCALE)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_sample_recovery_measures_the_kept_attention_mass_every_nth_dipr_decode():

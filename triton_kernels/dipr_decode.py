@@ -45,21 +45,12 @@ import triton.language as tl
 
 from kvreuse.errors import check_kernel_argument as _check
 from kvreuse.kernels.block_bounds import SUPPORTED_DTYPES
+from kvreuse.kernels.tile_math import dot_fp32, interpreter_upcast
 
 # A block is read if U + BOUND_SLACK * sum_i |q_i| max(|M_i|, |m_i|) >= tau. The bound holds exactly in real
 # arithmetic; the slack absorbs fp32 rounding of the two dot products (relative error <= head_dim * 2**-24,
 # ~1e-5 for head_dim 128), so a token whose score equals its block's bound is never lost to rounding.
 BOUND_SLACK = 1e-4
-
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    # fp32 accumulation; UPCAST only under Triton's interpreter, which keeps bf16 as raw uint16 and would multiply
-    # the integers: upcasting is exact, so the products are the same and only the summation order may differ.
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -72,7 +63,7 @@ def _window_max_kernel(
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM: one tile holds a whole key row
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
     BLOCK_T: tl.constexpr,  # window tokens per iteration; 16 fills a tensor-core tile and the window is short
-    UPCAST: tl.constexpr,  # see _dot
+    UPCAST: tl.constexpr,  # see dot_fp32
 ):
     # One program per (sequence, KV head): s[h] = max over window tokens of the logits of query head h
     # (-inf without reading anything for a dense sequence, beta = inf, which needs no threshold).
@@ -92,7 +83,7 @@ def _window_max_kernel(
         block = tl.load(block_table_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         k = tl.load(k_ptr + block[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_kt
                     + kv_head * stride_kh + d[None, :], mask=valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-        logits = _dot(q, tl.trans(k), UPCAST) * scale
+        logits = dot_fp32(q, tl.trans(k), UPCAST) * scale
         best = tl.maximum(best, tl.max(tl.where(valid[None, :], logits, float("-inf")), axis=1))
     tl.store(smax_ptr + seq * (GROUP * tl.num_programs(1)) + kv_head * GROUP + g, best, mask=g < GROUP)
 
@@ -109,7 +100,7 @@ def _dipr_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,  # next power of two >= BLOCK_SIZE: one tile is one KV block, the unit of pruning
     SLACK: tl.constexpr,
-    UPCAST: tl.constexpr,  # see _dot
+    UPCAST: tl.constexpr,  # see dot_fp32
 ):
     # One program per (sequence, KV head, split); the split covers blocks [split, split + 1) * blocks_per_split.
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -150,7 +141,7 @@ def _dipr_split_kernel(
                         mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + block * stride_vb + t[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
                         mask=kv_mask, other=0.0)
-            logits = _dot(q, tl.trans(k), UPCAST) * scale  # [BLOCK_G, BLOCK_T]
+            logits = dot_fp32(q, tl.trans(k), UPCAST) * scale  # [BLOCK_G, BLOCK_T]
             window = (pos < sink) | (pos >= seq_len - local)
             keep = ((t < BLOCK_SIZE) & (pos < seq_len))[None, :] & (window[None, :] | (logits >= tau[:, None]))
             logits = tl.where(keep, logits, float("-inf"))
@@ -159,7 +150,7 @@ def _dipr_split_kernel(
             p = tl.exp(logits - m_safe[:, None])
             rescale = tl.exp(m_i - m_safe)
             l_i = l_i * rescale + tl.sum(p, axis=1)
-            acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+            acc = acc * rescale[:, None] + dot_fp32(p.to(v.dtype), v, UPCAST)
             m_i = m_new
             n_blocks_read += 1
             n_tokens += tl.sum(keep.to(tl.int32), axis=1)
@@ -374,7 +365,7 @@ class DIPRDecode:
             return (out, self._counters(blocks_read, tokens, seq_lens)) if return_counters else out
         shape = dict(GROUP=self.group, BLOCK_G=block_g, HEAD_DIM=self.head_dim, BLOCK_D=block_d,
                      BLOCK_SIZE=self.block_size,
-                     UPCAST=query.dtype == torch.bfloat16 and bool(triton.knobs.runtime.interpret))
+                     UPCAST=interpreter_upcast(query.dtype))
         if not dense:
             _window_max_kernel[(num_seqs, self.num_kv_heads)](
                 query, key_cache, block_table, seq_lens, betas, smax, self.scale, self.sink, self.local,

@@ -17,10 +17,11 @@ layer's attention for the whole batch:
   ``layer_betas``) and the sequence is at least ``min_context`` tokens long; its beta may be ``inf``, which DIPR
   computes as exact dense attention. Otherwise it gets the dense path.
 
-On CUDA, bounds and DIPR run the Triton launchers (``BlockBounds``, ``DIPRDecode``). Elsewhere (vLLM's CPU build,
-where Triton is off) they run in PyTorch: the bounds by ``scatter_reduce_``, DIPR by the kernels' references, which
-select the same blocks and tokens as the kernel but, computing every logit, save no bytes. Prefill is PyTorch on
-every device (a per-request loop, as a reference; a GPU deployment wants a fused prefill kernel here).
+On CUDA, everything runs the Triton launchers: ``BlockBounds`` for the bounds, ``PagedCausalAttention`` for all the
+batch's dense requests in one launch per layer, ``DIPRDecode`` for the DIPR decodes. Elsewhere (vLLM's CPU build,
+where Triton is off) the same work runs in PyTorch: the bounds by ``scatter_reduce_``, dense attention and DIPR by
+the kernels' references, which attend the same tokens as the kernels but, computing every logit, save no bytes
+(``kernels=True`` runs the Triton path anyway, e.g. in Triton's interpreter for tests).
 
 Every DIPR decode adds the blocks and tokens it attended to ``figures`` (``AttendedFractions``); dense decodes of
 sequences the policy keeps dense add every block and token, so the fractions are over all decode work. Every
@@ -97,37 +98,21 @@ def merge_bounds(bounds: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Te
     lo.scatter_reduce_(0, index, key, "amin")
 
 
-def causal_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     block_table: torch.Tensor, seq_len: int, req: int, scale: float) -> torch.Tensor:
-    """Dense causal attention of one request's last ``len(query)`` tokens over its first ``seq_len`` cached
-    tokens: ``query[q_len, num_q_heads, head_dim]`` -> fp32 ``[q_len, num_q_heads, head_dim]``."""
-    q_len, num_q_heads = query.shape[0], query.shape[1]
-    group = num_q_heads // key_cache.shape[2]
-    block_size = key_cache.shape[1]
-    blocks = block_table[req, : -(-seq_len // block_size)].long()
-    keys = key_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)  # [n, hq, d]
-    values = value_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
-    logits = torch.einsum("qhd,nhd->hqn", query.float(), keys) * scale
-    positions = torch.arange(seq_len - q_len, seq_len, device=query.device)
-    future = torch.arange(seq_len, device=query.device)[None, :] > positions[:, None]  # [q, n]
-    weights = torch.softmax(logits.masked_fill(future[None], float("-inf")), dim=-1)
-    return torch.einsum("hqn,nhd->qhd", weights, values)
-
-
 class SparseAttention:
     """Cache write, bounds upkeep and attention for one model shape, under one ``SparseConfig``.
 
     ``configure`` swaps the settings between steps (e.g. to sweep beta on one engine); ``figures`` accumulates the
-    attended fractions per layer.
+    attended fractions per layer. ``kernels``: run the Triton kernels (``None``: on CUDA tensors only).
     """
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
-                 config: SparseConfig | None = None):
+                 config: SparseConfig | None = None, *, kernels: bool | None = None):
         _check(num_kv_heads >= 1 and num_q_heads % num_kv_heads == 0,
                f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
         self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size = (
             num_q_heads, num_kv_heads, head_dim, block_size)
         self.scale = float(scale)
+        self.kernels = kernels
         self.figures = AttendedFractions()
         self._dipr_steps: dict[int, int] = {}  # DIPR decode calls per layer, for sample_recovery
         self.configure(config or SparseConfig())
@@ -147,13 +132,16 @@ class SparseAttention:
         """Whether ``layer`` is dense for every sequence (rule 2 of the policy, not overridden by rule 1)."""
         return layer < self.config.dense_layers and self.policy.layer_beta(layer) == INF
 
+    def _use_kernels(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda if self.kernels is None else self.kernels
+
     # -- write ----------------------------------------------------------------------------------------------------
 
     def write(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
               bounds: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store a step's keys and values and bring the bounds of the blocks written up to date."""
         write_paged_kv(key, value, key_cache, value_cache, slot_mapping)
-        if key_cache.is_cuda:
+        if self._use_kernels(key_cache):
             from kvreuse.kernels.block_bounds import BlockBounds
 
             launcher = BlockBounds(self.block_size, self.num_kv_heads, self.head_dim)
@@ -170,6 +158,7 @@ class SparseAttention:
         starts = batch.query_start_loc_cpu.tolist()
         lens = batch.seq_lens_cpu.tolist()
         dense_layer = self.dense_layer(layer)
+        dense_reqs: list[int] = []
         decode_reqs: list[int] = []
         for req in range(batch.num_reqs):
             first, last = starts[req], starts[req + 1]
@@ -178,13 +167,33 @@ class SparseAttention:
             if last - first == 1 and not dense_layer and lens[req] >= self.config.min_context:
                 decode_reqs.append(req)
                 continue
-            out[first:last] = causal_attention(query[first:last], key_cache, value_cache, batch.block_table,
-                                               lens[req], req, self.scale).to(out.dtype)
+            dense_reqs.append(req)
             if last - first == 1:
                 self._count_dense(layer, lens[req])
+        if dense_reqs:
+            max_query_len = max(starts[req + 1] - starts[req] for req in dense_reqs)
+            self._dense(query, key_cache, value_cache, batch, dense_reqs, max_query_len, out)
         if decode_reqs:
             self._dipr_decode(layer, query, key_cache, value_cache, bounds, batch, decode_reqs, starts, out)
         return out
+
+    def _dense(self, query, key_cache, value_cache, batch, reqs, max_query_len, out) -> None:
+        """Dense causal attention of requests ``reqs`` (prefill, chunked prefill, dense decode) into their rows."""
+        from kvreuse.kernels.paged_causal import PagedCausalAttention, paged_causal_reference
+
+        index = torch.tensor(reqs, dtype=torch.long, device=batch.query_start_loc.device)
+        query_starts = batch.query_start_loc[:-1].index_select(0, index).to(torch.int32)
+        query_ends = batch.query_start_loc[1:].index_select(0, index).to(torch.int32)
+        seq_lens = batch.seq_lens.index_select(0, index).to(torch.int32)
+        block_table = batch.block_table.index_select(0, index.to(batch.block_table.device)).to(torch.int32)
+        if self._use_kernels(query):
+            launcher = PagedCausalAttention(self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size,
+                                            scale=self.scale)
+            launcher.plan(query_starts, query_ends, seq_lens, block_table.contiguous(), max_query_len)
+            launcher.run(query, key_cache, value_cache, out)
+        else:
+            paged_causal_reference(query, key_cache, value_cache, query_starts, query_ends, seq_lens, block_table,
+                                   self.scale, out)
 
     def _dipr_decode(self, layer, query, key_cache, value_cache, bounds, batch, reqs, starts, out) -> None:
         from kvreuse.kernels.dipr_decode import DIPRCounters
@@ -200,7 +209,7 @@ class SparseAttention:
         step = self._dipr_steps.get(layer, 0)
         self._dipr_steps[layer] = step + 1
         sampled = should_sample(step, self.config.sample_recovery)
-        if query.is_cuda:
+        if self._use_kernels(query):
             from kvreuse.kernels.dipr_decode import DIPRDecode
 
             launcher = DIPRDecode(self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size,
