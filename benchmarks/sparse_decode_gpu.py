@@ -7,7 +7,13 @@ block size 16). Arms:
 
 - ``dense``: FlashAttention through PyTorch (``scaled_dot_product_attention`` with GQA) on contiguous K/V, which
   favours dense (no paging);
+- ``dense paged``: ``kvreuse.kernels.paged_causal.PagedCausalAttention``, the sparse backend's own dense path, on
+  the same pages as DIPR;
 - ``dipr beta=B``: ``kvreuse.kernels.dipr_decode.DIPRDecode`` with its block bounds, for each beta.
+
+A second table times prefill, which the backend keeps dense: one request of 4K-32K new tokens through
+``PagedCausalAttention`` against FlashAttention's causal prefill (``scaled_dot_product_attention(is_causal=True)``)
+on contiguous K/V.
 
 Reported per arm: median time of 20 launches (CUDA events, after 3 warm-ups), the fraction of blocks read (the
 kernel's own counters), bytes read (K and V of the blocks read, the bounds, the window), and the floor = those
@@ -37,6 +43,7 @@ import torch  # noqa: E402
 
 from kvreuse.kernels.block_bounds import BlockBounds  # noqa: E402
 from kvreuse.kernels.dipr_decode import DIPRDecode  # noqa: E402
+from kvreuse.kernels.paged_causal import PagedCausalAttention  # noqa: E402
 from sparse_bytes import DIM, GROUP, KV_HEADS, LOCAL, SINK, synthetic_step  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -44,6 +51,7 @@ BLOCK = 16
 CONTEXTS = [256] if SMOKE else [4096, 16384, 32768, 65536, 131072]
 BATCHES = [1, 2] if SMOKE else [1, 8, 64]
 BETAS = [4.0] if SMOKE else [2.0, 4.0, 6.0]
+PREFILLS = [64] if SMOKE else [4096, 16384, 32768]
 MAX_TOKENS = 1 << 20 if SMOKE else 8 << 20  # K/V of at most this many tokens in memory (8M tokens ~ 16 GiB fp16)
 
 
@@ -117,6 +125,12 @@ def main() -> None:
             dense_bytes = 2 * batch * context * KV_HEADS * DIM * element
             rows.append(dict(context=context, batch=batch, arm="dense", seconds=dense_s, blocks_read=1.0,
                              bytes=dense_bytes, floor_s=dense_bytes / bandwidth))
+            paged_dense = PagedCausalAttention(KV_HEADS * GROUP, KV_HEADS, DIM, BLOCK)
+            starts = torch.arange(batch, dtype=torch.int32, device=device)
+            paged_dense.plan(starts, starts + 1, seq_lens, table, 1)
+            paged_s = timed(lambda: paged_dense.run(q, key_cache, value_cache), device, repeats)
+            rows.append(dict(context=context, batch=batch, arm="dense paged", seconds=paged_s, blocks_read=1.0,
+                             bytes=dense_bytes, floor_s=dense_bytes / bandwidth, speedup_vs_dense=dense_s / paged_s))
             decode = DIPRDecode(KV_HEADS * GROUP, KV_HEADS, DIM, BLOCK, sink=SINK, local=LOCAL)
             decode.plan(seq_lens, table, max_seq_len=context)
             for beta in BETAS:
@@ -138,11 +152,42 @@ def main() -> None:
         print(f"{r['context']:>8} {r['batch']:>5} {r['arm']:>14} {r['seconds'] * 1e6:>10.1f} {r['blocks_read']:>7.1%} "
               f"{r['bytes'] / 1e6:>9.1f} {r['seconds'] / r['floor_s']:>8.2f} "
               f"{r.get('speedup_vs_dense', 1.0):>8.2f}x")
+    prefills = prefill_rows(device, dtype, repeats)
+    print(f"\n{'prefill':>8} {'arm':>22} {'time ms':>9} {'vs flash':>9} {'max |diff|':>11}")
+    for r in prefills:
+        print(f"{r['tokens']:>8} {r['arm']:>22} {r['seconds'] * 1e3:>9.2f} {r['speedup_vs_flash']:>8.2f}x "
+              f"{r.get('max_abs_diff_vs_flash', 0.0):>11.2e}")
     name = "sparse_decode_smoke" if SMOKE else "sparse_decode_gpu"
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=2))
+    (RESULTS / f"{name}.json").write_text(json.dumps({"decode": rows, "prefill": prefills}, indent=2))
     plot(rows, RESULTS / f"{name}.png")
     print(f"wrote {RESULTS / (name + '.json')} and {RESULTS / (name + '.png')}")
+
+
+def prefill_rows(device: torch.device, dtype: torch.dtype, repeats: int) -> list[dict]:
+    """One request of ``n`` new tokens (no cached context): the paged kernel against FlashAttention's causal prefill."""
+    rows = []
+    for n in PREFILLS:
+        g = torch.Generator().manual_seed(n)
+        q, k, v = (torch.randn(n, heads, DIM, generator=g).to(device=device, dtype=dtype)
+                   for heads in (KV_HEADS * GROUP, KV_HEADS, KV_HEADS))
+        blocks = -(-n // BLOCK)
+        key_cache, value_cache = (torch.cat([x, x.new_zeros(blocks * BLOCK - n, KV_HEADS, DIM)])
+                                  .view(blocks, BLOCK, KV_HEADS, DIM) for x in (k, v))
+        table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
+        lens = torch.tensor([n], dtype=torch.int32, device=device)
+        paged = PagedCausalAttention(KV_HEADS * GROUP, KV_HEADS, DIM, BLOCK)
+        paged.plan(lens - n, lens, lens, table, n)
+        heads_first = [x.transpose(0, 1)[None] for x in (q, k, v)]
+        flash_s = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
+            *heads_first, is_causal=True, enable_gqa=True), device, repeats)
+        paged_s = timed(lambda: paged.run(q, key_cache, value_cache), device, repeats)
+        flash_out = torch.nn.functional.scaled_dot_product_attention(*heads_first, is_causal=True, enable_gqa=True)
+        error = float((paged.run(q, key_cache, value_cache) - flash_out[0].transpose(0, 1)).abs().max())
+        rows.append(dict(tokens=n, arm="flash (contiguous)", seconds=flash_s, speedup_vs_flash=1.0))
+        rows.append(dict(tokens=n, arm="dense paged (kvreuse)", seconds=paged_s, speedup_vs_flash=flash_s / paged_s,
+                         max_abs_diff_vs_flash=error))
+    return rows
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -153,7 +198,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4))
     for batch in sorted({r["batch"] for r in rows}):
-        for arm in sorted({r["arm"] for r in rows if r["arm"] != "dense"}):
+        for arm in sorted({r["arm"] for r in rows if r["arm"] != "dense"}):  # dense paged and each beta
             points = [(r["context"], r["speedup_vs_dense"]) for r in rows if r["batch"] == batch and r["arm"] == arm]
             if points:
                 ax.plot(*zip(*points), marker="o", label=f"{arm}, batch {batch}")
