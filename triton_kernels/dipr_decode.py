@@ -45,7 +45,7 @@ import triton.language as tl
 
 from kvreuse.errors import check_kernel_argument as _check
 from kvreuse.kernels.block_bounds import SUPPORTED_DTYPES
-from kvreuse.kernels.tile_math import dot_fp32, interpreter_upcast
+from kvreuse.kernels.tile_math import dot_fp32, interpreter_upcast, online_softmax_step
 
 # A block is read if U + BOUND_SLACK * sum_i |q_i| max(|M_i|, |m_i|) >= tau. The bound holds exactly in real
 # arithmetic; the slack absorbs fp32 rounding of the two dot products (relative error <= head_dim * 2**-24,
@@ -145,13 +145,7 @@ def _dipr_split_kernel(
             window = (pos < sink) | (pos >= seq_len - local)
             keep = ((t < BLOCK_SIZE) & (pos < seq_len))[None, :] & (window[None, :] | (logits >= tau[:, None]))
             logits = tl.where(keep, logits, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing kept yet stay at zero
-            p = tl.exp(logits - m_safe[:, None])
-            rescale = tl.exp(m_i - m_safe)
-            l_i = l_i * rescale + tl.sum(p, axis=1)
-            acc = acc * rescale[:, None] + dot_fp32(p.to(v.dtype), v, UPCAST)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_step(logits, v, m_i, l_i, acc, UPCAST)
             n_blocks_read += 1
             n_tokens += tl.sum(keep.to(tl.int32), axis=1)
     part = (seq * num_q_heads + heads) * num_splits + split

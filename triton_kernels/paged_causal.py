@@ -29,7 +29,7 @@ import triton.language as tl
 
 from kvreuse.errors import check_kernel_argument as _check
 from kvreuse.kernels.block_bounds import SUPPORTED_DTYPES
-from kvreuse.kernels.tile_math import dot_fp32, interpreter_upcast
+from kvreuse.kernels.tile_math import dot_fp32, interpreter_upcast, online_softmax_step
 
 # Query rows (query tokens x query heads of one KV head) per program. 64 rows fill a tensor-core tile of an
 # H100 with a 64-wide head and keep the fp32 accumulator (64 x head_dim) in registers.
@@ -79,13 +79,7 @@ def _paged_causal_kernel(
             logits = dot_fp32(q, tl.trans(k), UPCAST) * scale  # [BLOCK_M, BLOCK_T]
             keep = rows[:, None] & ((t < BLOCK_SIZE)[None, :] & (pos[None, :] <= pos_q[:, None]))
             logits = tl.where(keep, logits, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows keep nothing and stay at zero
-            p = tl.exp(logits - m_safe[:, None])
-            rescale = tl.exp(m_i - m_safe)
-            l_i = l_i * rescale + tl.sum(p, axis=1)
-            acc = acc * rescale[:, None] + dot_fp32(p.to(v.dtype), v, UPCAST)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_step(logits, v, m_i, l_i, acc, UPCAST)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=rows[:, None] & (d < HEAD_DIM)[None, :])
