@@ -34,6 +34,22 @@ from kvreuse.errors import check_kernel_argument as _check
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def check_paged_kv(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int,
+                   num_kv_heads: int, head_dim: int, device: torch.device) -> None:
+    """The checks every attention launcher makes of its query and caches: the caches are
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the query's (supported) dtype, and all three are on
+    ``device`` with a contiguous last dimension. Each message names the tensor."""
+    _check(query.dtype in SUPPORTED_DTYPES, f"query dtype must be one of {SUPPORTED_DTYPES}, got {query.dtype}")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _check(cache.dim() == 4 and tuple(cache.shape[1:]) == (block_size, num_kv_heads, head_dim),
+               f"{name} must be [num_blocks, block_size={block_size}, num_kv_heads={num_kv_heads}, "
+               f"head_dim={head_dim}], got {list(cache.shape)}")
+        _check(cache.dtype == query.dtype, f"{name} dtype {cache.dtype} differs from query dtype {query.dtype}")
+    for name, tensor in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
+        _check(tensor.device == device, f"{name} is on {tensor.device} but seq_lens is on {device}")
+        _check(tensor.stride(-1) == 1, f"{name} must be contiguous in its last (head_dim) dimension")
+
+
 @triton.jit
 def _merge_written_keys_kernel(
     key_ptr, bounds_ptr, slot_ptr, num_tokens,

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from kvreuse.errors import check_kernel_argument as _check
-from kvreuse.kernels.block_bounds import SUPPORTED_DTYPES
+from kvreuse.kernels.block_bounds import check_paged_kv
 from kvreuse.kernels.tile_math import dot_fp32, interpreter_upcast, online_softmax_step
 
 # A block is read if U + BOUND_SLACK * sum_i |q_i| max(|M_i|, |m_i|) >= tau. The bound holds exactly in real
@@ -393,18 +393,10 @@ class DIPRDecode:
         expected = (num_seqs, self.num_q_heads, self.head_dim)
         _check(tuple(query.shape) == expected,
                f"query must be [num_seqs, num_q_heads, head_dim] = {list(expected)}, got {list(query.shape)}")
-        _check(query.dtype in SUPPORTED_DTYPES, f"query dtype must be one of {SUPPORTED_DTYPES}, got {query.dtype}")
-        cache_shape = (self.block_size, self.num_kv_heads, self.head_dim)
-        for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-            _check(cache.dim() == 4 and tuple(cache.shape[1:]) == cache_shape,
-                   f"{name} must be [num_blocks, block_size={self.block_size}, num_kv_heads={self.num_kv_heads}, "
-                   f"head_dim={self.head_dim}], got {list(cache.shape)}")
-            _check(cache.dtype == query.dtype, f"{name} dtype {cache.dtype} differs from query dtype {query.dtype}")
+        check_paged_kv(query, key_cache, value_cache, self.block_size, self.num_kv_heads, self.head_dim, device)
         expected_bounds = (key_cache.shape[0], self.num_kv_heads, 2, self.head_dim)
         _check(tuple(bounds.shape) == expected_bounds and bounds.dtype == query.dtype,
                f"bounds must be [num_blocks, num_kv_heads, 2, head_dim] = {list(expected_bounds)} {query.dtype}, "
                f"got {list(bounds.shape)} {bounds.dtype}")
-        for name, tensor in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
-                             ("bounds", bounds)):
-            _check(tensor.device == device, f"{name} is on {tensor.device} but seq_lens is on {device}")
-            _check(tensor.stride(-1) == 1, f"{name} must be contiguous in its last (head_dim) dimension")
+        _check(bounds.device == device, f"bounds is on {bounds.device} but seq_lens is on {device}")
+        _check(bounds.stride(-1) == 1, "bounds must be contiguous in its last (head_dim) dimension")

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kvreuse.errors import check_kernel_argument as _check
-from kvreuse.kernels.block_bounds import SUPPORTED_DTYPES
+from kvreuse.kernels.block_bounds import check_paged_kv
 from kvreuse.kernels.tile_math import dot_fp32, interpreter_upcast, online_softmax_step
 
 # Query rows (query tokens x query heads of one KV head) per program. 64 rows fill a tensor-core tile of an
@@ -194,13 +194,4 @@ class PagedCausalAttention:
         _check(query.dim() == 3 and tuple(query.shape[1:]) == (self.num_q_heads, self.head_dim),
                f"query must be [num_tokens, num_q_heads={self.num_q_heads}, head_dim={self.head_dim}], "
                f"got {list(query.shape)}")
-        _check(query.dtype in SUPPORTED_DTYPES, f"query dtype must be one of {SUPPORTED_DTYPES}, got {query.dtype}")
-        cache_shape = (self.block_size, self.num_kv_heads, self.head_dim)
-        for name, tensor in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
-            if name != "query":
-                _check(tensor.dim() == 4 and tuple(tensor.shape[1:]) == cache_shape,
-                       f"{name} must be [num_blocks, block_size={self.block_size}, num_kv_heads={self.num_kv_heads}, "
-                       f"head_dim={self.head_dim}], got {list(tensor.shape)}")
-                _check(tensor.dtype == query.dtype, f"{name} dtype {tensor.dtype} differs from query dtype {query.dtype}")
-            _check(tensor.device == device, f"{name} is on {tensor.device} but seq_lens is on {device}")
-            _check(tensor.stride(-1) == 1, f"{name} must be contiguous in its last (head_dim) dimension")
+        check_paged_kv(query, key_cache, value_cache, self.block_size, self.num_kv_heads, self.head_dim, device)

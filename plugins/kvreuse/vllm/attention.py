@@ -6,14 +6,14 @@ on CPU the backend is opt-in through ``KVREUSE_SPARSE_CPU_BACKEND=1``, with whic
 of CPU_ATTN in that process (and in vLLM's workers, which inherit the variable).
 
 The classes here are thin: the cache write, the bounds and the attention live in ``kvreuse.sparse.paged``.
+Settings come from ``--additional-config '{"kvreuse": {"sparse": {...}}}'`` or ``KVREUSE_SPARSE_*``. The attended
+fractions per layer are logged (logger ``vllm.plugins.kvreuse``) every ``LOG_EVERY_STEPS`` engine steps and at
+shutdown, and read in the worker process with ``sparse_figures()`` (e.g. through ``LLM.collective_rpc``).
 
 The block bounds are inside vLLM's KV cache budget: ``customize_spec`` pads each block's page by one token row
 (``num_kv_heads x 2 x head_dim`` values, the size of one block's bounds), so vLLM sizes the cache, and so the number
 of blocks, with the bounds counted, and ``page_bounds`` views that row as the kernels' ``bounds`` tensor: the K half
 of the row holds the channel-wise maxima, the V half the minima. A block's bounds thus live and die with the block.
-Settings come from ``--additional-config '{"kvreuse": {"sparse": {...}}}'`` or ``KVREUSE_SPARSE_*``. The attended
-fractions per layer are logged (logger ``vllm.plugins.kvreuse``) every ``LOG_EVERY_STEPS`` engine steps and at
-shutdown, and read in the worker process with ``sparse_figures()`` (e.g. through ``LLM.collective_rpc``).
 """
 
 from __future__ import annotations
