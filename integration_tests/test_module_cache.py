@@ -172,6 +172,39 @@ def test_modules_in_varying_order_are_served_from_the_cache_and_compared_with_re
     assert len(overlaps) == len(orders) and gaps
 
 
+def _kvreuse_counter(name: str) -> float:
+    """A ``kvreuse:`` counter of the offline front end, summed over its labels (this process's registry)."""
+    from prometheus_client import REGISTRY
+
+    return sum(s.value for family in REGISTRY.collect() for s in family.samples if s.name == name)
+
+
+def _set_sparse(flags):
+    def call(worker):
+        from kvreuse.vllm.attention import configure_sparse
+
+        configure_sparse(flags)
+
+    return call
+
+
+def test_the_module_counters_and_the_sparse_figures_reach_vllms_metrics_through_the_connector(llm, modules,
+                                                                                            question):
+    """One connector carries both: the module cache's counters, and those of the sparse backend when it decodes
+    with DIPR (here every layer at beta = inf, which attends to everything)."""
+    llm.reset_prefix_cache()
+    names = ("kvreuse:module_tokens_loaded_total", "kvreuse:sparse_blocks_total", "kvreuse:sparse_blocks_read_total")
+    before = [_kvreuse_counter(name) for name in names]
+    llm.collective_rpc(_set_sparse({"beta": float("inf"), "min_context": 0, "dense_layers": 0}))
+    try:
+        generate(llm, [modules["C"] + question])
+    finally:
+        llm.collective_rpc(_set_sparse({"beta": float("inf")}))
+    loaded, blocks, read = (_kvreuse_counter(name) - was for name, was in zip(names, before))
+    assert loaded == len(modules["C"])
+    assert blocks > 0 and read == blocks
+
+
 def test_a_module_the_worker_lost_is_recomputed_not_served_wrong(llm, modules, question):
     from kvreuse.vllm.modules import encode_modules
 

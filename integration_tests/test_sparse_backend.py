@@ -2,7 +2,8 @@
 
 Two engines: the stock one (CPU_ATTN) answers first and is stopped, then one with the sparse backend, DIPR in every
 layer (``dense_layers = 0``, ``min_context = 0``), which is reconfigured between tests through ``collective_rpc``
-(``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` lets it send a function).
+(``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` lets it send a function). The second also runs the figures' connector
+``KVReuseSparseFigures``, which takes the figures into vLLM's metrics and must change no answer.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ PROMPTS = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] + str(j % (5 + i)) for j in 
 LONG_PROMPT = " ".join(f"{WORDS[j % len(WORDS)]}{j}" for j in range(600))  # ~1,600 tokens
 MAX_TOKENS = 12
 EXACT = {"beta": float("inf"), "min_context": 0, "dense_layers": 0}
+FIGURES_CONNECTOR = {"kv_connector": "KVReuseSparseFigures", "kv_role": "kv_both"}
 
 
 def greedy_tokens(llm, prompts, max_tokens=MAX_TOKENS):
@@ -50,6 +52,15 @@ def _figures(llm):
         return sparse_figures()
 
     return llm.collective_rpc(call)[0]
+
+
+def _sparse_counters() -> dict[tuple[str, int], float]:
+    """The ``kvreuse:sparse_*`` counters of the offline front end (this process's Prometheus registry; vLLM's
+    ``LLM.get_metrics`` lists only its own ``vllm:`` metrics), by name and layer."""
+    from prometheus_client import REGISTRY
+
+    return {(s.name, int(s.labels["layer"])): s.value for family in REGISTRY.collect() for s in family.samples
+            if s.name.startswith("kvreuse:sparse_") and s.name.endswith("_total")}
 
 
 def _kv_layout(worker):
@@ -86,7 +97,8 @@ def sparse_llm(small_model, stock_tokens):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVREUSE_SPARSE_CPU_BACKEND", "1")
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        llm = start_llm(small_model, additional_config={"kvreuse": {"sparse": EXACT}})
+        llm = start_llm(small_model, additional_config={"kvreuse": {"sparse": EXACT}},
+                        kv_transfer_config=FIGURES_CONNECTOR)
         try:
             yield llm
         finally:
@@ -149,3 +161,23 @@ def test_block_bounds_are_one_padding_row_of_each_kv_page_inside_the_cache_budge
     assert layout["num_blocks"] == budget // (2 * 33 * 2 * 128 * 4) == 3971
     assert layout["same_memory"]
     assert layout["written_blocks"] >= 1600 // 32 and layout["max_is_key_max"]
+
+
+def test_the_figures_reach_vllms_metrics_per_layer_through_the_figures_connector(sparse_llm):
+    sparse_llm.collective_rpc(_configure({**EXACT, "beta": 2.0, "sample_recovery": 4}))
+    before = _sparse_counters()
+    greedy_tokens(sparse_llm, [LONG_PROMPT], max_tokens=8)
+    after = _sparse_counters()
+    rows = _figures(sparse_llm)
+    assert {layer for _, layer in after} == {row["layer"] for row in rows} == {0, 1}
+
+    def grown(name: str, layer: int) -> float:
+        return after[(f"kvreuse:sparse_{name}_total", layer)] - before.get((f"kvreuse:sparse_{name}_total", layer), 0)
+
+    for row in rows:
+        layer = row["layer"]
+        assert grown("blocks", layer) > 0 and grown("tokens", layer) > 0
+        assert grown("blocks_read", layer) / grown("blocks", layer) == pytest.approx(row["block_fraction"])
+        assert grown("tokens_attended", layer) / grown("tokens", layer) == pytest.approx(row["token_fraction"])
+        assert grown("recovery_samples", layer) == row["samples"] > 0
+        assert grown("recovery_kept", layer) / row["samples"] == pytest.approx(row["recovery_mean"])

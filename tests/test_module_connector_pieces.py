@@ -1,20 +1,16 @@
 """Engine-side pieces of the module cache that need no running engine: encode parameters, what workers report,
-the figures sent to vLLM's metrics, the CPU path of the key rotation, and the tokenizer's special prefix."""
+the CPU path of the key rotation, and the tokenizer's special prefix (its metrics: ``test_connector_metrics.py``)."""
 
 from __future__ import annotations
-
-import functools
 
 import pytest
 import torch
 
 from kvreuse.errors import ModuleRegistrationError
 from kvreuse.kernels.rerotate import RopeSpec, move_keys, rerotate_keys_reference
-from kvreuse.modules.store import ModuleKey, StoreFigures
+from kvreuse.modules.store import ModuleKey
 from kvreuse.vllm.connector import ModuleCacheWorkerMeta
-from kvreuse.vllm.module_metrics import ModuleCachePromMetrics, ModuleCacheStats, counter_values
 from kvreuse.vllm.module_scheduler import encode_request
-from kvreuse.vllm.module_worker import ModuleFigures
 from kvreuse.vllm.modules import encode_params, special_prefix
 
 
@@ -36,37 +32,6 @@ def test_worker_reports_aggregate_to_modules_every_worker_stored_and_any_worker_
     two = ModuleCacheWorkerMeta(stored={a: (1,)}, dropped=set(), failed={"y": "bad tokens"})
     both = one.aggregate(two)
     assert both.stored == {a: (1,)} and both.dropped == {c} and both.failed == {"x": "too large", "y": "bad tokens"}
-
-
-def test_stats_flatten_the_counters_and_sum_across_steps_and_workers():
-    store = StoreFigures()
-    store.hits["gpu"] += 3
-    store.bytes_moved["cpu->gpu"] += 4096
-    store.evictions["gpu"] += 1
-    store.misses = 2
-    values = counter_values(ModuleFigures(tokens_loaded=100, pieces_loaded=2), store)
-    assert values["tokens_loaded"] == 100 and values["hits:gpu"] == 3 and values["bytes_moved:cpu->gpu"] == 4096
-    assert values["evictions:gpu"] == 1 and values["misses"] == 2
-    total = ModuleCacheStats(data={"tokens_loaded": 5}).aggregate(ModuleCacheStats(data={"tokens_loaded": 7,
-                                                                                          "hits:cpu": 1}))
-    assert total.reduce() == {"hits:cpu": 1, "tokens_loaded": 12}
-    assert ModuleCacheStats(data={"misses": 0}).is_empty() and not total.is_empty()
-
-
-def test_prometheus_counters_take_the_stats_with_their_labels():
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-    registry = CollectorRegistry()
-    types = {kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
-    from vllm.config import VllmConfig
-
-    metrics = ModuleCachePromMetrics(VllmConfig(), types, ["engine"], {0: ["0"]})
-    metrics.observe({"tokens_loaded": 64, "bytes_moved:cpu->gpu": 4096, "hits:gpu": 2, "unknown": 1}, 0)
-    metrics.observe({"tokens_loaded": 36}, 0)
-    get = registry.get_sample_value
-    assert get("kvreuse:module_tokens_loaded_total", {"engine": "0"}) == 100
-    assert get("kvreuse:module_bytes_moved_total", {"engine": "0", "move": "cpu->gpu"}) == 4096
-    assert get("kvreuse:module_hits_total", {"engine": "0", "tier": "gpu"}) == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,19 +44,24 @@ def sample_recovery(query: torch.Tensor, key_cache: torch.Tensor, bounds: torch.
     return torch.stack([recovery_ratio(lg, at) for lg, at in zip(sel.logits, sel.attended)])
 
 
+COUNTERS = ("blocks_read", "blocks_total", "tokens_attended", "tokens_total")
+# Cumulative figures per layer: the kernel's COUNTERS, then the sum of the sampled recovery ratios and their number.
+FIGURES = COUNTERS + ("recovery_kept", "recovery_samples")
+
+
 @dataclass
 class _LayerSums:
-    blocks_read: torch.Tensor | int = 0
-    blocks_total: torch.Tensor | int = 0
-    tokens_attended: torch.Tensor | int = 0
-    tokens_total: torch.Tensor | int = 0
-    recovery: list[torch.Tensor] = field(default_factory=list)
+    counts: torch.Tensor | None = None  # int64 [len(COUNTERS)], on the device the kernel ran on
+    recovery_kept: float = 0.0
+    recovery_samples: int = 0
+    recovery_min: float = math.inf
 
 
 class AttendedFractions:
     """Per-layer sums of the kernel's counters and of sampled recovery ratios.
 
-    ``add`` keeps the sums on the counters' device (no host read per layer and step); ``rows`` reads them.
+    ``add`` keeps the sums on the counters' device (no host read per layer and step); ``rows`` reads them, and
+    ``FigureIncrements`` copies them to the host without waiting for the device.
     """
 
     def __init__(self) -> None:
@@ -63,31 +70,110 @@ class AttendedFractions:
     def add(self, layer: int, counters: DIPRCounters) -> None:
         sums = self._layers.setdefault(layer, _LayerSums())
         kv_heads, q_heads = counters.blocks_read.shape[1], counters.tokens_attended.shape[1]
-        sums.blocks_read = sums.blocks_read + counters.blocks_read.sum(dtype=torch.int64)
-        sums.blocks_total = sums.blocks_total + counters.blocks_total.sum(dtype=torch.int64) * kv_heads
-        sums.tokens_attended = sums.tokens_attended + counters.tokens_attended.sum(dtype=torch.int64)
-        sums.tokens_total = sums.tokens_total + counters.tokens_total.sum(dtype=torch.int64) * q_heads
+        step = torch.stack((counters.blocks_read.sum(dtype=torch.int64),
+                            counters.blocks_total.sum(dtype=torch.int64) * kv_heads,
+                            counters.tokens_attended.sum(dtype=torch.int64),
+                            counters.tokens_total.sum(dtype=torch.int64) * q_heads))
+        sums.counts = step if sums.counts is None else sums.counts + step
 
     def add_recovery(self, layer: int, ratios: torch.Tensor) -> None:
-        self._layers.setdefault(layer, _LayerSums()).recovery.append(ratios.detach().flatten().float().cpu())
+        ratios = ratios.detach().flatten().double().cpu()
+        if ratios.numel():
+            sums = self._layers.setdefault(layer, _LayerSums())
+            sums.recovery_kept += float(ratios.sum())
+            sums.recovery_samples += ratios.numel()
+            sums.recovery_min = min(sums.recovery_min, float(ratios.min()))
+
+    def counter_totals(self) -> tuple[tuple[int, ...], torch.Tensor]:
+        """The layers DIPR ran in and their cumulative ``COUNTERS``, ``int64 [layers, len(COUNTERS)]`` on the
+        kernels' device: stacked there, not read, so that the caller decides when the host waits."""
+        layers = tuple(layer for layer in sorted(self._layers) if self._layers[layer].counts is not None)
+        if not layers:
+            return (), torch.zeros(0, len(COUNTERS), dtype=torch.int64)
+        return layers, torch.stack([self._layers[layer].counts for layer in layers])
+
+    def recovery_totals(self) -> dict[int, tuple[float, int]]:
+        """Per layer with samples: the sum of the sampled recovery ratios and their number (host values)."""
+        return {layer: (sums.recovery_kept, sums.recovery_samples)
+                for layer, sums in sorted(self._layers.items()) if sums.recovery_samples}
 
     def rows(self) -> list[dict[str, float | int | None]]:
         """One row per layer: ``layer, block_fraction, token_fraction, recovery_mean, recovery_min, samples``."""
         rows = []
         for layer in sorted(self._layers):
             sums = self._layers[layer]
-            rec = torch.cat(sums.recovery) if sums.recovery else torch.zeros(0)
+            counts = [0] * len(COUNTERS) if sums.counts is None else sums.counts.tolist()
+            blocks_read, blocks_total, tokens_attended, tokens_total = counts
+            sampled = sums.recovery_samples > 0
             rows.append({
                 "layer": layer,
-                "block_fraction": _ratio(sums.blocks_read, sums.blocks_total),
-                "token_fraction": _ratio(sums.tokens_attended, sums.tokens_total),
-                "recovery_mean": float(rec.mean()) if rec.numel() else None,
-                "recovery_min": float(rec.min()) if rec.numel() else None,
-                "samples": int(rec.numel()),
+                "block_fraction": blocks_read / blocks_total if blocks_total else None,
+                "token_fraction": tokens_attended / tokens_total if tokens_total else None,
+                "recovery_mean": sums.recovery_kept / sums.recovery_samples if sampled else None,
+                "recovery_min": sums.recovery_min if sampled else None,
+                "samples": sums.recovery_samples,
             })
         return rows
 
 
-def _ratio(part: torch.Tensor | int, whole: torch.Tensor | int) -> float | None:
-    whole = int(whole)
-    return int(part) / whole if whole else None
+@dataclass
+class _HostCopy:
+    """Counter totals on their way to host memory; ``event`` is ``None`` when ``values`` is already readable."""
+
+    layers: tuple[int, ...]
+    values: torch.Tensor
+    event: torch.cuda.Event | None
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+def _copy_to_host(layers: tuple[int, ...], totals: torch.Tensor) -> _HostCopy:
+    if not totals.is_cuda:
+        return _HostCopy(layers, totals, None)
+    # Pinned memory from PyTorch's caching host allocator (reused, not allocated anew each step).
+    values = torch.empty(totals.shape, dtype=totals.dtype, pin_memory=True)
+    values.copy_(totals, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return _HostCopy(layers, values, event)
+
+
+class FigureIncrements:
+    """How much each of ``FIGURES`` grew, per layer, since the last call: the per-step increments an engine's
+    metrics want.
+
+    Reading GPU counters on the host every step would make the engine's CPU wait for its GPU and undo the overlap
+    of scheduling and compute that engines build (vLLM's async scheduling). So each call queues a copy of the
+    current totals to pinned host memory behind the work that updated them, and reports up to the newest copy
+    that has landed, usually the previous step's: on a GPU the figures arrive a step late, never lost. On the CPU
+    the copy is the tensor itself and the figures are current. A new ``AttendedFractions`` (figures reset) starts
+    the counts again from zero.
+    """
+
+    MAX_IN_FLIGHT = 4  # copies queued before new ones are skipped (a GPU this far behind gets them later)
+
+    def __init__(self) -> None:
+        self._source: AttendedFractions | None = None
+        self._reported: dict[tuple[str, int], float] = {}
+        self._copies: deque[_HostCopy] = deque()
+
+    def take(self, fractions: AttendedFractions) -> dict[tuple[str, int], float]:
+        """``{(figure, layer): increment}`` for the figures that grew (``figure`` in ``FIGURES``)."""
+        if fractions is not self._source:
+            self._source, self._reported, self._copies = fractions, {}, deque()
+        layers, totals = fractions.counter_totals()
+        if layers and len(self._copies) < self.MAX_IN_FLIGHT:
+            self._copies.append(_copy_to_host(layers, totals))
+        landed = None
+        while self._copies and self._copies[0].done():
+            landed = self._copies.popleft()
+        now: dict[tuple[str, int], float] = {}
+        if landed is not None:
+            for layer, row in zip(landed.layers, landed.values.tolist()):
+                now.update({(name, layer): value for name, value in zip(COUNTERS, row)})
+        for layer, (kept, samples) in fractions.recovery_totals().items():
+            now.update({("recovery_kept", layer): kept, ("recovery_samples", layer): samples})
+        grown = {key: value - self._reported.get(key, 0) for key, value in now.items()}
+        self._reported.update(now)
+        return {key: value for key, value in grown.items() if value}

@@ -7,8 +7,9 @@ of CPU_ATTN in that process (and in vLLM's workers, which inherit the variable).
 
 The classes here are thin: the cache write, the bounds and the attention live in ``kvreuse.sparse.paged``.
 Settings come from ``--additional-config '{"kvreuse": {"sparse": {...}}}'`` or ``KVREUSE_SPARSE_*``. The attended
-fractions per layer are logged (logger ``vllm.plugins.kvreuse``) every ``LOG_EVERY_STEPS`` engine steps and at
-shutdown, and read in the worker process with ``sparse_figures()`` (e.g. through ``LLM.collective_rpc``).
+fractions per layer reach vLLM's metrics through a kvreuse KV connector (``kvreuse.vllm.sparse_connector``), are
+logged (logger ``vllm.plugins.kvreuse``) every ``LOG_EVERY_STEPS`` engine steps and at shutdown, and are read in
+the worker process with ``sparse_figures()`` (e.g. through ``LLM.collective_rpc``).
 
 The block bounds are inside vLLM's KV cache budget: ``customize_spec`` pads each block's page by one token row
 (``num_kv_heads x 2 x head_dim`` values, the size of one block's bounds), so vLLM sizes the cache, and so the number

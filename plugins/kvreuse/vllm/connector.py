@@ -179,7 +179,7 @@ class KVReuseModuleCache(KVConnectorBase_V1):
         return self._worker.take_report()
 
     def get_kv_connector_stats(self):
-        # vLLM asks both sides; the figures live with the store, in the workers.
+        # vLLM asks both sides; the figures live in the workers (the store's, and the sparse backend's if it runs).
         return self._worker.take_stats() if self._role == KVConnectorRole.WORKER else None
 
     def shutdown(self) -> None:
@@ -189,12 +189,12 @@ class KVReuseModuleCache(KVConnectorBase_V1):
     # ---------------------------------------------------------------------------------------------------- metrics
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
-        from kvreuse.vllm.module_metrics import ModuleCacheStats
+        from kvreuse.vllm.connector_metrics import KVReuseStats
 
-        return ModuleCacheStats(data=dict(data or {}))
+        return KVReuseStats(data=dict(data or {}))
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        from kvreuse.vllm.module_metrics import ModuleCachePromMetrics
+        from kvreuse.vllm.connector_metrics import KVReusePromMetrics
 
-        return ModuleCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        return KVReusePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

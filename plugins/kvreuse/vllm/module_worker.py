@@ -6,7 +6,7 @@ copies the KV of finished encode requests out of the paged cache into the store,
 left the store and which blocks could not be loaded.
 
 ``module_figures()`` gives this process's counters (e.g. through ``LLM.collective_rpc``); the same counts go to
-vLLM's metrics every step (``kvreuse.vllm.module_metrics``).
+vLLM's metrics every step (``kvreuse.vllm.module_metrics``), with the sparse backend's figures where it runs.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from kvreuse.kernels.rerotate import RopeSpec, check_rerotation
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.splice import Piece, piece_kv
 from kvreuse.modules.store import EncodedModule, ModuleKey, ModuleStore
+from kvreuse.sparse.figures import FigureIncrements
 from kvreuse.vllm.connector import LoadSpec, ModuleCacheMetadata, ModuleCacheWorkerMeta
 from kvreuse.vllm.registration import MODULE_CONNECTOR, SPARSE_CPU_SWITCH
 from kvreuse.vllm.settings import kvreuse_flags
@@ -99,6 +100,7 @@ class ModuleWorker:
         self._report = ModuleCacheWorkerMeta()
         self._known: set[ModuleKey] = set()
         self._reported_stats: dict[str, int] = {}
+        self._sparse_increments = FigureIncrements()  # the sparse backend's figures, sent with the module counters
         self.figures = ModuleFigures()
         # (request id, piece, slots) of every piece written by the last step that loaded any: lets a test or an
         # operator read back exactly what was spliced where.
@@ -210,13 +212,16 @@ class ModuleWorker:
 
     def take_stats(self):
         """Counts since the last call, for vLLM's metrics (``None`` when nothing changed)."""
-        from kvreuse.vllm.module_metrics import ModuleCacheStats, counter_values
+        from kvreuse.vllm.connector_metrics import KVReuseStats
+        from kvreuse.vllm.module_metrics import counter_values
+        from kvreuse.vllm.sparse_metrics import sparse_stats
 
         now = counter_values(self.figures, self.store.figures)
         delta = {name: value - self._reported_stats.get(name, 0) for name, value in now.items()}
         delta = {name: value for name, value in delta.items() if value}
         self._reported_stats = now
-        return ModuleCacheStats(data=delta) if delta else None
+        delta.update(sparse_stats(self._sparse_increments))
+        return KVReuseStats(data=delta) if delta else None
 
     def close(self) -> None:
         global _WORKER

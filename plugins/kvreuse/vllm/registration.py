@@ -2,8 +2,9 @@
 
 vLLM calls ``register()`` once in each of its processes (API server, engine core, workers) before it builds
 the engine, and only if the plugin is allowed by ``VLLM_PLUGINS`` (unset = all plugins). It must stay cheap:
-it only adds names to vLLM's registries (the sparse attention backend and the module-cache KV connector
-``KVReuseModuleCache``); choosing a plugin is left to the user's own engine flags.
+it only adds names to vLLM's registries (the sparse attention backend, the module-cache KV connector
+``KVReuseModuleCache`` and the sparse figures' connector ``KVReuseSparseFigures``); choosing a plugin is left to
+the user's own engine flags.
 
 The sparse attention backend (``kvreuse.vllm.attention``) is registered as ``AttentionBackendEnum.CUSTOM``, which
 ``--attention-backend CUSTOM`` selects on a GPU. vLLM's CPU platform ignores ``--attention-backend`` and always
@@ -26,6 +27,7 @@ _REGISTERED_PIDS: set[int] = set()
 SPARSE_BACKEND = "kvreuse.vllm.attention.SparseAttentionBackend"
 SPARSE_CPU_SWITCH = "KVREUSE_SPARSE_CPU_BACKEND"
 MODULE_CONNECTOR = "KVReuseModuleCache"
+SPARSE_FIGURES_CONNECTOR = "KVReuseSparseFigures"
 
 
 def register() -> None:
@@ -34,7 +36,7 @@ def register() -> None:
         return
     _REGISTERED_PIDS.add(os.getpid())
     _register_sparse_backend()
-    _register_module_connector()
+    _register_connectors()
     logger.info("kvreuse plugin registered in pid %d", os.getpid())
 
 
@@ -63,9 +65,11 @@ def _register_sparse_backend() -> None:
                     SPARSE_CPU_SWITCH, os.getpid())
 
 
-def _register_module_connector() -> None:
-    """Name the module cache's KV connector for ``--kv-transfer-config '{"kv_connector": "KVReuseModuleCache"}'``."""
+def _register_connectors() -> None:
+    """Name kvreuse's KV connectors for ``--kv-transfer-config '{"kv_connector": NAME, ...}'``."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    if MODULE_CONNECTOR not in KVConnectorFactory._registry:  # vLLM has no public "is registered" query
-        KVConnectorFactory.register_connector(MODULE_CONNECTOR, "kvreuse.vllm.connector", MODULE_CONNECTOR)
+    for name, module in ((MODULE_CONNECTOR, "kvreuse.vllm.connector"),
+                         (SPARSE_FIGURES_CONNECTOR, "kvreuse.vllm.sparse_connector")):
+        if name not in KVConnectorFactory._registry:  # vLLM has no public "is registered" query
+            KVConnectorFactory.register_connector(name, module, name)

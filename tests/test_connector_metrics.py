@@ -1,0 +1,139 @@
+"""kvreuse's figures on their way into vLLM's metrics through its connectors' stats: the module cache's counters,
+the sparse backend's per-layer figures (read from the device without waiting), their log line and Prometheus."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from kvreuse.kernels.dipr_decode import DIPRCounters
+from kvreuse.modules.store import StoreFigures
+from kvreuse.sparse import figures as figures_module
+from kvreuse.sparse.figures import FIGURES, AttendedFractions, FigureIncrements
+from kvreuse.vllm.connector_metrics import KVReusePromMetrics, KVReuseStats
+from kvreuse.vllm.module_metrics import counter_values
+from kvreuse.vllm.module_worker import ModuleFigures
+from kvreuse.vllm.sparse_metrics import PREFIX, SPARSE_COUNTERS, summarise
+
+
+def _step(blocks_read: int, blocks_total: int, tokens: int = 10, context: int = 40) -> DIPRCounters:
+    """Counters of one decode of one sequence, 1 KV head, 2 query heads."""
+    return DIPRCounters(blocks_read=torch.tensor([[blocks_read]]), blocks_total=torch.tensor([blocks_total]),
+                        tokens_attended=torch.tensor([[tokens, tokens]]), tokens_total=torch.tensor([context]))
+
+
+def test_module_stats_flatten_the_counters_and_sum_across_steps_and_workers():
+    store = StoreFigures()
+    store.hits["gpu"] += 3
+    store.bytes_moved["cpu->gpu"] += 4096
+    store.evictions["gpu"] += 1
+    store.misses = 2
+    values = counter_values(ModuleFigures(tokens_loaded=100, pieces_loaded=2), store)
+    assert values["tokens_loaded"] == 100 and values["hits:gpu"] == 3 and values["bytes_moved:cpu->gpu"] == 4096
+    assert values["evictions:gpu"] == 1 and values["misses"] == 2
+    total = KVReuseStats(data={"tokens_loaded": 5}).aggregate(KVReuseStats(data={"tokens_loaded": 7, "hits:cpu": 1}))
+    assert total.reduce() == {"hits:cpu": 1, "tokens_loaded": 12}
+    assert KVReuseStats(data={"misses": 0}).is_empty() and not total.is_empty()
+
+
+def test_each_sparse_figure_has_one_prometheus_counter_per_layer():
+    assert set(SPARSE_COUNTERS) == {PREFIX + name for name in FIGURES}
+    assert all(label == "layer" and prom.startswith("kvreuse:sparse_") and prom.endswith("_total")
+               for prom, _, label in SPARSE_COUNTERS.values())
+
+
+def test_increments_are_what_grew_since_the_last_call_and_restart_with_new_figures():
+    figures, increments = AttendedFractions(), FigureIncrements()
+    assert increments.take(figures) == {}
+    figures.add(3, _step(2, 8))
+    figures.add(3, _step(1, 8))
+    figures.add_recovery(3, torch.tensor([0.5, 1.0]))
+    assert increments.take(figures) == {("blocks_read", 3): 3, ("blocks_total", 3): 16, ("tokens_attended", 3): 40,
+                                        ("tokens_total", 3): 160, ("recovery_kept", 3): 1.5,
+                                        ("recovery_samples", 3): 2}
+    figures.add(3, _step(4, 8))
+    figures.add(0, _step(1, 1))
+    assert increments.take(figures) == {("blocks_read", 3): 4, ("blocks_total", 3): 8, ("tokens_attended", 3): 20,
+                                        ("tokens_total", 3): 80, ("blocks_read", 0): 1, ("blocks_total", 0): 1,
+                                        ("tokens_attended", 0): 20, ("tokens_total", 0): 80}
+    assert increments.take(figures) == {}
+    fresh = AttendedFractions()  # the figures were reset: counting starts again from zero
+    fresh.add(3, _step(1, 2))
+    assert increments.take(fresh)[("blocks_read", 3)] == 1
+
+
+def test_increments_wait_for_copies_still_in_flight_and_lose_nothing(monkeypatch):
+    """As on a GPU: a copy that has not landed is not read; the next call reports what it and later ones carry."""
+    landed = {"now": False}
+    monkeypatch.setattr(figures_module._HostCopy, "done", lambda self: landed["now"])
+    figures, increments = AttendedFractions(), FigureIncrements()
+    figures.add(1, _step(2, 4))
+    assert increments.take(figures) == {}
+    figures.add(1, _step(3, 4))
+    for _ in range(FigureIncrements.MAX_IN_FLIGHT + 2):  # a device far behind: at most MAX_IN_FLIGHT copies queue
+        assert increments.take(figures) == {}
+    landed["now"] = True
+    got = increments.take(figures)
+    assert got[("blocks_read", 1)] == 5 and got[("blocks_total", 1)] == 8
+
+
+def test_stats_sum_sparse_figures_over_workers_and_log_them_as_fractions_over_layers():
+    one = KVReuseStats(data={f"{PREFIX}blocks_read:0": 2, f"{PREFIX}blocks_total:0": 10,
+                             f"{PREFIX}blocks_read:1": 3, f"{PREFIX}blocks_total:1": 10, "tokens_loaded": 4})
+    two = KVReuseStats(data={f"{PREFIX}blocks_read:0": 5, f"{PREFIX}blocks_total:0": 20,
+                             f"{PREFIX}recovery_kept:1": 1.8, f"{PREFIX}recovery_samples:1": 2})
+    both = one.aggregate(two)
+    assert both.data[f"{PREFIX}blocks_read:0"] == 7
+    assert both.reduce() == {"tokens_loaded": 4, "sparse_block_fraction": 0.25, "sparse_recovery": 0.9}
+    assert summarise({}) == {}
+
+
+def test_prometheus_counters_take_the_stats_with_their_labels():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.config import VllmConfig
+
+    registry = CollectorRegistry()
+    types = {kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    metrics = KVReusePromMetrics(VllmConfig(), types, ["engine"], {0: ["0"]})
+    metrics.observe({"tokens_loaded": 64, "bytes_moved:cpu->gpu": 4096, "hits:gpu": 2, "unknown": 1,
+                     f"{PREFIX}blocks_read:1": 3, f"{PREFIX}recovery_kept:1": 0.75}, 0)
+    metrics.observe({"tokens_loaded": 36, f"{PREFIX}blocks_read:1": 2}, 0)
+    get = registry.get_sample_value
+    assert get("kvreuse:module_tokens_loaded_total", {"engine": "0"}) == 100
+    assert get("kvreuse:module_bytes_moved_total", {"engine": "0", "move": "cpu->gpu"}) == 4096
+    assert get("kvreuse:module_hits_total", {"engine": "0", "tier": "gpu"}) == 2
+    assert get("kvreuse:sparse_blocks_read_total", {"engine": "0", "layer": "1"}) == 5
+    assert get("kvreuse:sparse_recovery_kept_total", {"engine": "0", "layer": "1"}) == pytest.approx(0.75)
+
+
+def _figures_connector(role):
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    from kvreuse.vllm import register
+    from kvreuse.vllm.sparse_connector import KVReuseSparseFigures
+
+    register()  # names the connector for vLLM's config check, as vLLM's plugin loader does
+    config = VllmConfig(kv_transfer_config=KVTransferConfig(kv_connector="KVReuseSparseFigures", kv_role="kv_both"))
+    return KVReuseSparseFigures(config, role, None)
+
+
+def test_figures_connector_moves_no_kv_and_refuses_workers_whose_figures_would_be_missing_or_doubled(monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvreuse.errors import ConfigError
+    from kvreuse.vllm import attention, module_worker
+
+    scheduler = _figures_connector(KVConnectorRole.SCHEDULER)
+    assert scheduler.get_num_new_matched_tokens(None, 0) == (0, False)
+    assert scheduler.get_kv_connector_stats() is None
+    worker = _figures_connector(KVConnectorRole.WORKER)
+    monkeypatch.setattr(attention, "_ATTENTION", None)
+    with pytest.raises(ConfigError, match="--attention-backend CUSTOM .* KVREUSE_SPARSE_CPU_BACKEND=1"):
+        worker.register_kv_caches({})
+    assert worker.get_kv_connector_stats() is None
+    monkeypatch.setattr(attention, "_ATTENTION", object())
+    monkeypatch.setattr(module_worker, "_WORKER", object())
+    with pytest.raises(ConfigError, match="KVReuseModuleCache already reports the sparse figures"):
+        worker.register_kv_caches({})
