@@ -12,7 +12,8 @@ import torch
 from kvreuse.kernels.block_bounds import merge_written_keys_reference, recompute_bounds_reference
 from kvreuse.kernels.dipr_decode import dense_decode_reference, dipr_selection_reference, masked_decode_reference
 from kvreuse.sparse.config import SparseConfig
-from kvreuse.sparse.paged import PagedBatch, SparseAttention, merge_bounds, write_paged_kv
+from kvreuse.kernels.paged_write import store_kv_reference
+from kvreuse.sparse.paged import PagedBatch, SparseAttention, merge_bounds
 
 BLOCK, KV_HEADS, Q_HEADS, DIM, POOL = 32, 2, 4, 64, 40
 SCALE = DIM ** -0.5
@@ -91,7 +92,7 @@ def test_cache_write_stores_each_token_at_its_slot_in_the_plain_layout():
 def test_cache_write_skips_padding_slots():
     cache = torch.zeros(2, 4, 1, 2), torch.zeros(2, 4, 1, 2)
     key = torch.ones(3, 1, 2)
-    write_paged_kv(key, 2 * key, *cache, torch.tensor([5, -1, 6]))
+    store_kv_reference(key, 2 * key, *cache, torch.tensor([5, -1, 6]))
     assert int((cache[0] != 0).any(-1).sum()) == 2 and torch.equal(cache[1][1, 2, 0], torch.tensor([2.0, 2.0]))
 
 
@@ -194,3 +195,24 @@ def test_sample_recovery_measures_the_kept_attention_mass_every_nth_dipr_decode(
     row = engine.attention.figures.rows()[0]
     assert row["samples"] == 2 * 2 * Q_HEADS
     assert 0.99 < row["recovery_min"] <= row["recovery_mean"] <= 1.0
+
+
+def test_a_step_is_split_once_per_kind_of_layer_and_again_after_new_settings(monkeypatch):
+    """Dense and sparse layers share their step's sub-batches: the metadata is gathered (and sent to the device)
+    once per step and kind, not per layer."""
+    from kvreuse.sparse import paged
+
+    calls = []
+    real = paged.split_batch
+    monkeypatch.setattr(paged, "split_batch", lambda *args: calls.append(args[1]) or real(*args))
+    engine = Engine(sparse(4.0, dense_layers=2, min_context=100))
+    engine.step(PROMPTS)
+    query, _, _, batch = engine.step([1, 1])
+    outs = [engine.attend(layer, query, batch) for layer in range(4)]
+    assert calls == [True, False]  # layers 0-1 dense, 2-3 sparse
+    plan = engine.attention._plan(batch, False)
+    assert plan.dipr.reqs == (0,) and plan.dense.reqs == (1,)  # request 1 (46 tokens) is under min_context
+    assert plan.dense_decodes == (2, 46)
+    engine.attention.configure(sparse(4.0, dense_layers=2, min_context=10))
+    torch.testing.assert_close(engine.attend(2, query, batch), outs[2], atol=1e-5, rtol=0)
+    assert calls == [True, False, False] and engine.attention._plan(batch, False).dipr.reqs == (0, 1)

@@ -51,7 +51,9 @@ FIGURES = COUNTERS + ("recovery_kept", "recovery_samples")
 
 @dataclass
 class _LayerSums:
-    counts: torch.Tensor | None = None  # int64 [len(COUNTERS)], on the device the kernel ran on
+    counts: torch.Tensor | None = None  # DIPR decodes' int64 [len(COUNTERS)], on the device the kernel ran on
+    dense_blocks: int = 0  # decodes kept dense read every block (x KV heads) and token (x query heads): host ints
+    dense_tokens: int = 0
     recovery_kept: float = 0.0
     recovery_samples: int = 0
     recovery_min: float = math.inf
@@ -60,8 +62,9 @@ class _LayerSums:
 class AttendedFractions:
     """Per-layer sums of the kernel's counters and of sampled recovery ratios.
 
-    ``add`` keeps the sums on the counters' device (no host read per layer and step); ``rows`` reads them, and
-    ``FigureIncrements`` copies them to the host without waiting for the device.
+    ``add`` keeps the sums on the counters' device (no host read per layer and step), ``add_dense`` counts decodes
+    the policy kept dense (they read everything) on the host; ``rows`` reads both, and ``FigureIncrements`` copies
+    the device sums to the host without waiting for the device.
     """
 
     def __init__(self) -> None:
@@ -75,6 +78,13 @@ class AttendedFractions:
                             counters.tokens_attended.sum(dtype=torch.int64),
                             counters.tokens_total.sum(dtype=torch.int64) * q_heads))
         sums.counts = step if sums.counts is None else sums.counts + step
+
+    def add_dense(self, layer: int, blocks: int, tokens: int) -> None:
+        """Dense decodes of ``layer`` that read ``blocks`` KV blocks x KV heads and ``tokens`` tokens x query heads
+        (all of their contexts)."""
+        sums = self._layers.setdefault(layer, _LayerSums())
+        sums.dense_blocks += blocks
+        sums.dense_tokens += tokens
 
     def add_recovery(self, layer: int, ratios: torch.Tensor) -> None:
         ratios = ratios.detach().flatten().double().cpu()
@@ -92,6 +102,11 @@ class AttendedFractions:
             return (), torch.zeros(0, len(COUNTERS), dtype=torch.int64)
         return layers, torch.stack([self._layers[layer].counts for layer in layers])
 
+    def dense_totals(self) -> dict[int, tuple[int, int]]:
+        """Per layer with dense decodes: the blocks and tokens they read (each also counts in the totals)."""
+        return {layer: (sums.dense_blocks, sums.dense_tokens)
+                for layer, sums in sorted(self._layers.items()) if sums.dense_blocks or sums.dense_tokens}
+
     def recovery_totals(self) -> dict[int, tuple[float, int]]:
         """Per layer with samples: the sum of the sampled recovery ratios and their number (host values)."""
         return {layer: (sums.recovery_kept, sums.recovery_samples)
@@ -103,7 +118,8 @@ class AttendedFractions:
         for layer in sorted(self._layers):
             sums = self._layers[layer]
             counts = [0] * len(COUNTERS) if sums.counts is None else sums.counts.tolist()
-            blocks_read, blocks_total, tokens_attended, tokens_total = counts
+            dense = (sums.dense_blocks, sums.dense_blocks, sums.dense_tokens, sums.dense_tokens)
+            blocks_read, blocks_total, tokens_attended, tokens_total = (a + b for a, b in zip(counts, dense))
             sampled = sums.recovery_samples > 0
             rows.append({
                 "layer": layer,
@@ -156,22 +172,26 @@ class FigureIncrements:
     def __init__(self) -> None:
         self._source: AttendedFractions | None = None
         self._reported: dict[tuple[str, int], float] = {}
+        self._landed: dict[tuple[str, int], float] = {}  # the device sums as of the newest copy that landed
         self._copies: deque[_HostCopy] = deque()
 
     def take(self, fractions: AttendedFractions) -> dict[tuple[str, int], float]:
         """``{(figure, layer): increment}`` for the figures that grew (``figure`` in ``FIGURES``)."""
         if fractions is not self._source:
-            self._source, self._reported, self._copies = fractions, {}, deque()
+            self._source, self._reported, self._landed, self._copies = fractions, {}, {}, deque()
         layers, totals = fractions.counter_totals()
         if layers and len(self._copies) < self.MAX_IN_FLIGHT:
             self._copies.append(_copy_to_host(layers, totals))
         landed = None
         while self._copies and self._copies[0].done():
             landed = self._copies.popleft()
-        now: dict[tuple[str, int], float] = {}
         if landed is not None:
             for layer, row in zip(landed.layers, landed.values.tolist()):
-                now.update({(name, layer): value for name, value in zip(COUNTERS, row)})
+                self._landed.update({(name, layer): value for name, value in zip(COUNTERS, row)})
+        now = dict(self._landed)
+        for layer, (blocks, tokens) in fractions.dense_totals().items():
+            for name, value in zip(COUNTERS, (blocks, blocks, tokens, tokens)):
+                now[(name, layer)] = now.get((name, layer), 0) + value
         for layer, (kept, samples) in fractions.recovery_totals().items():
             now.update({("recovery_kept", layer): kept, ("recovery_samples", layer): samples})
         grown = {key: value - self._reported.get(key, 0) for key, value in now.items()}

@@ -62,17 +62,73 @@ class PagedBatch:
         return len(self.seq_lens_cpu)
 
 
-def write_paged_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Store ``key``/``value[num_tokens, num_kv_heads, head_dim]`` at their slots; negative slots are skipped."""
-    n = min(len(slot_mapping), len(key))
-    slots = slot_mapping[:n].long()
-    valid = slots >= 0
-    slots, key, value = slots[valid], key[:n][valid], value[:n][valid]
-    block_size = key_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key.to(key_cache.dtype)
-    value_cache[blocks, offsets] = value.to(value_cache.dtype)
+@dataclass(frozen=True)
+class SubBatch:
+    """The requests of one step that one kernel serves, with their metadata gathered on the batch's device.
+
+    ``query_starts``/``query_ends``/``seq_lens`` are int32 ``[n]``, ``block_table`` int32 ``[n, max_blocks]`` with
+    contiguous rows; ``max_query_len`` is a host int that sizes a launch grid.
+    """
+
+    reqs: tuple[int, ...]
+    query_starts: torch.Tensor
+    query_ends: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    max_query_len: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How one step's batch splits in a layer: dense requests, DIPR decodes, and the blocks and tokens of the
+    decodes kept dense (for the figures)."""
+
+    dense: SubBatch | None
+    dipr: SubBatch | None
+    dense_decodes: tuple[int, int]
+
+
+def gather(batch: PagedBatch, reqs: list[int], max_query_len: int) -> SubBatch:
+    """``batch``'s metadata for requests ``reqs``. The request indices reach the device in one copy from pinned
+    memory that does not wait for the device, so that planning a step never stalls the host."""
+    device = batch.seq_lens.device
+    index = torch.tensor(reqs, dtype=torch.long)
+    if device.type == "cuda":
+        index = index.pin_memory()
+    index = index.to(device, non_blocking=True)
+    return SubBatch(reqs=tuple(reqs),
+                    query_starts=batch.query_start_loc[:-1].index_select(0, index).to(torch.int32),
+                    query_ends=batch.query_start_loc[1:].index_select(0, index).to(torch.int32),
+                    seq_lens=batch.seq_lens.index_select(0, index).to(torch.int32),
+                    block_table=batch.block_table.index_select(0, index.to(batch.block_table.device))
+                    .to(torch.int32).contiguous(),
+                    max_query_len=max_query_len)
+
+
+def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_size: int) -> StepPlan:
+    """Split ``batch`` as the policy decides for a layer: in a sparse layer (``dense_layer`` false) a request with
+    one new token and at least ``min_context`` tokens in all is a DIPR decode; every other request with new tokens
+    is dense. Reads only the batch's host copies."""
+    starts = batch.query_start_loc_cpu.tolist()
+    lens = batch.seq_lens_cpu.tolist()
+    dense_reqs: list[int] = []
+    dipr_reqs: list[int] = []
+    dense_blocks = dense_tokens = 0
+    for req in range(batch.num_reqs):
+        new_tokens = starts[req + 1] - starts[req]
+        if new_tokens <= 0:
+            continue
+        if new_tokens == 1 and not dense_layer and lens[req] >= min_context:
+            dipr_reqs.append(req)
+            continue
+        dense_reqs.append(req)
+        if new_tokens == 1:
+            dense_blocks += -(-lens[req] // block_size)
+            dense_tokens += lens[req]
+    max_query_len = max((starts[req + 1] - starts[req] for req in dense_reqs), default=0)
+    return StepPlan(dense=gather(batch, dense_reqs, max_query_len) if dense_reqs else None,
+                    dipr=gather(batch, dipr_reqs, 1) if dipr_reqs else None,
+                    dense_decodes=(dense_blocks, dense_tokens))
 
 
 def merge_bounds(bounds: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
@@ -115,11 +171,13 @@ class SparseAttention:
         self.kernels = kernels
         self.figures = AttendedFractions()
         self._dipr_steps: dict[int, int] = {}  # DIPR decode calls per layer, for sample_recovery
+        self._plans: tuple[PagedBatch, dict[bool, StepPlan]] | None = None  # the current step's, by dense_layer
         self.configure(config or SparseConfig())
 
     def configure(self, config: SparseConfig) -> None:
         self.config = config
         self.policy = RuleBasedPolicy(config)
+        self._plans = None
 
     def allocate_bounds(self, num_blocks: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         """Empty bounds (maxima ``-inf``, minima ``+inf``) for a cache of ``num_blocks`` blocks."""
@@ -140,14 +198,19 @@ class SparseAttention:
     def write(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
               bounds: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store a step's keys and values and bring the bounds of the blocks written up to date."""
-        write_paged_kv(key, value, key_cache, value_cache, slot_mapping)
         if self._use_kernels(key_cache):
             from kvreuse.kernels.block_bounds import BlockBounds
+            from kvreuse.kernels.paged_write import PagedKVWrite
 
+            PagedKVWrite(self.block_size, self.num_kv_heads, self.head_dim).run(key, value, key_cache, value_cache,
+                                                                               slot_mapping)
             launcher = BlockBounds(self.block_size, self.num_kv_heads, self.head_dim)
             launcher.plan(slot_mapping[: len(key)])
             launcher.run(key_cache, bounds)
         else:
+            from kvreuse.kernels.paged_write import store_kv_reference
+
+            store_kv_reference(key, value, key_cache, value_cache, slot_mapping)
             merge_bounds(bounds, key, slot_mapping, self.block_size)
 
     # -- attention ------------------------------------------------------------------------------------------------
@@ -155,56 +218,46 @@ class SparseAttention:
     def attend(self, layer: int, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                bounds: torch.Tensor, batch: PagedBatch, out: torch.Tensor) -> torch.Tensor:
         """Attention of every real token of ``batch`` in ``layer``, written into ``out[num_tokens, hq, d]``."""
-        starts = batch.query_start_loc_cpu.tolist()
-        lens = batch.seq_lens_cpu.tolist()
-        dense_layer = self.dense_layer(layer)
-        dense_reqs: list[int] = []
-        decode_reqs: list[int] = []
-        for req in range(batch.num_reqs):
-            first, last = starts[req], starts[req + 1]
-            if last <= first:
-                continue
-            if last - first == 1 and not dense_layer and lens[req] >= self.config.min_context:
-                decode_reqs.append(req)
-                continue
-            dense_reqs.append(req)
-            if last - first == 1:
-                self._count_dense(layer, lens[req])
-        if dense_reqs:
-            max_query_len = max(starts[req + 1] - starts[req] for req in dense_reqs)
-            self._dense(query, key_cache, value_cache, batch, dense_reqs, max_query_len, out)
-        if decode_reqs:
-            self._dipr_decode(layer, query, key_cache, value_cache, bounds, batch, decode_reqs, starts, out)
+        plan = self._plan(batch, self.dense_layer(layer))
+        if plan.dense_decodes != (0, 0):
+            blocks, tokens = plan.dense_decodes
+            self.figures.add_dense(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads)
+        if plan.dense is not None:
+            self._dense(query, key_cache, value_cache, plan.dense, out)
+        if plan.dipr is not None:
+            self._dipr_decode(layer, query, key_cache, value_cache, bounds, plan.dipr, batch.max_seq_len, out)
         return out
 
-    def _dense(self, query, key_cache, value_cache, batch, reqs, max_query_len, out) -> None:
-        """Dense causal attention of requests ``reqs`` (prefill, chunked prefill, dense decode) into their rows."""
+    def _plan(self, batch: PagedBatch, dense_layer: bool) -> "StepPlan":
+        """The step's split of ``batch`` for a dense layer or a sparse one, made by the first layer of each kind
+        and reused by the others (a step has at most these two splits)."""
+        if self._plans is None or self._plans[0] is not batch:
+            self._plans = (batch, {})
+        plans = self._plans[1]
+        if dense_layer not in plans:
+            plans[dense_layer] = split_batch(batch, dense_layer, self.config.min_context, self.block_size)
+        return plans[dense_layer]
+
+    def _dense(self, query, key_cache, value_cache, sub: "SubBatch", out) -> None:
+        """Dense causal attention of a sub-batch (prefill, chunked prefill, dense decode) into its rows."""
         from kvreuse.kernels.paged_causal import PagedCausalAttention, paged_causal_reference
 
-        index = torch.tensor(reqs, dtype=torch.long, device=batch.query_start_loc.device)
-        query_starts = batch.query_start_loc[:-1].index_select(0, index).to(torch.int32)
-        query_ends = batch.query_start_loc[1:].index_select(0, index).to(torch.int32)
-        seq_lens = batch.seq_lens.index_select(0, index).to(torch.int32)
-        block_table = batch.block_table.index_select(0, index.to(batch.block_table.device)).to(torch.int32)
         if self._use_kernels(query):
             launcher = PagedCausalAttention(self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size,
                                             scale=self.scale)
-            launcher.plan(query_starts, query_ends, seq_lens, block_table.contiguous(), max_query_len)
+            launcher.plan(sub.query_starts, sub.query_ends, sub.seq_lens, sub.block_table, sub.max_query_len)
             launcher.run(query, key_cache, value_cache, out)
         else:
-            paged_causal_reference(query, key_cache, value_cache, query_starts, query_ends, seq_lens, block_table,
-                                   self.scale, out)
+            paged_causal_reference(query, key_cache, value_cache, sub.query_starts, sub.query_ends, sub.seq_lens,
+                                   sub.block_table, self.scale, out)
 
-    def _dipr_decode(self, layer, query, key_cache, value_cache, bounds, batch, reqs, starts, out) -> None:
+    def _dipr_decode(self, layer, query, key_cache, value_cache, bounds, sub: "SubBatch", max_seq_len: int,
+                     out) -> None:
         from kvreuse.kernels.dipr_decode import DIPRCounters
 
-        device = query.device
-        rows = torch.tensor([starts[r] for r in reqs], dtype=torch.long, device=device)
-        index = torch.tensor(reqs, dtype=torch.long, device=device)
+        rows, seq_lens, block_table = sub.query_starts.long(), sub.seq_lens, sub.block_table
         q = query.index_select(0, rows)
-        seq_lens = batch.seq_lens.index_select(0, index).to(torch.int32)
-        block_table = batch.block_table.index_select(0, index).to(torch.int32).contiguous()
-        betas = torch.full((len(reqs),), self.policy.layer_beta(layer), dtype=torch.float32, device=device)
+        betas = torch.full((len(sub.reqs),), self.policy.layer_beta(layer), dtype=torch.float32, device=query.device)
         sink, local = self.config.sink, self.config.local
         step = self._dipr_steps.get(layer, 0)
         self._dipr_steps[layer] = step + 1
@@ -214,7 +267,7 @@ class SparseAttention:
 
             launcher = DIPRDecode(self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size,
                                   scale=self.scale, sink=sink, local=local)
-            launcher.plan(seq_lens, block_table, max_seq_len=batch.max_seq_len)
+            launcher.plan(seq_lens, block_table, max_seq_len=max_seq_len)
             result, counters = launcher.run(q.contiguous(), key_cache, value_cache, bounds, betas,
                                             return_counters=True)
             if sampled:
@@ -237,11 +290,3 @@ class SparseAttention:
                                                               for lg, at in zip(sel.logits, sel.attended)]))
         out.index_copy_(0, rows, result.to(out.dtype))
         self.figures.add(layer, counters)
-
-    def _count_dense(self, layer: int, seq_len: int) -> None:
-        from kvreuse.kernels.dipr_decode import DIPRCounters
-
-        blocks = -(-seq_len // self.block_size)
-        self.figures.add(layer, DIPRCounters(
-            torch.full((1, self.num_kv_heads), blocks, dtype=torch.int32), torch.tensor([blocks], dtype=torch.int32),
-            torch.full((1, self.num_q_heads), seq_len, dtype=torch.int32), torch.tensor([seq_len], dtype=torch.int32)))

@@ -176,10 +176,16 @@ class SparseAttentionMetadataBuilder(AttentionMetadataBuilder[SparseAttentionMet
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> SparseAttentionMetadata:
         m = common_attn_metadata
+        # vLLM's host copy of the lengths, so that building a step does not wait for the device. It is exact except
+        # for decode rows under asynchronous speculative decoding (an upper bound there); the host lengths only
+        # choose dense or DIPR per request and count the figures of dense decodes, and the kernels read the device
+        # lengths.
+        seq_lens_cpu = (m.seq_lens[: m.num_reqs].cpu() if m.seq_lens_cpu_upper_bound is None
+                        else m.seq_lens_cpu_upper_bound[: m.num_reqs])
         return SparseAttentionMetadata(PagedBatch(
             query_start_loc=m.query_start_loc[: m.num_reqs + 1],
             query_start_loc_cpu=m.query_start_loc_cpu[: m.num_reqs + 1],
-            seq_lens=m.seq_lens[: m.num_reqs], seq_lens_cpu=m.seq_lens[: m.num_reqs].cpu(),
+            seq_lens=m.seq_lens[: m.num_reqs], seq_lens_cpu=seq_lens_cpu,
             block_table=m.block_table_tensor[: m.num_reqs], slot_mapping=m.slot_mapping,
             num_actual_tokens=m.num_actual_tokens, max_seq_len=m.max_seq_len))
 
