@@ -4,7 +4,7 @@ Every step the worker's connector sends what the figures of this process's spars
 (``kvreuse.sparse.figures.FigureIncrements``: on a GPU a step late, so that the host never waits for the device),
 one key per figure and layer. vLLM adds them to these Prometheus counters, each with the label ``layer``:
 
-* ``kvreuse:sparse_blocks_read_total``: KV blocks (x KV heads) whose keys and values DIPR decodes read;
+* ``kvreuse:sparse_blocks_read_total``: KV blocks (x KV heads) whose keys and values decodes read;
 * ``kvreuse:sparse_blocks_total``: KV blocks (x KV heads) in the contexts of those decodes;
 * ``kvreuse:sparse_tokens_attended_total``, ``kvreuse:sparse_tokens_total``: the same for tokens (x query heads);
 * ``kvreuse:sparse_recovery_kept_total``, ``kvreuse:sparse_recovery_samples_total``: the sum of the sampled
@@ -13,7 +13,8 @@ one key per figure and layer. vLLM adds them to these Prometheus counters, each 
 So the fraction of blocks a layer attends is ``rate(kvreuse:sparse_blocks_read_total[5m]) /
 rate(kvreuse:sparse_blocks_total[5m])``, and the mean recovery ratio is ``kept / samples`` likewise. vLLM's log
 line shows them over all layers: ``sparse_block_fraction``, ``sparse_token_fraction``, ``sparse_recovery``.
-Dense decodes and prefills (short contexts, the first layers) add nothing: the figures describe DIPR's work.
+Decodes the policy keeps dense (short contexts, the first layers) count as reading every block and token; prefills
+are not counted.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ PREFIX = "sparse_"
 # Stats name -> (Prometheus name, documentation, label name); stats keys are "<name>:<layer>".
 SPARSE_COUNTERS = {
     "sparse_blocks_read": ("kvreuse:sparse_blocks_read_total",
-                           "KV blocks (x KV heads) whose keys and values DIPR decodes read", "layer"),
+                           "KV blocks (x KV heads) whose keys and values decodes read", "layer"),
     "sparse_blocks_total": ("kvreuse:sparse_blocks_total",
-                            "KV blocks (x KV heads) in the contexts of DIPR decodes", "layer"),
+                            "KV blocks (x KV heads) in the contexts of decodes", "layer"),
     "sparse_tokens_attended": ("kvreuse:sparse_tokens_attended_total",
-                               "Context tokens (x query heads) DIPR decodes attended", "layer"),
+                               "Context tokens (x query heads) decodes attended", "layer"),
     "sparse_tokens_total": ("kvreuse:sparse_tokens_total",
-                            "Context tokens (x query heads) of DIPR decodes", "layer"),
+                            "Context tokens (x query heads) of decodes", "layer"),
     "sparse_recovery_kept": ("kvreuse:sparse_recovery_kept_total",
                              "Sum of the sampled recovery ratios (dense attention mass kept, per query head)", "layer"),
     "sparse_recovery_samples": ("kvreuse:sparse_recovery_samples_total",
