@@ -50,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 from kvreuse.modules.splice import Piece
 from kvreuse.modules.store import ModuleKey
+from kvreuse.vllm.connector_metrics import KVReuseMetrics
 from kvreuse.vllm.registration import MODULE_CONNECTOR
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ class ModuleCacheWorkerMeta(KVConnectorWorkerMetadata):
             dropped=self.dropped | other.dropped, failed={**self.failed, **other.failed})
 
 
-class KVReuseModuleCache(KVConnectorBase_V1):
+class KVReuseModuleCache(KVReuseMetrics, KVConnectorBase_V1):
     """The connector vLLM builds in its scheduler (``role=SCHEDULER``) and in each worker (``role=WORKER``).
 
     It only routes vLLM's calls to :class:`~kvreuse.vllm.module_scheduler.ModuleScheduler` or
@@ -185,16 +186,3 @@ class KVReuseModuleCache(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.WORKER:
             self._worker.close()
-
-    # ---------------------------------------------------------------------------------------------------- metrics
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
-        from kvreuse.vllm.connector_metrics import KVReuseStats
-
-        return KVReuseStats(data=dict(data or {}))
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        from kvreuse.vllm.connector_metrics import KVReusePromMetrics
-
-        return KVReusePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

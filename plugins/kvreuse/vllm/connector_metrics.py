@@ -79,3 +79,16 @@ class KVReusePromMetrics(KVConnectorPromMetrics):
             if counter is None or not value:
                 continue
             counter.labels(*labels, *([label] if label else [])).inc(value)
+
+
+class KVReuseMetrics:
+    """The metrics half of a kvreuse connector: vLLM asks the connector class for its stats class and its Prometheus
+    metrics (in the front end, where the stats arrive)."""
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVReuseStats:
+        return KVReuseStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KVReusePromMetrics:
+        return KVReusePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 from kvreuse.errors import ConfigError
 from kvreuse.sparse.figures import FigureIncrements
+from kvreuse.vllm.connector_metrics import KVReuseMetrics, KVReuseStats
 from kvreuse.vllm.registration import MODULE_CONNECTOR, SPARSE_CPU_SWITCH, SPARSE_FIGURES_CONNECTOR
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class KVReuseSparseFigures(KVConnectorBase_V1):
+class KVReuseSparseFigures(KVReuseMetrics, KVConnectorBase_V1):
     """A connector with no KV transfers; its worker side reports the figures of this process's sparse backend."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
@@ -78,21 +79,7 @@ class KVReuseSparseFigures(KVConnectorBase_V1):
     def get_kv_connector_stats(self):
         if self._role != KVConnectorRole.WORKER:
             return None
-        from kvreuse.vllm.connector_metrics import KVReuseStats
         from kvreuse.vllm.sparse_metrics import sparse_stats
 
         data = sparse_stats(self._increments)
         return KVReuseStats(data=data) if data else None
-
-    # ---------------------------------------------------------------------------------------------------- metrics
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
-        from kvreuse.vllm.connector_metrics import KVReuseStats
-
-        return KVReuseStats(data=dict(data or {}))
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        from kvreuse.vllm.connector_metrics import KVReusePromMetrics
-
-        return KVReusePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
