@@ -30,8 +30,7 @@ import triton
 import triton.language as tl
 
 from kvreuse.errors import check_kernel_argument as _check
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from kvreuse.kernels import SUPPORTED_DTYPES
 
 
 def check_paged_kv(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int,

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kvreuse.errors import check_kernel_argument as _check
-from kvreuse.kernels.block_bounds import SUPPORTED_DTYPES
+from kvreuse.kernels import SUPPORTED_DTYPES
 
 
 @triton.jit

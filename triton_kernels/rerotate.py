@@ -45,8 +45,8 @@ import triton.language as tl
 
 from kvreuse.errors import RerotationMismatch, UnsupportedPositionalEncoding
 from kvreuse.errors import check_kernel_argument as _check
+from kvreuse.kernels import SUPPORTED_DTYPES
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ROPE_TYPES = ("default", "linear", "llama3")
 
 

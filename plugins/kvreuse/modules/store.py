@@ -47,11 +47,11 @@ from pathlib import Path
 import torch
 
 from kvreuse.errors import ConfigError, ModuleMismatch, ModuleRegistrationError, ModuleTooLarge
+from kvreuse.kernels import SUPPORTED_DTYPES
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.reorder.rerank import rerank_by_module_sets
 
 TIERS = ("gpu", "cpu", "disk")
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def module_fingerprint(model_id: str, tokenizer_id: str, token_ids: Sequence[int]) -> str:
