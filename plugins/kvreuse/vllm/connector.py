@@ -5,7 +5,9 @@ Switched on with vLLM's own flag (``register()`` puts the name in vLLM's connect
     --kv-transfer-config '{"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both",
                            "kv_load_failure_policy": "recompute"}'
 
-Store settings come from ``--additional-config '{"kvreuse": {"modules": {...}}}'`` or ``KVREUSE_MODULES_*``.
+Store settings come from ``--additional-config '{"kvreuse": {"modules": {...}}}'`` or ``KVREUSE_MODULES_*``. Its
+per-step stats carry the module cache's counters into vLLM's metrics and, where the sparse attention backend runs,
+the sparse figures too (``kvreuse.vllm.connector_metrics``).
 
 How a module gets in. An *encode request* is an ordinary request whose ``kv_transfer_params`` are
 ``{"kvreuse_module": NAME, "kvreuse_context": N}``: its prompt is ``N`` context tokens followed by the module's
