@@ -3,7 +3,9 @@
 Two engines: the stock one (CPU_ATTN) answers first and is stopped, then one with the sparse backend, DIPR in every
 layer (``dense_layers = 0``, ``min_context = 0``), which is reconfigured between tests through ``collective_rpc``
 (``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` lets it send a function). The second also runs the figures' connector
-``KVReuseSparseFigures``, which takes the figures into vLLM's metrics and must change no answer.
+``KVReuseSparseFigures``, which takes the figures into vLLM's metrics and must change no answer, and has
+``TRITON_INTERPRET=1``, so that one test can switch its worker to the Triton path a GPU runs (the cache write,
+bounds, paged causal and DIPR kernels, in Triton's interpreter) on vLLM's own tensors and metadata.
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ def greedy_tokens(llm, prompts, max_tokens=MAX_TOKENS):
     return [list(o.outputs[0].token_ids) for o in outs], [len(o.prompt_token_ids) for o in outs]
 
 
-def _configure(flags):
-    """A function for ``collective_rpc``: new sparse settings and empty figures in the worker."""
+def _configure(flags, kernels=None):
+    """A function for ``collective_rpc``: new sparse settings, empty figures, and the Triton kernels on or off
+    (``None``: on CUDA tensors only, i.e. off here) in the worker."""
     def call(worker):
         from kvreuse.vllm import attention
 
         attention.configure_sparse(flags)
         attention.reset_sparse_figures()
+        attention.sparse_attention().kernels = kernels
 
     return call
 
@@ -97,6 +101,7 @@ def sparse_llm(small_model, stock_tokens):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVREUSE_SPARSE_CPU_BACKEND", "1")
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        mp.setenv("TRITON_INTERPRET", "1")  # read when the worker first imports a kernel
         llm = start_llm(small_model, additional_config={"kvreuse": {"sparse": EXACT}},
                         kv_transfer_config=FIGURES_CONNECTOR)
         try:
@@ -181,3 +186,23 @@ def test_the_figures_reach_vllms_metrics_per_layer_through_the_figures_connector
         assert grown("tokens_attended", layer) / grown("tokens", layer) == pytest.approx(row["token_fraction"])
         assert grown("recovery_samples", layer) == row["samples"] > 0
         assert grown("recovery_kept", layer) / row["samples"] == pytest.approx(row["recovery_mean"])
+
+
+def test_the_triton_path_in_the_engine_gives_the_pytorch_paths_tokens_and_figures(sparse_llm):
+    """The kernels a GPU runs, fed by the real engine: same greedy tokens and same attended fractions as the CPU
+    path, at a finite beta with DIPR in every layer. (Random weights: the bounds prune no block, and DIPR attends
+    ~0.30 of the tokens; about 20 s in the interpreter.)"""
+    prompts = [PROMPTS[1], LONG_PROMPT[:900]]
+    flags = {**EXACT, "beta": 2.0}
+    results = {}
+    for kernels in (False, True):
+        sparse_llm.collective_rpc(_configure(flags, kernels))
+        sparse_llm.reset_prefix_cache()
+        results[kernels] = (greedy_tokens(sparse_llm, prompts, max_tokens=6), _figures(sparse_llm))
+    sparse_llm.collective_rpc(_configure(EXACT))
+    (tokens, prompt_lens), rows = results[True]
+    assert min(prompt_lens) > 200 and (tokens, prompt_lens) == results[False][0]
+    assert [r["layer"] for r in rows] == [0, 1]
+    for ours, theirs in zip(rows, results[False][1]):
+        assert ours["block_fraction"] == pytest.approx(theirs["block_fraction"])
+        assert ours["token_fraction"] == pytest.approx(theirs["token_fraction"], abs=1e-3)
