@@ -64,6 +64,20 @@ def test_increments_are_what_grew_since_the_last_call_and_restart_with_new_figur
     assert increments.take(fresh)[("blocks_read", 3)] == 1
 
 
+def test_dense_decodes_count_as_reading_everything_next_to_the_device_sums_that_lag(monkeypatch):
+    landed = {"now": False}
+    monkeypatch.setattr(figures_module._HostCopy, "done", lambda self: landed["now"])
+    figures, increments = AttendedFractions(), FigureIncrements()
+    figures.add(2, _step(1, 4))
+    figures.add_dense(2, blocks=6, tokens=90)
+    assert increments.take(figures) == {("blocks_read", 2): 6, ("blocks_total", 2): 6, ("tokens_attended", 2): 90,
+                                        ("tokens_total", 2): 90}
+    landed["now"] = True
+    assert increments.take(figures) == {("blocks_read", 2): 1, ("blocks_total", 2): 4, ("tokens_attended", 2): 20,
+                                        ("tokens_total", 2): 80}
+    assert figures.rows()[0]["block_fraction"] == pytest.approx(7 / 10)
+
+
 def test_increments_wait_for_copies_still_in_flight_and_lose_nothing(monkeypatch):
     """As on a GPU: a copy that has not landed is not read; the next call reports what it and later ones carry."""
     landed = {"now": False}

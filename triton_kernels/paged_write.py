@@ -18,6 +18,7 @@ import triton.language as tl
 
 from kvreuse.errors import check_kernel_argument as _check
 from kvreuse.kernels import SUPPORTED_DTYPES
+from kvreuse.kernels.block_bounds import check_cache_shape
 
 
 @triton.jit
@@ -76,9 +77,7 @@ class PagedKVWrite:
                    f"{name} must be [num_tokens={key.shape[0]}, num_kv_heads={self.num_kv_heads}, "
                    f"head_dim={self.head_dim}], got {list(tensor.shape)}")
         for name, tensor in (("key_cache", key_cache), ("value_cache", value_cache)):
-            _check(tensor.dim() == 4 and tuple(tensor.shape[1:]) == (self.block_size, *rows),
-                   f"{name} must be [num_blocks, block_size={self.block_size}, num_kv_heads={self.num_kv_heads}, "
-                   f"head_dim={self.head_dim}], got {list(tensor.shape)}")
+            check_cache_shape(name, tensor, self.block_size, self.num_kv_heads, self.head_dim)
             _check(tensor.dtype in SUPPORTED_DTYPES, f"{name} dtype must be one of {SUPPORTED_DTYPES}, got {tensor.dtype}")
         _check(slot_mapping.dim() == 1 and slot_mapping.dtype in (torch.int32, torch.int64),
                f"slot_mapping must be a 1-D int32/int64 tensor, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")

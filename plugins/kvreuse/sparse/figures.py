@@ -58,6 +58,10 @@ class _LayerSums:
     recovery_samples: int = 0
     recovery_min: float = math.inf
 
+    def dense_counts(self) -> tuple[int, int, int, int]:
+        """The dense decodes as ``COUNTERS``: they read every block and token of their contexts."""
+        return self.dense_blocks, self.dense_blocks, self.dense_tokens, self.dense_tokens
+
 
 class AttendedFractions:
     """Per-layer sums of the kernel's counters and of sampled recovery ratios.
@@ -102,9 +106,9 @@ class AttendedFractions:
             return (), torch.zeros(0, len(COUNTERS), dtype=torch.int64)
         return layers, torch.stack([self._layers[layer].counts for layer in layers])
 
-    def dense_totals(self) -> dict[int, tuple[int, int]]:
-        """Per layer with dense decodes: the blocks and tokens they read (each also counts in the totals)."""
-        return {layer: (sums.dense_blocks, sums.dense_tokens)
+    def dense_totals(self) -> dict[int, tuple[int, int, int, int]]:
+        """Per layer with dense decodes: their cumulative ``COUNTERS`` (host values)."""
+        return {layer: sums.dense_counts()
                 for layer, sums in sorted(self._layers.items()) if sums.dense_blocks or sums.dense_tokens}
 
     def recovery_totals(self) -> dict[int, tuple[float, int]]:
@@ -118,8 +122,8 @@ class AttendedFractions:
         for layer in sorted(self._layers):
             sums = self._layers[layer]
             counts = [0] * len(COUNTERS) if sums.counts is None else sums.counts.tolist()
-            dense = (sums.dense_blocks, sums.dense_blocks, sums.dense_tokens, sums.dense_tokens)
-            blocks_read, blocks_total, tokens_attended, tokens_total = (a + b for a, b in zip(counts, dense))
+            blocks_read, blocks_total, tokens_attended, tokens_total = (
+                a + b for a, b in zip(counts, sums.dense_counts()))
             sampled = sums.recovery_samples > 0
             rows.append({
                 "layer": layer,
@@ -189,8 +193,8 @@ class FigureIncrements:
             for layer, row in zip(landed.layers, landed.values.tolist()):
                 self._landed.update({(name, layer): value for name, value in zip(COUNTERS, row)})
         now = dict(self._landed)
-        for layer, (blocks, tokens) in fractions.dense_totals().items():
-            for name, value in zip(COUNTERS, (blocks, blocks, tokens, tokens)):
+        for layer, dense in fractions.dense_totals().items():
+            for name, value in zip(COUNTERS, dense):
                 now[(name, layer)] = now.get((name, layer), 0) + value
         for layer, (kept, samples) in fractions.recovery_totals().items():
             now.update({("recovery_kept", layer): kept, ("recovery_samples", layer): samples})

@@ -27,8 +27,11 @@ from kvreuse.modules.splice import Piece, piece_kv
 from kvreuse.modules.store import EncodedModule, ModuleKey, ModuleStore
 from kvreuse.sparse.figures import FigureIncrements
 from kvreuse.vllm.connector import LoadSpec, ModuleCacheMetadata, ModuleCacheWorkerMeta
+from kvreuse.vllm.connector_metrics import KVReuseStats
+from kvreuse.vllm.module_metrics import counter_values
 from kvreuse.vllm.registration import MODULE_CONNECTOR, SPARSE_CPU_SWITCH
 from kvreuse.vllm.settings import kvreuse_flags
+from kvreuse.vllm.sparse_metrics import sparse_stats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -212,10 +215,6 @@ class ModuleWorker:
 
     def take_stats(self):
         """Counts since the last call, for vLLM's metrics (``None`` when nothing changed)."""
-        from kvreuse.vllm.connector_metrics import KVReuseStats
-        from kvreuse.vllm.module_metrics import counter_values
-        from kvreuse.vllm.sparse_metrics import sparse_stats
-
         now = counter_values(self.figures, self.store.figures)
         delta = {name: value - self._reported_stats.get(name, 0) for name, value in now.items()}
         delta = {name: value for name, value in delta.items() if value}

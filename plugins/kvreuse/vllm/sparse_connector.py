@@ -23,6 +23,7 @@ from kvreuse.errors import ConfigError
 from kvreuse.sparse.figures import FigureIncrements
 from kvreuse.vllm.connector_metrics import KVReuseMetrics, KVReuseStats
 from kvreuse.vllm.registration import MODULE_CONNECTOR, SPARSE_CPU_SWITCH, SPARSE_FIGURES_CONNECTOR
+from kvreuse.vllm.sparse_metrics import sparse_stats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -79,7 +80,5 @@ class KVReuseSparseFigures(KVReuseMetrics, KVConnectorBase_V1):
     def get_kv_connector_stats(self):
         if self._role != KVConnectorRole.WORKER:
             return None
-        from kvreuse.vllm.sparse_metrics import sparse_stats
-
         data = sparse_stats(self._increments)
         return KVReuseStats(data=data) if data else None
