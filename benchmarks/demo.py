@@ -19,15 +19,17 @@ import argparse
 from pathlib import Path
 
 import pandas as pd
-
 from harness import Arm, BenchRequest, run_ab
+
 from kvreuse.localmodel import DATASETS, build_model
 from kvreuse.reorder.ordering import prompts
 from kvreuse.reorder.solvers import solve
 from kvreuse.reorder.table import prepare_table
 
 REPO = Path(__file__).resolve().parents[1]
-INSTRUCTION = "Given the following fields of a movie and a user review, is this movie suitable for kids? Answer yes or no."
+INSTRUCTION = (
+    "Given the following fields of a movie and a user review, is this movie suitable for kids? Answer yes or no."
+)
 
 
 def movies_table(rows: int | None = None) -> pd.DataFrame:
@@ -44,8 +46,10 @@ def movies_table(rows: int | None = None) -> pd.DataFrame:
 def table_requests(table: pd.DataFrame, method: str) -> list[BenchRequest]:
     """The table's requests in the send order of ``method``; keys are row positions in the original table."""
     ordering = solve(table, method)
-    return [BenchRequest(int(row), prompt)
-            for row, prompt in zip(ordering.rows, prompts(ordering, table, INSTRUCTION, "lines"))]
+    return [
+        BenchRequest(int(row), prompt)
+        for row, prompt in zip(ordering.rows, prompts(ordering, table, INSTRUCTION, "lines"))
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -97,8 +97,9 @@ def _generate(llm: Any, prompts: list[str], sampling: Any, arrivals_per_step: in
     return [done[i] for i in range(len(prompts))]
 
 
-def _run_arm(llm: Any, arm: Arm, requests: Sequence[BenchRequest], sampling: Any,
-             arrivals_per_step: int | None) -> tuple[ArmFigures, dict]:
+def _run_arm(
+    llm: Any, arm: Arm, requests: Sequence[BenchRequest], sampling: Any, arrivals_per_step: int | None
+) -> tuple[ArmFigures, dict]:
     from kvreuse.vllm.figures import prefix_cache_counters, sum_request_cached_tokens
 
     t0 = time.perf_counter()
@@ -116,18 +117,33 @@ def _run_arm(llm: Any, arm: Arm, requests: Sequence[BenchRequest], sampling: Any
     cached = sum_request_cached_tokens(outputs)
     ttfts = [o.metrics.first_token_latency for o in outputs if getattr(o, "metrics", None) is not None]
     figures = ArmFigures(
-        arm=arm.name, requests=len(ordered), prompt_tokens=prompt_tokens, cached_tokens=cached,
-        engine_cache_hits=engine.hits, computed_prompt_tokens=prompt_tokens - cached, wall_s=wall_s,
-        prepare_s=prepare_s, ttft_median_s=statistics.median(ttfts) if ttfts else None,
+        arm=arm.name,
+        requests=len(ordered),
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached,
+        engine_cache_hits=engine.hits,
+        computed_prompt_tokens=prompt_tokens - cached,
+        wall_s=wall_s,
+        prepare_s=prepare_s,
+        ttft_median_s=statistics.median(ttfts) if ttfts else None,
         ttft_p90_s=_percentile(ttfts, 0.9),
-        extra=dict(arm.figures(llm)) if arm.figures else {})
+        extra=dict(arm.figures(llm)) if arm.figures else {},
+    )
     answers = {r.key: (r.prompt, tuple(o.outputs[0].token_ids)) for r, o in zip(ordered, outputs)}
     return figures, answers
 
 
-def run_ab(name: str, requests: Sequence[BenchRequest], arms: Sequence[Arm], model: str | Path, *,
-           max_tokens: int = 4, base_engine_args: Mapping[str, Any] | None = None,
-           arrivals_per_step: int | None = None, out_dir: Path = RESULTS) -> list[ArmFigures]:
+def run_ab(
+    name: str,
+    requests: Sequence[BenchRequest],
+    arms: Sequence[Arm],
+    model: str | Path,
+    *,
+    max_tokens: int = 4,
+    base_engine_args: Mapping[str, Any] | None = None,
+    arrivals_per_step: int | None = None,
+    out_dir: Path = RESULTS,
+) -> list[ArmFigures]:
     """Run every arm over ``requests`` on the model at ``model``; report and return the figures in arm order.
 
     By default each arm sends its requests as one batch (``LLM.generate``). With ``arrivals_per_step`` they
@@ -152,8 +168,7 @@ def run_ab(name: str, requests: Sequence[BenchRequest], arms: Sequence[Arm], mod
                 llm.generate([r.prompt for r in requests[:8]], sampling, use_tqdm=False)
                 for arm in group:
                     bar.set_postfix_str(arm.name)
-                    results[arm.name], answers[arm.name] = _run_arm(llm, arm, requests, sampling,
-                                                                    arrivals_per_step)
+                    results[arm.name], answers[arm.name] = _run_arm(llm, arm, requests, sampling, arrivals_per_step)
                     bar.update()
             finally:
                 llm.llm_engine.engine_core.shutdown()
@@ -164,8 +179,9 @@ def run_ab(name: str, requests: Sequence[BenchRequest], arms: Sequence[Arm], mod
     return ordered
 
 
-def agreement(answers: Mapping[Any, tuple[str, tuple]], earlier: Sequence[Mapping[Any, tuple[str, tuple]]]
-              ) -> float | None:
+def agreement(
+    answers: Mapping[Any, tuple[str, tuple]], earlier: Sequence[Mapping[Any, tuple[str, tuple]]]
+) -> float | None:
     """Share of requests whose greedy tokens equal those of the earliest earlier arm that sent the same prompt.
 
     Reordering rows must not change an answer; reordering fields changes the prompt, so such requests have no
@@ -183,19 +199,38 @@ def agreement(answers: Mapping[Any, tuple[str, tuple]], earlier: Sequence[Mappin
 def format_table(figures: Sequence[ArmFigures]) -> str:
     """A plain-text table of the arms, with ratios against the first arm."""
     base = figures[0]
-    header = ("arm", "prompt tok", "cached tok", "hit rate", "computed tok", "computed x", "wall s", "speedup",
-              "prepare s", "TTFT p50 s", "same answers")
+    header = (
+        "arm",
+        "prompt tok",
+        "cached tok",
+        "hit rate",
+        "computed tok",
+        "computed x",
+        "wall s",
+        "speedup",
+        "prepare s",
+        "TTFT p50 s",
+        "same answers",
+    )
     rows = [header]
     for f in figures:
-        rows.append((
-            f.arm, f"{f.prompt_tokens:,}", f"{f.cached_tokens:,}", f"{f.hit_rate:.1%}", f"{f.computed_prompt_tokens:,}",
-            f"{base.computed_prompt_tokens / max(f.computed_prompt_tokens, 1):.2f}x", f"{f.wall_s:.2f}",
-            f"{base.wall_s / f.wall_s:.2f}x", f"{f.prepare_s:.3f}",
-            "-" if f.ttft_median_s is None else f"{f.ttft_median_s:.3f}",
-            "-" if f.same_answers is None else f"{f.same_answers:.0%}"))
+        rows.append(
+            (
+                f.arm,
+                f"{f.prompt_tokens:,}",
+                f"{f.cached_tokens:,}",
+                f"{f.hit_rate:.1%}",
+                f"{f.computed_prompt_tokens:,}",
+                f"{base.computed_prompt_tokens / max(f.computed_prompt_tokens, 1):.2f}x",
+                f"{f.wall_s:.2f}",
+                f"{base.wall_s / f.wall_s:.2f}x",
+                f"{f.prepare_s:.3f}",
+                "-" if f.ttft_median_s is None else f"{f.ttft_median_s:.3f}",
+                "-" if f.same_answers is None else f"{f.same_answers:.0%}",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in rows]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
 

@@ -32,11 +32,14 @@ import time
 from pathlib import Path
 
 from harness import ArmFigures, agreement, report
+
 from kvreuse.localmodel import DATASETS, build_model, local_engine_args
 
 REPO = Path(__file__).resolve().parents[1]
-INSTRUCTION = ("You are an expert in SQL. Given the tables of a database below, write one SQLite query that "
-               "answers the question. Use only the tables and columns given and answer with the query alone.")
+INSTRUCTION = (
+    "You are an expert in SQL. Given the tables of a database below, write one SQLite query that "
+    "answers the question. Use only the tables and columns given and answer with the query alone."
+)
 CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 DENSE = {"kvreuse": {"sparse": {"beta": float("inf")}, "modules": {"gpu_bytes": 0, "cpu_bytes": 2 << 30}}}
 
@@ -70,8 +73,11 @@ def spider_workload(tokenizer, n: int, seed: int = 0):
     from kvreuse.vllm.modules import module_token_ids
 
     rng = random.Random(seed)
-    schemas = [s for s in spider_schemas(DATASETS / "spider" / "tables.json").values()
-               if sum(1 for t in s.tables if t.foreign_keys) >= 2 and len(s.tables) >= 3]
+    schemas = [
+        s
+        for s in spider_schemas(DATASETS / "spider" / "tables.json").values()
+        if sum(1 for t in s.tables if t.foreign_keys) >= 2 and len(s.tables) >= 3
+    ]
     picked = rng.sample(schemas, min(len(schemas), max(2, n // 5)))
     ids = {"instruction": module_token_ids(tokenizer, INSTRUCTION)}
     per_db = {}
@@ -85,8 +91,9 @@ def spider_workload(tokenizer, n: int, seed: int = 0):
         tables = _connected_tables(schema, rng, rng.randint(2, min(6, len(schema.tables))))
         rng.shuffle(tables)
         column = rng.choice(schema.table(tables[0]).columns)[0]
-        question = tokenizer.encode(f"Question: how many {tables[0]} rows have the largest {column}?\nSQL:",
-                                    add_special_tokens=False)
+        question = tokenizer.encode(
+            f"Question: how many {tables[0]} rows have the largest {column}?\nSQL:", add_special_tokens=False
+        )
         requests.append(ids["instruction"] + [t for name in tables for t in ids[(schema.name, name)]] + question)
     return per_db, ids, requests
 
@@ -99,19 +106,25 @@ def pml_workload(tokenizer, n: int, seed: int = 0):
 
     rng = random.Random(seed)
     movies = pd.read_csv(DATASETS / "movies_small.csv").dropna(subset=["movie_info"]).drop_duplicates("movie_title")
-    docs = [(f"doc{i}", f"{row.movie_title}: {row.movie_info.strip()}")
-            for i, row in enumerate(movies.head(24).itertuples())]
-    schema = ('<schema name="movies"><system>You recommend movies from the descriptions given.\n</system>'
-              + "".join(f'<module name="{name}">{escape(text)}\n</module>' for name, text in docs)
-              + '<union><module name="casual">The reader watches for fun and likes short answers.\n</module>'
-                '<module name="critic">The reader is a film critic and wants reasons.\n</module></union>'
-                '<module name="ask">Recommend <param name="count" len="3"/> of these movies.\n</module></schema>')
+    docs = [
+        (f"doc{i}", f"{row.movie_title}: {row.movie_info.strip()}")
+        for i, row in enumerate(movies.head(24).itertuples())
+    ]
+    schema = (
+        '<schema name="movies"><system>You recommend movies from the descriptions given.\n</system>'
+        + "".join(f'<module name="{name}">{escape(text)}\n</module>' for name, text in docs)
+        + '<union><module name="casual">The reader watches for fun and likes short answers.\n</module>'
+        '<module name="critic">The reader is a film critic and wants reasons.\n</module></union>'
+        '<module name="ask">Recommend <param name="count" len="3"/> of these movies.\n</module></schema>'
+    )
     prompts = []
     for _ in range(n):
         chosen = rng.sample([name for name, _ in docs], rng.randint(2, 4))
         profile = rng.choice(["casual", "critic"])
-        prompts.append(f'<prompt schema="movies">{"".join(f"<{d}/>" for d in chosen)}<{profile}/>'
-                       f'<ask count="{rng.randint(1, 3)}"/>Which one first?</prompt>')
+        prompts.append(
+            f'<prompt schema="movies">{"".join(f"<{d}/>" for d in chosen)}<{profile}/>'
+            f'<ask count="{rng.randint(1, 3)}"/>Which one first?</prompt>'
+        )
     return schema, prompts
 
 
@@ -125,8 +138,9 @@ def _figures(llm) -> dict:
     return llm.collective_rpc(call)[0]
 
 
-def run_arm(name: str, model: Path, requests: list[list[int]], *, plain_layout: bool, connector: bool,
-            encode=None) -> tuple[ArmFigures, dict]:
+def run_arm(
+    name: str, model: Path, requests: list[list[int]], *, plain_layout: bool, connector: bool, encode=None
+) -> tuple[ArmFigures, dict]:
     import os
 
     from vllm import LLM, SamplingParams
@@ -159,27 +173,41 @@ def run_arm(name: str, model: Path, requests: list[list[int]], *, plain_layout: 
         wall = time.perf_counter() - t0
         if connector:
             after = _figures(llm)
-            out.update(tokens_loaded=after["tokens_loaded"] - before["tokens_loaded"],
-                       load_failures=after["load_failures"] - before["load_failures"],
-                       load_s=round(after["load_s"] - before["load_s"], 3), modules=after["modules"],
-                       module_bytes=after["used_bytes"])
+            out.update(
+                tokens_loaded=after["tokens_loaded"] - before["tokens_loaded"],
+                load_failures=after["load_failures"] - before["load_failures"],
+                load_s=round(after["load_s"] - before["load_s"], 3),
+                modules=after["modules"],
+                module_bytes=after["used_bytes"],
+            )
     finally:
         llm.llm_engine.engine_core.shutdown()
     prompt_tokens = sum(len(r) for r in requests)
     cached = sum(o.num_cached_tokens or 0 for o in outputs)
     ttfts = [o.metrics.first_token_latency for o in outputs]
-    figures = ArmFigures(arm=name, requests=len(requests), prompt_tokens=prompt_tokens, cached_tokens=cached,
-                         engine_cache_hits=cached, computed_prompt_tokens=prompt_tokens - cached, wall_s=wall,
-                         prepare_s=0.0, ttft_median_s=statistics.median(ttfts),
-                         ttft_p90_s=sorted(ttfts)[int(0.9 * (len(ttfts) - 1))], extra=out)
+    figures = ArmFigures(
+        arm=name,
+        requests=len(requests),
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached,
+        engine_cache_hits=cached,
+        computed_prompt_tokens=prompt_tokens - cached,
+        wall_s=wall,
+        prepare_s=0.0,
+        ttft_median_s=statistics.median(ttfts),
+        ttft_p90_s=sorted(ttfts)[int(0.9 * (len(ttfts) - 1))],
+        extra=out,
+    )
     answers = {i: (tuple(r), tuple(o.outputs[0].token_ids)) for i, (r, o) in enumerate(zip(requests, outputs))}
     return figures, answers
 
 
 def run_workload(name: str, model: Path, requests: list[list[int]], encode) -> list[ArmFigures]:
-    arms = [("stock", dict(plain_layout=False, connector=False)),
-            ("plain-layout", dict(plain_layout=True, connector=False)),
-            ("module-cache", dict(plain_layout=True, connector=True, encode=encode))]
+    arms = [
+        ("stock", dict(plain_layout=False, connector=False)),
+        ("plain-layout", dict(plain_layout=True, connector=False)),
+        ("module-cache", dict(plain_layout=True, connector=True, encode=encode)),
+    ]
     figures, answers = [], []
     for arm, options in arms:
         fig, ans = run_arm(arm, model, requests, **options)
@@ -223,8 +251,7 @@ def main(argv: list[str] | None = None) -> None:
             schema, prompts = pml_workload(tokenizer, args.requests)
             tokenize = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
             layout = layout_schema(parse_schema(schema), tokenize)
-            requests = [prompt_token_ids(resolve_prompt(parse_prompt(p), layout, tokenize), layout)
-                        for p in prompts]
+            requests = [prompt_token_ids(resolve_prompt(parse_prompt(p), layout, tokenize), layout) for p in prompts]
 
             def encode(llm, _schema=schema):
                 from kvreuse.vllm.modules import encode_schema

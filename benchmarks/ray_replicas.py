@@ -21,8 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from kvreuse.batch.distributed import answer_rows
 from demo import INSTRUCTION, movies_table
+
+from kvreuse.batch.distributed import answer_rows
 from kvreuse.localmodel import build_model, local_engine_args
 from kvreuse.reorder import prompts, solve
 
@@ -37,8 +38,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--buffer", type=int, default=256, help="bucketing buffer (rows)")
     parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--kv-cache-mib", type=int, default=8,
-                        help="KV cache per replica (default 8 MiB = 4,096 tokens: a replica cannot hold every film)")
+    parser.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=8,
+        help="KV cache per replica (default 8 MiB = 4,096 tokens: a replica cannot hold every film)",
+    )
     args = parser.parse_args(argv)
 
     import ray
@@ -50,43 +55,61 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ordering = solve(table, "ggr")  # for its per-row field order; the row order is what the arms change
     by_row = dict(zip(ordering.rows, prompts(ordering, table, INSTRUCTION, "lines")))
     shuffled = [by_row[row] for row in range(len(table))]  # the table's rows are shuffled already
-    arms = [("naive", shuffled, dict(bucket=False, router="round-robin")),
-            ("sorted", sorted(shuffled), dict(bucket=False, router="round-robin")),
-            ("bucketed+prefix-aware", shuffled, dict(bucket=True, router="prefix-aware", buffer_size=args.buffer))]
+    arms = [
+        ("naive", shuffled, dict(bucket=False, router="round-robin")),
+        ("sorted", sorted(shuffled), dict(bucket=False, router="round-robin")),
+        ("bucketed+prefix-aware", shuffled, dict(bucket=True, router="prefix-aware", buffer_size=args.buffer)),
+    ]
     results, answers = [], {}
     ray.init(num_cpus=args.replicas, include_dashboard=False, log_to_driver=False)
     try:
-        with RayVLLMReplicas(args.replicas, local_engine_args(model, kv_cache_memory_bytes=args.kv_cache_mib << 20,
-                                                                    max_model_len=1024),
-                             num_cpus=1) as pool:
+        with RayVLLMReplicas(
+            args.replicas,
+            local_engine_args(model, kv_cache_memory_bytes=args.kv_cache_mib << 20, max_model_len=1024),
+            num_cpus=1,
+        ) as pool:
             answer_rows(shuffled[:8], pool, max_tokens=args.max_tokens, bucket=False)  # warm-up, both arms alike
             for name, sent, options in arms:
                 pool.reset_prefix_cache()
                 t0 = time.perf_counter()
-                completions, figures = answer_rows(sent, pool, max_tokens=args.max_tokens,
-                                                   batch_size=args.batch_size, **options)
+                completions, figures = answer_rows(
+                    sent, pool, max_tokens=args.max_tokens, batch_size=args.batch_size, **options
+                )
                 wall = time.perf_counter() - t0
                 answers[name] = dict(zip(sent, (c.text for c in completions)))
-                results.append({"arm": name, "rows": len(sent), "prompt_tokens": figures.prompt_tokens,
-                                "cached_tokens": figures.cached_tokens, "hit_rate": figures.hit_rate, "wall_s": wall,
-                                "rows_per_replica": [r.requests for r in figures.replicas],
-                                "hit_rate_per_replica": [r.hit_rate for r in figures.replicas]})
+                results.append(
+                    {
+                        "arm": name,
+                        "rows": len(sent),
+                        "prompt_tokens": figures.prompt_tokens,
+                        "cached_tokens": figures.cached_tokens,
+                        "hit_rate": figures.hit_rate,
+                        "wall_s": wall,
+                        "rows_per_replica": [r.requests for r in figures.replicas],
+                        "hit_rate_per_replica": [r.hit_rate for r in figures.replicas],
+                    }
+                )
                 print(f"  {name}: {wall:.1f} s", file=sys.stderr)
     finally:
         ray.shutdown()
     same = all(answers[name] == answers["naive"] for name in answers)
     base = results[0]
-    print(f"{len(table):,} rows of movies_small.csv on {args.replicas} replicas, batches of {args.batch_size}, "
-          f"{args.kv_cache_mib} MiB of KV cache each, bucketing buffer {args.buffer}")
+    print(
+        f"{len(table):,} rows of movies_small.csv on {args.replicas} replicas, batches of {args.batch_size}, "
+        f"{args.kv_cache_mib} MiB of KV cache each, bucketing buffer {args.buffer}"
+    )
     print(f"{'arm':<22} {'hit rate':>8} {'computed tok':>12} {'wall s':>7} {'speedup':>7}  rows per replica")
     for r in results:
         computed = r["prompt_tokens"] - r["cached_tokens"]
-        print(f"{r['arm']:<22} {r['hit_rate']:>8.1%} {computed:>12,} {r['wall_s']:>7.2f} "
-              f"{base['wall_s'] / r['wall_s']:>6.2f}x  {r['rows_per_replica']}")
+        print(
+            f"{r['arm']:<22} {r['hit_rate']:>8.1%} {computed:>12,} {r['wall_s']:>7.2f} "
+            f"{base['wall_s'] / r['wall_s']:>6.2f}x  {r['rows_per_replica']}"
+        )
     print(f"greedy answers identical across arms: {same}")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "ray_replicas.json").write_text(json.dumps({"settings": vars(args), "arms": results,
-                                                           "same_answers": same}, indent=2))
+    (RESULTS / "ray_replicas.json").write_text(
+        json.dumps({"settings": vars(args), "arms": results, "same_answers": same}, indent=2)
+    )
     plot(results, RESULTS / "ray_replicas.png")
     return results
 

@@ -12,9 +12,10 @@ import argparse
 from pathlib import Path
 
 from harness import Arm, BenchRequest, run_ab
+from reorder_orders import BLOCK, INSTRUCTION, load_tables
+
 from kvreuse.localmodel import build_model
 from kvreuse.reorder import prepare_table, prompts, solve, token_hit_measure
-from reorder_orders import BLOCK, INSTRUCTION, load_tables
 
 REPO = Path(__file__).resolve().parents[1]
 ORDERS = ("original", "sorted", "stats", "ggr")
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
             def prepare(_requests):
                 ordering = solve(_table, method, measure=_measure if method == "ggr" else None)
                 return [BenchRequest(int(r), p) for r, p in zip(ordering.rows, prompts(ordering, _table, INSTRUCTION))]
+
             return prepare
 
         original = send_in("original")(None)

@@ -61,9 +61,19 @@ def measure(name: str, df: pd.DataFrame, tokenizer) -> list[dict]:
         ids = tokenizer(prompts(ordering, table, INSTRUCTION, "lines"))["input_ids"]
         unbounded = block_hit_stats(ids, BLOCK)
         bounded = block_hit_stats(ids, BLOCK, capacity_blocks=ENGINE_CACHE_BLOCKS)
-        rows.append(dict(table=name, order=method, rows=len(table), fields=table.shape[1],
-                         phc=prefix_hit_count(table, ordering), prompt_tokens=unbounded.prompt_tokens,
-                         hit_rate=unbounded.hit_rate, hit_rate_engine_cache=bounded.hit_rate, solve_s=solve_s))
+        rows.append(
+            dict(
+                table=name,
+                order=method,
+                rows=len(table),
+                fields=table.shape[1],
+                phc=prefix_hit_count(table, ordering),
+                prompt_tokens=unbounded.prompt_tokens,
+                hit_rate=unbounded.hit_rate,
+                hit_rate_engine_cache=bounded.hit_rate,
+                solve_s=solve_s,
+            )
+        )
     return rows
 
 
@@ -115,11 +125,15 @@ def main() -> None:
     for name, df in load_tables().items():
         rows += measure(name, df, tokenizer)
         ophr[name] = ggr_vs_ophr(df)
-    print(f"{'table':9} {'order':9} {'rows':>6} {'PHC':>14} {'prompt tok':>11} {'hit rate':>9} "
-          f"{'hit (cache)':>11} {'solve s':>8}")
+    print(
+        f"{'table':9} {'order':9} {'rows':>6} {'PHC':>14} {'prompt tok':>11} {'hit rate':>9} "
+        f"{'hit (cache)':>11} {'solve s':>8}"
+    )
     for r in rows:
-        print(f"{r['table']:9} {r['order']:9} {r['rows']:>6} {r['phc']:>14,} {r['prompt_tokens']:>11,} "
-              f"{r['hit_rate']:>9.1%} {r['hit_rate_engine_cache']:>11.1%} {r['solve_s']:>8.3f}")
+        print(
+            f"{r['table']:9} {r['order']:9} {r['rows']:>6} {r['phc']:>14,} {r['prompt_tokens']:>11,} "
+            f"{r['hit_rate']:>9.1%} {r['hit_rate_engine_cache']:>11.1%} {r['solve_s']:>8.3f}"
+        )
     print("GGR PHC / OPHR PHC on 8x4 samples: " + ", ".join(f"{t} {v:.3f}" for t, v in ophr.items()))
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "reorder_orders.json").write_text(json.dumps({"orders": rows, "ggr_over_ophr": ophr}, indent=2))

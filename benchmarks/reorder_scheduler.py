@@ -17,8 +17,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vLLM is i
 from dataclasses import asdict  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from harness import Arm, BenchRequest, run_ab  # noqa: E402
 from demo import INSTRUCTION, movies_table  # noqa: E402
+from harness import Arm, BenchRequest, run_ab  # noqa: E402
+
 from kvreuse.localmodel import build_model  # noqa: E402
 from kvreuse.reorder import column_stats, fixed_field_order, render_prompt  # noqa: E402
 
@@ -35,13 +36,23 @@ def main() -> None:
     model = build_model("small", REPO / "build" / "models" / "small")
     table = movies_table()
     fields = [table.columns[c] for c in fixed_field_order(column_stats(table))]
-    stream = [BenchRequest(i, render_prompt(INSTRUCTION, fields, [row[f] for f in fields]))
-              for i, row in enumerate(table.to_dict("records"))]
-    affinity = dict(scheduler_cls="kvreuse.vllm.PrefixAffinityScheduler",
-                    additional_config={"kvreuse": {"reorder": {"max_skips": MAX_SKIPS, "max_wait_s": 3600.0}}})
-    run_ab("reorder_scheduler", stream,
-           [Arm("fcfs"), Arm("prefix-affinity", engine_args=affinity, figures=scheduler_counters)],
-           model, max_tokens=4, base_engine_args=ENGINE, arrivals_per_step=8)
+    stream = [
+        BenchRequest(i, render_prompt(INSTRUCTION, fields, [row[f] for f in fields]))
+        for i, row in enumerate(table.to_dict("records"))
+    ]
+    affinity = dict(
+        scheduler_cls="kvreuse.vllm.PrefixAffinityScheduler",
+        additional_config={"kvreuse": {"reorder": {"max_skips": MAX_SKIPS, "max_wait_s": 3600.0}}},
+    )
+    run_ab(
+        "reorder_scheduler",
+        stream,
+        [Arm("fcfs"), Arm("prefix-affinity", engine_args=affinity, figures=scheduler_counters)],
+        model,
+        max_tokens=4,
+        base_engine_args=ENGINE,
+        arrivals_per_step=8,
+    )
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def make_prompts(w: Workload) -> list[tuple[int, ...]]:
 def batches(w: Workload, prompts: list[tuple[int, ...]]):
     for bucket in bucket_stream(prompts, lambda p: p, buffer_size=w.buffer, min_bucket=w.batch):
         for start in range(0, len(bucket), w.batch):
-            yield bucket[start:start + w.batch]
+            yield bucket[start : start + w.batch]
 
 
 def simulate(router_name: str, w: Workload, prompts: list[tuple[int, ...]]) -> RouterFigures:
@@ -136,7 +136,7 @@ def simulate(router_name: str, w: Workload, prompts: list[tuple[int, ...]]) -> R
         while pending is not None and unfinished + len(pending) <= cap:
             t0 = time.perf_counter()
             # The batch's shared leading blocks are its prefix keys (block ids here are already chained).
-            r = router.route(pending[0][:common_prefix_length(pending[0], pending[-1])], len(pending))
+            r = router.route(pending[0][: common_prefix_length(pending[0], pending[-1])], len(pending))
             route_s += time.perf_counter() - t0
             for p in pending:
                 hits += replicas[r].admit(p, w.decode_cost)
@@ -152,16 +152,26 @@ def simulate(router_name: str, w: Workload, prompts: list[tuple[int, ...]]) -> R
                     unfinished -= done
     counts = [r.requests for r in replicas]
     mean = statistics.fmean(counts)
-    return RouterFigures(router_name, hits / blocks, max(counts) / mean, statistics.pstdev(counts) / mean, ticks,
-                         route_s)
+    return RouterFigures(
+        router_name, hits / blocks, max(counts) / mean, statistics.pstdev(counts) / mean, ticks, route_s
+    )
 
 
 def format_table(figures: list[RouterFigures]) -> str:
     base = next(f for f in figures if f.router == "round-robin")
     rows = [("router", "hit rate", "req max/mean", "req CV", "makespan ticks", "vs round-robin", "route s")]
-    rows += [(f.router, f"{f.hit_rate:.1%}", f"{f.requests_max_over_mean:.2f}", f"{f.requests_cv:.3f}",
-              f"{f.makespan_ticks:,}", f"{base.makespan_ticks / f.makespan_ticks:.2f}x", f"{f.route_s:.2f}")
-             for f in figures]
+    rows += [
+        (
+            f.router,
+            f"{f.hit_rate:.1%}",
+            f"{f.requests_max_over_mean:.2f}",
+            f"{f.requests_cv:.3f}",
+            f"{f.makespan_ticks:,}",
+            f"{base.makespan_ticks / f.makespan_ticks:.2f}x",
+            f"{f.route_s:.2f}",
+        )
+        for f in figures
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
@@ -176,15 +186,17 @@ def plot(figures: list[RouterFigures], w: Workload, path: Path) -> None:
 
     names = [f.router for f in figures]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
-    for ax, values, title in zip(axes, ([f.hit_rate * 100 for f in figures],
-                                        [f.requests_cv for f in figures],
-                                        [f.makespan_ticks for f in figures]),
-                                 ("block hit rate, %", "requests per replica, CV", "makespan, ticks")):
+    for ax, values, title in zip(
+        axes,
+        ([f.hit_rate * 100 for f in figures], [f.requests_cv for f in figures], [f.makespan_ticks for f in figures]),
+        ("block hit rate, %", "requests per replica, CV", "makespan, ticks"),
+    ):
         ax.bar(names, values, color=["#999", "#999", "#69c", "#c63"])
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=20)
-    fig.suptitle(f"{w.prompts:,} prompts, {w.prefixes} prefixes, {w.replicas:,} replicas "
-                 f"({w.cache_blocks} cache blocks each)")
+    fig.suptitle(
+        f"{w.prompts:,} prompts, {w.prefixes} prefixes, {w.replicas:,} replicas ({w.cache_blocks} cache blocks each)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -207,11 +219,20 @@ def main(argv: list[str] | None = None) -> list[RouterFigures]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default=None, help="results file name (default router_simulation[_full])")
     args = parser.parse_args(argv)
-    w = Workload(prompts=args.prompts or (200_000 if args.full else 50_000),
-                 prefixes=args.prefixes, prefix_blocks=args.prefix_blocks,
-                 replicas=args.replicas or (2048 if args.full else 256), cache_blocks=args.cache_blocks,
-                 batch=args.batch, inflight=args.inflight, speed=args.speed, decode_cost=args.decode_cost,
-                 buffer=args.buffer, slack=args.slack, seed=args.seed)
+    w = Workload(
+        prompts=args.prompts or (200_000 if args.full else 50_000),
+        prefixes=args.prefixes,
+        prefix_blocks=args.prefix_blocks,
+        replicas=args.replicas or (2048 if args.full else 256),
+        cache_blocks=args.cache_blocks,
+        batch=args.batch,
+        inflight=args.inflight,
+        speed=args.speed,
+        decode_cost=args.decode_cost,
+        buffer=args.buffer,
+        slack=args.slack,
+        seed=args.seed,
+    )
     name = args.name or ("router_simulation_full" if args.full else "router_simulation")
     prompts = make_prompts(w)
     figures = []
@@ -219,12 +240,15 @@ def main(argv: list[str] | None = None) -> list[RouterFigures]:
         t0 = time.perf_counter()
         figures.append(simulate(router, w, prompts))
         print(f"  {router}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    print(f"{w.prompts:,} prompts, {w.prefixes} prefixes ({w.prefix_blocks} of {2 * w.prefix_blocks} blocks), "
-          f"{w.replicas:,} replicas, {w.cache_blocks} cache blocks each, batches of {w.batch}")
+    print(
+        f"{w.prompts:,} prompts, {w.prefixes} prefixes ({w.prefix_blocks} of {2 * w.prefix_blocks} blocks), "
+        f"{w.replicas:,} replicas, {w.cache_blocks} cache blocks each, batches of {w.batch}"
+    )
     print(format_table(figures))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(
-        {"workload": asdict(w), "routers": [asdict(f) for f in figures]}, indent=2))
+    (RESULTS / f"{name}.json").write_text(
+        json.dumps({"workload": asdict(w), "routers": [asdict(f) for f in figures]}, indent=2)
+    )
     plot(figures, w, RESULTS / f"{name}.png")
     return figures
 

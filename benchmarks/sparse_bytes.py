@@ -54,7 +54,7 @@ ELEMENT_BYTES = 2  # fp16 cache
 def synthetic_step(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``query[1, KV_HEADS * GROUP, DIM]`` and ``keys[n, KV_HEADS, DIM]`` (fp32) as described in the docstring."""
     g = torch.Generator().manual_seed(seed)
-    scale = DIM ** -0.5
+    scale = DIM**-0.5
     starts = [0]
     while starts[-1] < n:
         starts.append(starts[-1] + int(torch.randint(32, 257, (1,), generator=g)))
@@ -88,7 +88,7 @@ def synthetic_step(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         best = (q @ k[1:].T).amax(1) * scale
         k[0] = torch.linalg.pinv(q) @ ((best + 1.0) / scale)
         keys[:, h] = k
-        query[h * GROUP:(h + 1) * GROUP] = q
+        query[h * GROUP : (h + 1) * GROUP] = q
     return query[None], keys
 
 
@@ -99,9 +99,10 @@ def measure(n: int, beta: float, block_size: int, query, keys) -> dict:
     cache = cache.view(blocks, block_size, KV_HEADS, DIM)
     table = torch.arange(blocks, dtype=torch.int32)[None]
     seq_lens = torch.tensor([n], dtype=torch.int32)
-    bounds = recompute_bounds_reference(cache, table[0], torch.tensor([block_size] * (blocks - 1)
-                                                                       + [n - (blocks - 1) * block_size]))
-    sel = dipr_selection_reference(query, cache, bounds, table, seq_lens, beta, DIM ** -0.5, SINK, LOCAL)
+    bounds = recompute_bounds_reference(
+        cache, table[0], torch.tensor([block_size] * (blocks - 1) + [n - (blocks - 1) * block_size])
+    )
+    sel = dipr_selection_reference(query, cache, bounds, table, seq_lens, beta, DIM**-0.5, SINK, LOCAL)
     read = sel.blocks_read[0].float().sum(1)  # per KV head
     window_blocks = len({p // block_size for p in list(range(min(SINK, n))) + list(range(max(0, n - LOCAL), n))})
     row = DIM * ELEMENT_BYTES
@@ -109,12 +110,15 @@ def measure(n: int, beta: float, block_size: int, query, keys) -> dict:
     sparse = read * 2 * block_size * row + (blocks - window_blocks) * 2 * row + (min(SINK + LOCAL, n)) * row
     recovery = recovery_ratio(sel.logits[0], sel.attended[0])
     return {
-        "context": n, "beta": beta, "block_size": block_size,
+        "context": n,
+        "beta": beta,
+        "block_size": block_size,
         "bytes_ratio": float((sparse / dense).mean()),
         "block_fraction": float(read.mean() / blocks),
         "token_fraction": float(sel.attended[0].float().mean()),
         "exact_token_fraction": float(sel.exact[0].float().mean()),
-        "recovery_mean": float(recovery.mean()), "recovery_min": float(recovery.min()),
+        "recovery_mean": float(recovery.mean()),
+        "recovery_min": float(recovery.min()),
     }
 
 
@@ -126,19 +130,33 @@ def main() -> None:
         for block_size in BLOCK_SIZES:
             for beta in BETAS:
                 rows.append(measure(n, beta, block_size, query, keys))
-    header = f"{'context':>8} {'block':>5} {'beta':>5} {'bytes':>7} {'blocks':>7} {'tokens':>7} {'exact':>7} " \
-             f"{'recov':>7} {'rec.min':>7}"
+    header = (
+        f"{'context':>8} {'block':>5} {'beta':>5} {'bytes':>7} {'blocks':>7} {'tokens':>7} {'exact':>7} "
+        f"{'recov':>7} {'rec.min':>7}"
+    )
     print(header)
     for r in rows:
-        print(f"{r['context']:>8} {r['block_size']:>5} {r['beta']:>5.1f} {r['bytes_ratio']:>7.3f} "
-              f"{r['block_fraction']:>7.3f} {r['token_fraction']:>7.4f} {r['exact_token_fraction']:>7.4f} "
-              f"{r['recovery_mean']:>7.4f} {r['recovery_min']:>7.4f}")
+        print(
+            f"{r['context']:>8} {r['block_size']:>5} {r['beta']:>5.1f} {r['bytes_ratio']:>7.3f} "
+            f"{r['block_fraction']:>7.3f} {r['token_fraction']:>7.4f} {r['exact_token_fraction']:>7.4f} "
+            f"{r['recovery_mean']:>7.4f} {r['recovery_min']:>7.4f}"
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    setup = {"kv_heads": KV_HEADS, "q_heads_per_kv_head": GROUP, "head_dim": DIM, "outlier_channels": OUTLIERS,
-             "query_channels": QUERY_CHANNELS, "row_relevance_sd_nats": ROW_SD, "token_sd_nats": TOKEN_SD,
-             "target_logit_nats": GAP, "target_rows_per_head": TARGETS, "sink": SINK, "local": LOCAL,
-             "cache_bytes_per_value": ELEMENT_BYTES,
-             "measured_by": "kvreuse.kernels.dipr_decode.dipr_selection_reference"}
+    setup = {
+        "kv_heads": KV_HEADS,
+        "q_heads_per_kv_head": GROUP,
+        "head_dim": DIM,
+        "outlier_channels": OUTLIERS,
+        "query_channels": QUERY_CHANNELS,
+        "row_relevance_sd_nats": ROW_SD,
+        "token_sd_nats": TOKEN_SD,
+        "target_logit_nats": GAP,
+        "target_rows_per_head": TARGETS,
+        "sink": SINK,
+        "local": LOCAL,
+        "cache_bytes_per_value": ELEMENT_BYTES,
+        "measured_by": "kvreuse.kernels.dipr_decode.dipr_selection_reference",
+    }
     (RESULTS / "sparse_bytes.json").write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))
     plot(rows)
     print(f"wrote {RESULTS / 'sparse_bytes.json'} and .png in {time.time() - started:.0f} s")
@@ -155,8 +173,12 @@ def plot(rows: list[dict]) -> None:
         for beta in BETAS:
             pts = [r for r in rows if r["block_size"] == block_size and r["beta"] == beta]
             recovery = min(r["recovery_min"] for r in pts)
-            ax.plot([r["context"] for r in pts], [r["bytes_ratio"] for r in pts], marker="o",
-                    label=f"beta {beta:g} (recovery >= {recovery:.3f})")
+            ax.plot(
+                [r["context"] for r in pts],
+                [r["bytes_ratio"] for r in pts],
+                marker="o",
+                label=f"beta {beta:g} (recovery >= {recovery:.3f})",
+            )
         ax.set_xscale("log", base=2)
         ax.set_xticks(CONTEXTS, [f"{c // 1024}K" for c in CONTEXTS])
         ax.set_title(f"block size {block_size}")

@@ -37,14 +37,15 @@ if SMOKE:
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+from sparse_bytes import DIM, GROUP, KV_HEADS, LOCAL, SINK, synthetic_step  # noqa: E402
 
 from kvreuse.kernels.block_bounds import BlockBounds  # noqa: E402
 from kvreuse.kernels.dipr_decode import DIPRDecode  # noqa: E402
 from kvreuse.kernels.paged_causal import PagedCausalAttention  # noqa: E402
-from sparse_bytes import DIM, GROUP, KV_HEADS, LOCAL, SINK, synthetic_step  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK = 16
@@ -120,17 +121,36 @@ def main() -> None:
             bounds = bounder.allocate(key_cache.shape[0], dtype, device)
             blocks = torch.arange(key_cache.shape[0], device=device)
             bounder.recompute(key_cache, bounds, blocks, torch.full_like(blocks, BLOCK))
-            dense_s = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
-                q[:, :, None], k, v, enable_gqa=True), device, repeats)
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            dense_s = timed(partial(sdpa, q[:, :, None], k, v, enable_gqa=True), device, repeats)
             dense_bytes = 2 * batch * context * KV_HEADS * DIM * element
-            rows.append(dict(context=context, batch=batch, arm="dense", seconds=dense_s, blocks_read=1.0,
-                             bytes=dense_bytes, floor_s=dense_bytes / bandwidth))
+            rows.append(
+                dict(
+                    context=context,
+                    batch=batch,
+                    arm="dense",
+                    seconds=dense_s,
+                    blocks_read=1.0,
+                    bytes=dense_bytes,
+                    floor_s=dense_bytes / bandwidth,
+                )
+            )
             paged_dense = PagedCausalAttention(KV_HEADS * GROUP, KV_HEADS, DIM, BLOCK)
             starts = torch.arange(batch, dtype=torch.int32, device=device)
             paged_dense.plan(starts, starts + 1, seq_lens, table, 1)
-            paged_s = timed(lambda: paged_dense.run(q, key_cache, value_cache), device, repeats)
-            rows.append(dict(context=context, batch=batch, arm="dense paged", seconds=paged_s, blocks_read=1.0,
-                             bytes=dense_bytes, floor_s=dense_bytes / bandwidth, speedup_vs_dense=dense_s / paged_s))
+            paged_s = timed(partial(paged_dense.run, q, key_cache, value_cache), device, repeats)
+            rows.append(
+                dict(
+                    context=context,
+                    batch=batch,
+                    arm="dense paged",
+                    seconds=paged_s,
+                    blocks_read=1.0,
+                    bytes=dense_bytes,
+                    floor_s=dense_bytes / bandwidth,
+                    speedup_vs_dense=dense_s / paged_s,
+                )
+            )
             decode = DIPRDecode(KV_HEADS * GROUP, KV_HEADS, DIM, BLOCK, sink=SINK, local=LOCAL)
             decode.plan(seq_lens, table, max_seq_len=context)
             for beta in BETAS:
@@ -139,24 +159,41 @@ def main() -> None:
                 total = int(counters.blocks_total.sum()) * KV_HEADS  # each has bounds of 2 x DIM values
                 window_tokens = batch * KV_HEADS * min(SINK + LOCAL, context)  # keys read again by the window pass
                 dipr_bytes = (2 * read * BLOCK + 2 * total + window_tokens) * DIM * element
-                seconds = timed(lambda: decode.run(q, key_cache, value_cache, bounds, beta), device, repeats)
-                rows.append(dict(context=context, batch=batch, arm=f"dipr beta={beta:g}", seconds=seconds,
-                                 blocks_read=read / total, bytes=dipr_bytes, floor_s=dipr_bytes / bandwidth,
-                                 speedup_vs_dense=dense_s / seconds))
+                seconds = timed(partial(decode.run, q, key_cache, value_cache, bounds, beta), device, repeats)
+                rows.append(
+                    dict(
+                        context=context,
+                        batch=batch,
+                        arm=f"dipr beta={beta:g}",
+                        seconds=seconds,
+                        blocks_read=read / total,
+                        bytes=dipr_bytes,
+                        floor_s=dipr_bytes / bandwidth,
+                        speedup_vs_dense=dense_s / seconds,
+                    )
+                )
             del q, key_cache, value_cache, k, v, bounds
-    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (smoke)'}, "
-          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print(f"{'context':>8} {'batch':>5} {'arm':>14} {'time us':>10} {'blocks':>7} {'MB read':>9} "
-          f"{'x floor':>8} {'vs dense':>9}")
+    print(
+        f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (smoke)'}, "
+        f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
+    )
+    print(
+        f"{'context':>8} {'batch':>5} {'arm':>14} {'time us':>10} {'blocks':>7} {'MB read':>9} "
+        f"{'x floor':>8} {'vs dense':>9}"
+    )
     for r in rows:
-        print(f"{r['context']:>8} {r['batch']:>5} {r['arm']:>14} {r['seconds'] * 1e6:>10.1f} {r['blocks_read']:>7.1%} "
-              f"{r['bytes'] / 1e6:>9.1f} {r['seconds'] / r['floor_s']:>8.2f} "
-              f"{r.get('speedup_vs_dense', 1.0):>8.2f}x")
+        print(
+            f"{r['context']:>8} {r['batch']:>5} {r['arm']:>14} {r['seconds'] * 1e6:>10.1f} {r['blocks_read']:>7.1%} "
+            f"{r['bytes'] / 1e6:>9.1f} {r['seconds'] / r['floor_s']:>8.2f} "
+            f"{r.get('speedup_vs_dense', 1.0):>8.2f}x"
+        )
     prefills = prefill_rows(device, dtype, repeats)
     print(f"\n{'prefill':>8} {'arm':>22} {'time ms':>9} {'vs flash':>9} {'max |diff|':>11}")
     for r in prefills:
-        print(f"{r['tokens']:>8} {r['arm']:>22} {r['seconds'] * 1e3:>9.2f} {r['speedup_vs_flash']:>8.2f}x "
-              f"{r.get('max_abs_diff_vs_flash', 0.0):>11.2e}")
+        print(
+            f"{r['tokens']:>8} {r['arm']:>22} {r['seconds'] * 1e3:>9.2f} {r['speedup_vs_flash']:>8.2f}x "
+            f"{r.get('max_abs_diff_vs_flash', 0.0):>11.2e}"
+        )
     name = "sparse_decode_smoke" if SMOKE else "sparse_decode_gpu"
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps({"decode": rows, "prefill": prefills}, indent=2))
@@ -169,24 +206,35 @@ def prefill_rows(device: torch.device, dtype: torch.dtype, repeats: int) -> list
     rows = []
     for n in PREFILLS:
         g = torch.Generator().manual_seed(n)
-        q, k, v = (torch.randn(n, heads, DIM, generator=g).to(device=device, dtype=dtype)
-                   for heads in (KV_HEADS * GROUP, KV_HEADS, KV_HEADS))
+        q, k, v = (
+            torch.randn(n, heads, DIM, generator=g).to(device=device, dtype=dtype)
+            for heads in (KV_HEADS * GROUP, KV_HEADS, KV_HEADS)
+        )
         blocks = -(-n // BLOCK)
-        key_cache, value_cache = (torch.cat([x, x.new_zeros(blocks * BLOCK - n, KV_HEADS, DIM)])
-                                  .view(blocks, BLOCK, KV_HEADS, DIM) for x in (k, v))
+        key_cache, value_cache = (
+            torch.cat([x, x.new_zeros(blocks * BLOCK - n, KV_HEADS, DIM)]).view(blocks, BLOCK, KV_HEADS, DIM)
+            for x in (k, v)
+        )
         table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
         lens = torch.tensor([n], dtype=torch.int32, device=device)
         paged = PagedCausalAttention(KV_HEADS * GROUP, KV_HEADS, DIM, BLOCK)
         paged.plan(lens - n, lens, lens, table, n)
         heads_first = [x.transpose(0, 1)[None] for x in (q, k, v)]
-        flash_s = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
-            *heads_first, is_causal=True, enable_gqa=True), device, repeats)
-        paged_s = timed(lambda: paged.run(q, key_cache, value_cache), device, repeats)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        flash_s = timed(partial(sdpa, *heads_first, is_causal=True, enable_gqa=True), device, repeats)
+        paged_s = timed(partial(paged.run, q, key_cache, value_cache), device, repeats)
         flash_out = torch.nn.functional.scaled_dot_product_attention(*heads_first, is_causal=True, enable_gqa=True)
         error = float((paged.run(q, key_cache, value_cache) - flash_out[0].transpose(0, 1)).abs().max())
         rows.append(dict(tokens=n, arm="flash (contiguous)", seconds=flash_s, speedup_vs_flash=1.0))
-        rows.append(dict(tokens=n, arm="dense paged (kvreuse)", seconds=paged_s, speedup_vs_flash=flash_s / paged_s,
-                         max_abs_diff_vs_flash=error))
+        rows.append(
+            dict(
+                tokens=n,
+                arm="dense paged (kvreuse)",
+                seconds=paged_s,
+                speedup_vs_flash=flash_s / paged_s,
+                max_abs_diff_vs_flash=error,
+            )
+        )
     return rows
 
 

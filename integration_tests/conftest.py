@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from real_engine import start_llm, stop_llm
 
 from kvreuse.localmodel import build_model
-from real_engine import start_llm, stop_llm
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -65,9 +65,15 @@ def test_llm_map_gives_each_row_the_answer_of_its_prompt_asked_alone(llm, movies
 def test_duckdb_llm_asks_all_rows_as_one_batch_and_each_row_gets_the_answer_of_its_prompt(llm, movies):
     instruction = "Would a family enjoy this film? Answer yes or no."
     backend = RecordingBackend(llm)
-    frame = run_query(duckdb.connect(), f"""
+    frame = run_query(
+        duckdb.connect(),
+        f"""
         SELECT movie_title, movie_info, llm('{instruction}', movie_title, movie_info) AS answer
-        FROM (SELECT * FROM '{MOVIES}' LIMIT {ROWS})""", backend=backend, fmt="json", max_tokens=MAX_TOKENS).frame
+        FROM (SELECT * FROM '{MOVIES}' LIMIT {ROWS})""",
+        backend=backend,
+        fmt="json",
+        max_tokens=MAX_TOKENS,
+    ).frame
     (sent,) = backend.calls
     distinct = movies[FIELDS].drop_duplicates()
     assert len(sent) == len(distinct) and len(frame) == ROWS
@@ -90,8 +96,9 @@ def test_ggr_serves_more_prompt_tokens_from_the_cache_than_the_original_order(ll
     figures = {}
     for order in ("original", "ggr"):
         llm.reset_prefix_cache()
-        figures[order] = run_table(movies, instruction, fields, backend=VLLMBackend(llm), order=order,
-                                   max_tokens=1).figures
+        figures[order] = run_table(
+            movies, instruction, fields, backend=VLLMBackend(llm), order=order, max_tokens=1
+        ).figures
     original, ggr = figures["original"].cached_tokens, figures["ggr"].cached_tokens
     assert original < 300 and ggr > 1500, (original, ggr)  # measured: 128 and 1888 of 7743 prompt tokens
     assert figures["ggr"].prompt_tokens == figures["original"].prompt_tokens
@@ -103,9 +110,26 @@ def test_kvreuse_run_answers_a_csv_on_the_small_model_like_llm_map(llm, small_mo
     rows.to_csv(table, index=False)
     engine_args = {key: value for key, value in local_engine_args(small_model).items() if key != "model"}
     instruction = "Is there an animal in this movie?"
-    command = [str(Path(sys.executable).parent / "kvreuse"), "run", "--table", str(table), "--prompt", instruction,
-               "--fields", ",".join(FIELDS), "--order", "ggr", "--model", str(small_model),
-               "--engine-args", json.dumps(engine_args), "--max-tokens", str(MAX_TOKENS), "--out", str(out)]
+    command = [
+        str(Path(sys.executable).parent / "kvreuse"),
+        "run",
+        "--table",
+        str(table),
+        "--prompt",
+        instruction,
+        "--fields",
+        ",".join(FIELDS),
+        "--order",
+        "ggr",
+        "--model",
+        str(small_model),
+        "--engine-args",
+        json.dumps(engine_args),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rows           20 (order ggr)" in done.stderr and "hit rate" in done.stderr

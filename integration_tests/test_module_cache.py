@@ -14,7 +14,6 @@ import random
 
 import pytest
 import torch
-
 from real_engine import start_llm, stop_llm
 
 pytestmark = pytest.mark.engine
@@ -33,6 +32,7 @@ CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_loa
 
 def _call(fn, *args):
     """A closure for ``collective_rpc`` that runs ``fn(module_worker(), *args)`` in the worker."""
+
     def call(worker):
         from kvreuse.vllm.module_worker import module_worker
 
@@ -59,8 +59,13 @@ def llm(small_model):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVREUSE_SPARSE_CPU_BACKEND", "1")
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        engine = start_llm(small_model, kv_transfer_config=CONNECTOR, additional_config={"kvreuse": {
-            "sparse": {"beta": float("inf")}, "modules": {"gpu_bytes": 0, "cpu_bytes": 64 << 20}}})
+        engine = start_llm(
+            small_model,
+            kv_transfer_config=CONNECTOR,
+            additional_config={
+                "kvreuse": {"sparse": {"beta": float("inf")}, "modules": {"gpu_bytes": 0, "cpu_bytes": 64 << 20}}
+            },
+        )
         try:
             yield engine
         finally:
@@ -85,8 +90,9 @@ def generate(llm, prompts, *, recompute=False, logprobs=None):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=logprobs,
-                            skip_reading_prefix_cache=recompute)
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=logprobs, skip_reading_prefix_cache=recompute
+    )
     return llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
 
 
@@ -122,8 +128,7 @@ def test_a_module_spliced_at_position_p_has_the_layer0_keys_of_encoding_it_at_p(
     llm.reset_prefix_cache()
     generate(llm, [modules["I"] + modules["A"] + question])
     layers = [0, 1]
-    (layer0, layer1), = llm.collective_rpc(_call(_spliced_and_encoded_keys, "A@p", "A", len(modules["A"]),
-                                                 layers))
+    ((layer0, layer1),) = llm.collective_rpc(_call(_spliced_and_encoded_keys, "A@p", "A", len(modules["A"]), layers))
     spliced, encoded, at, start = layer0
     spliced, encoded = torch.tensor(spliced), torch.tensor(encoded)
     assert at == start == len(modules["I"]) and spliced.shape == encoded.shape
@@ -147,8 +152,7 @@ def test_one_module_at_position_0_gives_the_greedy_tokens_of_recomputing(llm, mo
     assert list(spliced.outputs[0].token_ids) == list(recomputed.outputs[0].token_ids)
 
 
-def test_modules_in_varying_order_are_served_from_the_cache_and_compared_with_recomputing(llm, modules,
-                                                                                         question):
+def test_modules_in_varying_order_are_served_from_the_cache_and_compared_with_recomputing(llm, modules, question):
     orders = list(itertools.permutations("ABC"))
     prompts = [modules["I"] + [t for name in order for t in modules[name]] + question for order in orders]
     first_same, overlaps, gaps = 0, [], []
@@ -166,9 +170,11 @@ def test_modules_in_varying_order_are_served_from_the_cache_and_compared_with_re
         gaps.extend(abs(ours[t].logprob - theirs[t].logprob) for t in common)
     # Expected differences: spliced modules attended only within themselves in every layer after the first, so
     # the question sees other KV than a full recomputation. README records the figures printed here.
-    print(f"\nmodules in varying order, {len(prompts)} prompts: first greedy token equal in {first_same}; top-{TOP} "
-          f"first-token candidates overlap {sum(overlaps) / len(overlaps):.2f} (Jaccard); their log-probabilities "
-          f"differ by {sum(gaps) / len(gaps):.4f} on average, {max(gaps):.4f} at most")
+    print(
+        f"\nmodules in varying order, {len(prompts)} prompts: first greedy token equal in {first_same}; top-{TOP} "
+        f"first-token candidates overlap {sum(overlaps) / len(overlaps):.2f} (Jaccard); their log-probabilities "
+        f"differ by {sum(gaps) / len(gaps):.4f} on average, {max(gaps):.4f} at most"
+    )
     assert len(overlaps) == len(orders) and gaps
 
 
@@ -188,8 +194,7 @@ def _set_sparse(flags):
     return call
 
 
-def test_the_module_counters_and_the_sparse_figures_reach_vllms_metrics_through_the_connector(llm, modules,
-                                                                                            question):
+def test_the_module_counters_and_the_sparse_figures_reach_vllms_metrics_through_the_connector(llm, modules, question):
     """One connector carries both: the module cache's counters, and those of the sparse backend when it decodes
     with DIPR (here every layer at beta = inf, which attends to everything)."""
     llm.reset_prefix_cache()
@@ -236,8 +241,9 @@ def test_malformed_encode_parameters_leave_the_request_served_and_store_nothing(
     from vllm.inputs import TokensPrompt
 
     before = figures(llm)["modules"]
-    params = SamplingParams(max_tokens=2, extra_args={"kv_transfer_params": {
-        "kvreuse_module": "broken", "kvreuse_context": 10_000}})
+    params = SamplingParams(
+        max_tokens=2, extra_args={"kv_transfer_params": {"kvreuse_module": "broken", "kvreuse_context": 10_000}}
+    )
     out = llm.generate([TokensPrompt(prompt_token_ids=modules["C"])], params, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 2
     assert figures(llm)["modules"] == before
@@ -267,12 +273,15 @@ def test_a_pml_schema_is_encoded_and_its_prompts_are_served_from_it(llm):
     assert loaded < len(ids)
 
 
-@pytest.mark.parametrize("prompt, problem", [
-    ('<prompt schema="trip"><doc-b/></prompt>', "unknown module 'doc-b'"),
-    ('<prompt schema="trip"><plan days="three whole days and nights"/></prompt>', "longer than its param"),
-    ('<prompt schema="trip"><summer/><winter/></prompt>', "members of one union"),
-    ('<prompt schema="trip"><doc-a></prompt>', "line 1"),
-])
+@pytest.mark.parametrize(
+    "prompt, problem",
+    [
+        ('<prompt schema="trip"><doc-b/></prompt>', "unknown module 'doc-b'"),
+        ('<prompt schema="trip"><plan days="three whole days and nights"/></prompt>', "longer than its param"),
+        ('<prompt schema="trip"><summer/><winter/></prompt>', "members of one union"),
+        ('<prompt schema="trip"><doc-a></prompt>', "line 1"),
+    ],
+)
 def test_bad_pml_prompts_name_the_problem_and_where(llm, prompt, problem):
     from kvreuse.errors import PMLError
     from kvreuse.vllm.modules import pml_prompt, schema_layout
@@ -288,8 +297,9 @@ def test_a_malformed_pml_schema_names_the_line(llm):
     from kvreuse.vllm.modules import encode_schema
 
     with pytest.raises(PMLError, match="line 3"):
-        encode_schema(llm, '<schema name="x">\n<module name="a">text</module>\n<module name="a">again</module>'
-                           '</schema>')
+        encode_schema(
+            llm, '<schema name="x">\n<module name="a">text</module>\n<module name="a">again</module></schema>'
+        )
 
 
 def test_spider_tables_are_encoded_after_the_tables_they_reference_and_found_in_any_order(llm, question):
@@ -317,4 +327,5 @@ def test_spider_tables_are_encoded_after_the_tables_they_reference_and_found_in_
     llm.reset_prefix_cache()
     generate(llm, [prompt])
     assert figures(llm)["tokens_loaded"] - before == sum(len(ids[t]) for t in tables) + len(
-        tokenizer.encode(header + "\n", add_special_tokens=False))
+        tokenizer.encode(header + "\n", add_special_tokens=False)
+    )

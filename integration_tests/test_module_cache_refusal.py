@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pytest
-
 from real_engine import start_llm, stop_llm
 
 pytestmark = pytest.mark.engine
@@ -17,8 +16,14 @@ def test_the_connector_refuses_cpu_attn_and_names_the_switch_that_fixes_it(small
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("KVREUSE_SPARSE_CPU_BACKEND", raising=False)
         with pytest.raises(Exception) as failure:
-            llm = start_llm(small_model, kv_transfer_config={
-                "kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"})
+            llm = start_llm(
+                small_model,
+                kv_transfer_config={
+                    "kv_connector": "KVReuseModuleCache",
+                    "kv_role": "kv_both",
+                    "kv_load_failure_policy": "recompute",
+                },
+            )
             stop_llm(llm)
     logs = capfd.readouterr()
     message = str(failure.value) + logs.out + logs.err
@@ -33,8 +38,9 @@ def test_the_connector_refuses_the_fail_policy_that_would_not_recompute(small_mo
         mp.setenv("KVREUSE_SPARSE_CPU_BACKEND", "1")  # past the layout check, to the scheduler's
         try:
             with pytest.raises(Exception) as failure:
-                llm = start_llm(small_model, kv_transfer_config={"kv_connector": "KVReuseModuleCache",
-                                                                 "kv_role": "kv_both"})
+                llm = start_llm(
+                    small_model, kv_transfer_config={"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both"}
+                )
                 stop_llm(llm)
         finally:
             AttentionBackendEnum.CPU_ATTN.clear_override()

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from real_engine import start_llm, stop_llm
 
 pytestmark = pytest.mark.engine
@@ -25,8 +24,17 @@ def test_entry_point_runs_in_engine_core_and_worker_processes(small_model, capfd
 
 @pytest.mark.parametrize(("allowed", "loaded"), [("kvreuse", True), ("some_other_plugin", False)])
 def test_vllm_plugins_allow_list_is_honoured(allowed, loaded, tmp_path):
-    code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
-            "import kvreuse.vllm as k; print(bool(k.registered_pids()))")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "VLLM_PLUGINS": allowed},
-                         capture_output=True, text=True, check=True, timeout=300, cwd=tmp_path).stdout
+    code = (
+        "from vllm.plugins import load_general_plugins; load_general_plugins(); "
+        "import kvreuse.vllm as k; print(bool(k.registered_pids()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "VLLM_PLUGINS": allowed},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+        cwd=tmp_path,
+    ).stdout
     assert out.strip().splitlines()[-1] == str(loaded)

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-
 from real_engine import start_llm, stop_llm
+
 from kvreuse.reorder.affinity import ReorderCounters
 from kvreuse.vllm.figures import PrefixCacheCounters, prefix_cache_counters
 
@@ -25,9 +25,12 @@ pytestmark = pytest.mark.engine
 MAX_SKIPS = 8
 PREFIXES, PER_PREFIX, PREFIX_TOKENS, SUFFIX_TOKENS, ARRIVALS_PER_STEP = 8, 8, 200, 20, 8
 ENGINE = dict(max_model_len=512, kv_cache_memory_bytes=2 << 20, max_num_seqs=4, max_num_batched_tokens=2048)
-AFFINITY = dict(scheduler_cls="kvreuse.vllm.PrefixAffinityScheduler", scheduling_policy="priority",
-                # No waiting-time bound: on this slow machine it would admit nearly everything in arrival order.
-                additional_config={"kvreuse": {"reorder": {"max_skips": MAX_SKIPS, "max_wait_s": 3600.0}}})
+AFFINITY = dict(
+    scheduler_cls="kvreuse.vllm.PrefixAffinityScheduler",
+    scheduling_policy="priority",
+    # No waiting-time bound: on this slow machine it would admit nearly everything in arrival order.
+    additional_config={"kvreuse": {"reorder": {"max_skips": MAX_SKIPS, "max_wait_s": 3600.0}}},
+)
 
 
 @dataclass(frozen=True)
@@ -122,8 +125,10 @@ def test_the_engine_builds_the_prefix_affinity_scheduler_with_its_queue(affinity
 def test_affinity_raises_vllms_prefix_cache_hit_rate_over_the_stock_scheduler(stock_run, affinity_run):
     prompt_tokens = PREFIXES * PER_PREFIX * (PREFIX_TOKENS + SUFFIX_TOKENS)
     assert stock_run.cache.queries == affinity_run.cache.queries == prompt_tokens
-    print(f"\nvLLM prefix-cache hit rate: stock {stock_run.cache.hit_rate:.3f}, "
-          f"PrefixAffinityScheduler {affinity_run.cache.hit_rate:.3f}")
+    print(
+        f"\nvLLM prefix-cache hit rate: stock {stock_run.cache.hit_rate:.3f}, "
+        f"PrefixAffinityScheduler {affinity_run.cache.hit_rate:.3f}"
+    )
     # The best any order can do: every request but the first of each prefix hits its 6 full blocks.
     best = (PREFIXES * (PER_PREFIX - 1) * (PREFIX_TOKENS // 32) * 32) / prompt_tokens
     assert affinity_run.cache.hit_rate >= stock_run.cache.hit_rate + 0.15
@@ -182,17 +187,27 @@ def test_an_async_engine_gets_the_same_scheduler_on_vllms_async_base(affinity_ll
     config = copy.copy(core.vllm_config)
     config.scheduler_config = copy.copy(config.scheduler_config)
     config.scheduler_config.async_scheduling = True
-    scheduler = PrefixAffinityScheduler(vllm_config=config, kv_cache_config=core.scheduler.kv_cache_config,
-                                        structured_output_manager=core.structured_output_manager,
-                                        block_size=core.scheduler.block_size)
+    scheduler = PrefixAffinityScheduler(
+        vllm_config=config,
+        kv_cache_config=core.scheduler.kv_cache_config,
+        structured_output_manager=core.structured_output_manager,
+        block_size=core.scheduler.block_size,
+    )
     assert type(scheduler) is AsyncPrefixAffinityScheduler
     assert isinstance(scheduler, PrefixAffinityScheduler) and isinstance(scheduler, AsyncScheduler)
 
     rng = random.Random(2)
     prefixes = {p: random_tokens(rng, PREFIX_TOKENS) for p in "ABC"}
     for name in ["A0", "B0", "B1", "C0", "B2"]:
-        scheduler.add_request(Request(name, prefixes[name[0]] + random_tokens(rng, SUFFIX_TOKENS),
-                                      SamplingParams(max_tokens=1), None, block_hasher=core.request_block_hasher))
+        scheduler.add_request(
+            Request(
+                name,
+                prefixes[name[0]] + random_tokens(rng, SUFFIX_TOKENS),
+                SamplingParams(max_tokens=1),
+                None,
+                block_hasher=core.request_block_hasher,
+            )
+        )
     admitted = [r.req_id for r in scheduler.schedule().scheduled_new_reqs]
     # The largest group of requests sharing an uncached prefix goes first; then arrival order.
     assert admitted == ["B0", "B1", "B2", "A0"]
@@ -205,9 +220,8 @@ def test_counters_reach_a_front_end_stat_logger_through_vllms_scheduler_stats(af
     """
     from prometheus_client import REGISTRY
     from vllm.v1.engine import EngineCoreOutputs
-    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
-
     from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
     from kvreuse.vllm.metrics import ReorderStatLogger, attach_reorder_counters
 

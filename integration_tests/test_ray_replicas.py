@@ -44,10 +44,15 @@ class RecordingPool:
 def prompts() -> list[str]:
     """Rows of four groups, shuffled; each group's prompts share a prefix of a few KV blocks."""
     rng = random.Random(0)
-    heads = [f"Classify the review.\nmovie: film number {g}\ninfo: " + " ".join(f"w{g}x{i}" for i in range(60))
-             for g in range(GROUPS)]
-    rows = [heads[g] + f"\nreview: row {n} " + " ".join(f"r{n}y{i}" for i in range(12))
-            for g in range(GROUPS) for n in range(g * PER_GROUP, (g + 1) * PER_GROUP)]
+    heads = [
+        f"Classify the review.\nmovie: film number {g}\ninfo: " + " ".join(f"w{g}x{i}" for i in range(60))
+        for g in range(GROUPS)
+    ]
+    rows = [
+        heads[g] + f"\nreview: row {n} " + " ".join(f"r{n}y{i}" for i in range(12))
+        for g in range(GROUPS)
+        for n in range(g * PER_GROUP, (g + 1) * PER_GROUP)
+    ]
     rng.shuffle(rows)
     return rows
 
@@ -91,8 +96,16 @@ def test_shared_prefix_buckets_go_to_one_replica_and_answers_match_one_engine(re
 def test_a_killed_replica_loses_no_row_and_answers_none_twice(reference, pool, prompts):
     answered, killed = [], False
     figures = new_figures(pool.size, "least-loaded")
-    stream = answer_stream(enumerate(prompts), pool, router="least-loaded", max_tokens=MAX_TOKENS, batch_size=8,
-                           buffer_size=256, inflight=16, figures=figures)
+    stream = answer_stream(
+        enumerate(prompts),
+        pool,
+        router="least-loaded",
+        max_tokens=MAX_TOKENS,
+        batch_size=8,
+        buffer_size=256,
+        inflight=16,
+        figures=figures,
+    )
     for row, completion in stream:
         answered.append((row, completion.text))
         if not killed:
@@ -118,10 +131,24 @@ def test_a_ray_dataset_streams_in_and_every_row_is_answered_by_its_id(cluster):
     import pandas as pd
     import ray.data
 
-    df = pd.DataFrame({"rid": range(300), "title": [f"film {i % 7}" for i in range(300)],
-                       "review": [f"review {i}" for i in range(300)]})
+    df = pd.DataFrame(
+        {
+            "rid": range(300),
+            "title": [f"film {i % 7}" for i in range(300)],
+            "review": [f"review {i}" for i in range(300)],
+        }
+    )
     dataset = ray.data.from_pandas(df).repartition(4)
-    answered = dict(answer_table_stream(dataset, "Kids?", ["title", "review"], pool=InProcessReplicas([Upper()]),
-                                        id_column="rid", rows_per_chunk=64, batch_size=8))
+    answered = dict(
+        answer_table_stream(
+            dataset,
+            "Kids?",
+            ["title", "review"],
+            pool=InProcessReplicas([Upper()]),
+            id_column="rid",
+            rows_per_chunk=64,
+            batch_size=8,
+        )
+    )
     assert sorted(answered) == list(range(300))
     assert all(answered[i].text == f"KIDS?\n\nTITLE: FILM {i % 7}\nREVIEW: REVIEW {i}\n" for i in range(300))

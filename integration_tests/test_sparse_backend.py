@@ -13,14 +13,14 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from real_engine import start_llm, stop_llm
 
 pytestmark = pytest.mark.engine
 
 WORDS = ("movie", "review", "the", "plot", "was", "slow", "but", "actors", "shine", "in", "every", "scene")
-PROMPTS = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] + str(j % (5 + i)) for j in range(n))
-           for i, n in enumerate((60, 250, 600))]
+PROMPTS = [
+    " ".join(WORDS[(i * 7 + j) % len(WORDS)] + str(j % (5 + i)) for j in range(n)) for i, n in enumerate((60, 250, 600))
+]
 LONG_PROMPT = " ".join(f"{WORDS[j % len(WORDS)]}{j}" for j in range(600))  # ~1,600 tokens
 MAX_TOKENS = 12
 EXACT = {"beta": float("inf"), "min_context": 0, "dense_layers": 0}
@@ -30,14 +30,16 @@ FIGURES_CONNECTOR = {"kv_connector": "KVReuseSparseFigures", "kv_role": "kv_both
 def greedy_tokens(llm, prompts, max_tokens=MAX_TOKENS):
     from vllm import SamplingParams
 
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
     return [list(o.outputs[0].token_ids) for o in outs], [len(o.prompt_token_ids) for o in outs]
 
 
 def _configure(flags, kernels=None):
     """A function for ``collective_rpc``: new sparse settings, empty figures, and the Triton kernels on or off
     (``None``: on CUDA tensors only, i.e. off here) in the worker."""
+
     def call(worker):
         from kvreuse.vllm import attention
 
@@ -50,6 +52,7 @@ def _configure(flags, kernels=None):
 
 def _figures(llm):
     """The worker's attended fractions per layer (a closure, so it is sent by value, not by module name)."""
+
     def call(worker):
         from kvreuse.vllm.attention import sparse_figures
 
@@ -63,25 +66,35 @@ def _sparse_counters() -> dict[tuple[str, int], float]:
     ``LLM.get_metrics`` lists only its own ``vllm:`` metrics), by name and layer."""
     from prometheus_client import REGISTRY
 
-    return {(s.name, int(s.labels["layer"])): s.value for family in REGISTRY.collect() for s in family.samples
-            if s.name.startswith("kvreuse:sparse_") and s.name.endswith("_total")}
+    return {
+        (s.name, int(s.labels["layer"])): s.value
+        for family in REGISTRY.collect()
+        for s in family.samples
+        if s.name.startswith("kvreuse:sparse_") and s.name.endswith("_total")
+    }
 
 
 def _kv_layout(worker):
     """Layer 0's KV cache and bounds as the worker holds them: sizes, and whether the bounds share its memory."""
     import torch
 
-    layer = next(module for module in worker.model_runner.compilation_config.static_forward_context.values()
-                 if getattr(module, "impl", None) is not None and getattr(module.impl, "_views", None))
+    layer = next(
+        module
+        for module in worker.model_runner.compilation_config.static_forward_context.values()
+        if getattr(module, "impl", None) is not None and getattr(module.impl, "_views", None)
+    )
     kv_cache = layer.kv_cache
     key_cache, _, bounds = layer.impl._views[1]
     written = torch.isfinite(bounds[:, :, 0]).all(-1).all(-1)  # blocks whose bounds hold keys
     first = int(written.nonzero()[0])
-    return {"num_blocks": kv_cache.shape[0], "block_stride_bytes": kv_cache.stride(0) * kv_cache.element_size(),
-            "page_bytes": kv_cache[0].numel() * kv_cache.element_size(),
-            "same_memory": bounds.untyped_storage().data_ptr() == kv_cache.untyped_storage().data_ptr(),
-            "written_blocks": int(written.sum()),
-            "max_is_key_max": bool((bounds[first, :, 0] == key_cache[first].amax(0)).all())}
+    return {
+        "num_blocks": kv_cache.shape[0],
+        "block_stride_bytes": kv_cache.stride(0) * kv_cache.element_size(),
+        "page_bytes": kv_cache[0].numel() * kv_cache.element_size(),
+        "same_memory": bounds.untyped_storage().data_ptr() == kv_cache.untyped_storage().data_ptr(),
+        "written_blocks": int(written.sum()),
+        "max_is_key_max": bool((bounds[first, :, 0] == key_cache[first].amax(0)).all()),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +115,9 @@ def sparse_llm(small_model, stock_tokens):
         mp.setenv("KVREUSE_SPARSE_CPU_BACKEND", "1")
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         mp.setenv("TRITON_INTERPRET", "1")  # read when the worker first imports a kernel
-        llm = start_llm(small_model, additional_config={"kvreuse": {"sparse": EXACT}},
-                        kv_transfer_config=FIGURES_CONNECTOR)
+        llm = start_llm(
+            small_model, additional_config={"kvreuse": {"sparse": EXACT}}, kv_transfer_config=FIGURES_CONNECTOR
+        )
         try:
             yield llm
         finally:

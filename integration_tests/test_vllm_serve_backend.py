@@ -10,14 +10,13 @@ sparse figures as a user of ``vllm serve`` reads them.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-
-import os
 
 import httpx
 import pandas as pd
@@ -47,14 +46,42 @@ def server(small_model, tmp_path_factory) -> Iterator[str]:
     workdir = tmp_path_factory.mktemp("vllm_serve")  # not the repository root: triton_kernels/ would shadow
     log = (workdir / "server.log").open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(small_model),
-         "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port), "--block-size", "32",
-         "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20), "--dtype", "float32",
-         "--max-model-len", "4096", "--seed", "0", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-         "--disable-uvicorn-access-log",
-         "--additional-config", '{"kvreuse": {"sparse": {"beta": "inf", "min_context": 0, "dense_layers": 0}}}',
-         "--kv-transfer-config", '{"kv_connector": "KVReuseSparseFigures", "kv_role": "kv_both"}'],
-        stdout=log, stderr=subprocess.STDOUT, cwd=workdir, env={**os.environ, "KVREUSE_SPARSE_CPU_BACKEND": "1"})
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(small_model),
+            "--served-model-name",
+            SERVED,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--block-size",
+            "32",
+            "--enforce-eager",
+            "--kv-cache-memory-bytes",
+            str(256 << 20),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "4096",
+            "--seed",
+            "0",
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--disable-uvicorn-access-log",
+            "--additional-config",
+            '{"kvreuse": {"sparse": {"beta": "inf", "min_context": 0, "dense_layers": 0}}}',
+            "--kv-transfer-config",
+            '{"kv_connector": "KVReuseSparseFigures", "kv_role": "kv_both"}',
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=workdir,
+        env={**os.environ, "KVREUSE_SPARSE_CPU_BACKEND": "1"},
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -87,8 +114,11 @@ def movies() -> pd.DataFrame:
 
 def alone(url: str, prompt: str) -> str:
     """The server's answer to ``prompt`` in a request of its own, sent without the backend."""
-    response = httpx.post(f"{url}/v1/completions", timeout=60, json={
-        "model": SERVED, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0})
+    response = httpx.post(
+        f"{url}/v1/completions",
+        timeout=60,
+        json={"model": SERVED, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0},
+    )
     response.raise_for_status()
     return response.json()["choices"][0]["text"]
 
@@ -104,8 +134,14 @@ def test_concurrent_answers_come_back_in_row_order_equal_to_prompts_asked_alone(
 
 def test_the_server_reports_prompt_and_cached_tokens_for_every_request(server, movies):
     instruction = "Would a family enjoy this film? Answer yes or no."
-    result = run_table(movies, instruction, FIELDS, backend=OpenAIServerBackend(server, SERVED, concurrency=1),
-                       order="ggr", max_tokens=1)
+    result = run_table(
+        movies,
+        instruction,
+        FIELDS,
+        backend=OpenAIServerBackend(server, SERVED, concurrency=1),
+        order="ggr",
+        max_tokens=1,
+    )
     assert all(c.prompt_tokens and c.cached_tokens is not None for c in result.completions)
     # One request at a time in GGR order: each repeat of a film finds its fields in the cache.
     assert result.figures.cached_tokens > 500, result.figures  # measured: 576 of 2594 prompt tokens
@@ -113,8 +149,11 @@ def test_the_server_reports_prompt_and_cached_tokens_for_every_request(server, m
 
 def _metric(text: str, name: str, layer: int) -> float:
     """A counter's value on the server's ``/metrics`` page (Prometheus text format), for one layer."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and f'layer="{layer}"' in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and f'layer="{layer}"' in line
+    )
 
 
 def test_the_servers_metrics_carry_the_sparse_figures_per_layer(server):
@@ -122,10 +161,15 @@ def test_the_servers_metrics_carry_the_sparse_figures_per_layer(server):
     alone(server, "Is this movie suitable for kids? " * 20)
     after = httpx.get(f"{server}/metrics", timeout=10).text
     for layer in (0, 1):
-        blocks = _metric(after, "kvreuse:sparse_blocks_total", layer) - _metric(before, "kvreuse:sparse_blocks_total",
-                                                                                layer)
-        read = (_metric(after, "kvreuse:sparse_blocks_read_total", layer)
-                - _metric(before, "kvreuse:sparse_blocks_read_total", layer))
+        blocks = _metric(after, "kvreuse:sparse_blocks_total", layer) - _metric(
+            before, "kvreuse:sparse_blocks_total", layer
+        )
+        read = _metric(after, "kvreuse:sparse_blocks_read_total", layer) - _metric(
+            before, "kvreuse:sparse_blocks_read_total", layer
+        )
         assert blocks > 0 and read == blocks  # beta = inf reads every block
-        assert _metric(after, "kvreuse:sparse_tokens_attended_total", layer) == _metric(
-            after, "kvreuse:sparse_tokens_total", layer) > 0
+        assert (
+            _metric(after, "kvreuse:sparse_tokens_attended_total", layer)
+            == _metric(after, "kvreuse:sparse_tokens_total", layer)
+            > 0
+        )

@@ -7,10 +7,10 @@
 import os
 
 import pytest
+import torch
 
 # tests/sglang runs in its own environment (`make test-sglang`): SGLang is not installed next to vLLM.
 collect_ignore = ["sglang"]
-import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

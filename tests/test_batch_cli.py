@@ -23,8 +23,12 @@ class EchoHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         fields = sorted(body["prompt"].split("\n\n", 1)[1].splitlines())
-        self._reply({"choices": [{"text": " | ".join(fields)}],
-                     "usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4}}})
+        self._reply(
+            {
+                "choices": [{"text": " | ".join(fields)}],
+                "usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4}},
+            }
+        )
 
     def _reply(self, payload: dict) -> None:
         data = json.dumps(payload).encode()
@@ -52,7 +56,8 @@ def server_url() -> Iterator[str]:
 def table(tmp_path: Path) -> Path:
     path = tmp_path / "movies.csv"
     pd.DataFrame({"title": ["Heat", "Up", "Heat", "Alien"], "year": ["1995", "2009", "1995", ""]}).to_csv(
-        path, index=False)
+        path, index=False
+    )
     return path
 
 
@@ -64,13 +69,29 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 def test_answers_are_written_next_to_their_rows_with_a_summary(capsys, server_url, table, tmp_path):
     out = tmp_path / "answers.csv"
-    code, _, err = run(capsys, "run", "--table", str(table), "--prompt", "Kids?", "--fields", "year,title",
-                       "--url", server_url, "--out", str(out))
+    code, _, err = run(
+        capsys,
+        "run",
+        "--table",
+        str(table),
+        "--prompt",
+        "Kids?",
+        "--fields",
+        "year,title",
+        "--url",
+        server_url,
+        "--out",
+        str(out),
+    )
     assert code == 0
     answers = pd.read_csv(out, dtype=str, keep_default_na=False)
     assert answers["title"].tolist() == ["Heat", "Up", "Heat", "Alien"]
-    assert answers["answer"].tolist() == ["title: Heat | year: 1995", "title: Up | year: 2009",
-                                          "title: Heat | year: 1995", "title: Alien | year: "]
+    assert answers["answer"].tolist() == [
+        "title: Heat | year: 1995",
+        "title: Up | year: 2009",
+        "title: Heat | year: 1995",
+        "title: Alien | year: ",
+    ]
     assert "rows           4 (order ggr)" in err
     assert "prompt tokens  40" in err
     assert "cached tokens  16 (40.0% hit rate)" in err
@@ -80,22 +101,55 @@ def test_answers_are_written_next_to_their_rows_with_a_summary(capsys, server_ur
 def test_parquet_in_and_out_and_csv_on_stdout(capsys, server_url, table, tmp_path):
     parquet = tmp_path / "movies.parquet"
     pd.read_csv(table).to_parquet(parquet)
-    code, _, _ = run(capsys, "run", "--table", str(parquet), "--prompt", "Kids?", "--fields", "title",
-                     "--url", server_url, "--out", str(tmp_path / "a.parquet"), "--answer-column", "kids")
+    code, _, _ = run(
+        capsys,
+        "run",
+        "--table",
+        str(parquet),
+        "--prompt",
+        "Kids?",
+        "--fields",
+        "title",
+        "--url",
+        server_url,
+        "--out",
+        str(tmp_path / "a.parquet"),
+        "--answer-column",
+        "kids",
+    )
     assert code == 0
-    assert pd.read_parquet(tmp_path / "a.parquet")["kids"].tolist() == ["title: Heat", "title: Up", "title: Heat",
-                                                                         "title: Alien"]
-    code, out, _ = run(capsys, "run", "--table", str(table), "--prompt", "Kids?", "--fields", "title",
-                       "--order", "original", "--url", server_url)
+    assert pd.read_parquet(tmp_path / "a.parquet")["kids"].tolist() == [
+        "title: Heat",
+        "title: Up",
+        "title: Heat",
+        "title: Alien",
+    ]
+    code, out, _ = run(
+        capsys,
+        "run",
+        "--table",
+        str(table),
+        "--prompt",
+        "Kids?",
+        "--fields",
+        "title",
+        "--order",
+        "original",
+        "--url",
+        server_url,
+    )
     assert code == 0 and out.splitlines()[1] == "Heat,1995,title: Heat"
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--table", "missing.csv"], "table file missing.csv does not exist"),
-    (["--fields", "title,rating"], "unknown field 'rating'"),
-    (["--out", "answers.xlsx"], "--out answers.xlsx: write a .csv or .parquet file"),
-    (["--answer-column", "title"], "already has a column 'title'"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--table", "missing.csv"], "table file missing.csv does not exist"),
+        (["--fields", "title,rating"], "unknown field 'rating'"),
+        (["--out", "answers.xlsx"], "--out answers.xlsx: write a .csv or .parquet file"),
+        (["--answer-column", "title"], "already has a column 'title'"),
+    ],
+)
 def test_mistakes_end_with_a_message_and_status_1_without_a_traceback(capsys, server_url, table, argv, message):
     args = {"--table": str(table), "--prompt": "Kids?", "--url": server_url}
     args.update(zip(argv[::2], argv[1::2]))
@@ -128,4 +182,3 @@ def test_engine_args_must_be_a_json_object(capsys, table):
     with pytest.raises(SystemExit):
         main(["run", "--table", str(table), "--prompt", "Kids?", "--model", "m", "--engine-args", "[1]"])
     assert "must be a JSON object" in capsys.readouterr().err
-

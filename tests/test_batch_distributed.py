@@ -67,8 +67,9 @@ def test_a_dead_replicas_unfinished_rows_are_answered_once_elsewhere():
 
 def test_retries_are_counted_and_the_dead_replica_is_marked():
     prompts = prompts_with_prefixes(300, 4)
-    answers, figures = answer_rows(prompts, FakeReplicas(2, doomed={0}, die_after=2), batch_size=8,
-                                   buffer_size=64, inflight=32)
+    answers, figures = answer_rows(
+        prompts, FakeReplicas(2, doomed={0}, die_after=2), batch_size=8, buffer_size=64, inflight=32
+    )
     assert [a.text for a in answers] == [p.upper() for p in prompts]
     assert figures.replicas[0].died and not figures.replicas[1].died
     assert figures.retried_batches >= 1 and figures.retried_requests >= 1
@@ -85,8 +86,15 @@ def test_prefix_aware_routing_keeps_each_prefix_on_few_replicas():
     spread = {}
     for router in ("round-robin", "prefix-aware"):
         pool = FakeReplicas(4)
-        _, figures = answer_rows(prompts, pool, router=router, batch_size=8, buffer_size=128, inflight=64,
-                                 router_options={"slack": 64} if router == "prefix-aware" else None)
+        _, figures = answer_rows(
+            prompts,
+            pool,
+            router=router,
+            batch_size=8,
+            buffer_size=128,
+            inflight=64,
+            router_options={"slack": 64} if router == "prefix-aware" else None,
+        )
         assert all(400 <= r.requests <= 600 for r in figures.replicas)  # 500 each would be even
         groups = {r: {p.split(":")[0] for batch in pool.sent[r] for p in batch} for r in range(4)}
         spread[router] = sum(len(g) for g in groups.values())  # (replica, prefix) pairs: 8 is perfect

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import duckdb
 import pandas as pd
+from test_batch_distributed import FakeReplicas
 
 from kvreuse.batch.table_stream import answer_table_stream, prompt_rows, run_table_on_replicas, table_chunks
 from kvreuse.reorder import render_prompt
-from test_batch_distributed import FakeReplicas
 
 TITLES = ["Heat", "Up", "Heat", "Alien", "Up"]
 YEARS = ["1995", "2009", "1995", None, "2009"]  # NULL is asked as the empty value
@@ -34,16 +34,18 @@ def test_chunks_are_at_most_rows_per_chunk(tmp_path):
 
 
 def test_a_streamed_table_is_answered_once_per_row():
-    answered = dict(answer_table_stream(TABLE, "Kids?", ["year", "title"], pool=FakeReplicas(2), rows_per_chunk=2,
-                                        buffer_size=2, batch_size=2))
+    answered = dict(
+        answer_table_stream(
+            TABLE, "Kids?", ["year", "title"], pool=FakeReplicas(2), rows_per_chunk=2, buffer_size=2, batch_size=2
+        )
+    )
     assert answered.keys() == set(range(5))
     assert [answered[i].text for i in range(5)] == [p.upper() for p in expected(("year", "title"))]
 
 
 def test_a_dataframe_keeps_its_index_and_order_on_replicas():
     df = TABLE.set_axis([10, 11, 12, 13, 14])
-    result = run_table_on_replicas(df, "Kids?", ["title", "year"], pool=FakeReplicas(2), order="sorted",
-                                   batch_size=2)
+    result = run_table_on_replicas(df, "Kids?", ["title", "year"], pool=FakeReplicas(2), order="sorted", batch_size=2)
     assert result.answers.index.tolist() == [10, 11, 12, 13, 14]
     assert result.answers.tolist() == [p.upper() for p in expected()]
     assert result.figures.requests == 5

@@ -47,8 +47,7 @@ class FakeServer:
 
 
 def backend(server: FakeServer, **kwargs) -> OpenAIServerBackend:
-    return OpenAIServerBackend("http://fake:8000/v1/", transport=httpx.MockTransport(server), backoff_s=0.0,
-                               **kwargs)
+    return OpenAIServerBackend("http://fake:8000/v1/", transport=httpx.MockTransport(server), backoff_s=0.0, **kwargs)
 
 
 PROMPTS = [f"prompt {i}" for i in range(20)]
@@ -70,8 +69,14 @@ def test_requests_are_greedy_with_the_given_length_for_the_listed_model():
     server = FakeServer()
     backend(server).generate(["a"], max_tokens=7)
     assert server.paths == ["/v1/models", "/v1/completions"]
-    assert server.bodies[0] | {"prompt": None} == {"model": "served-small", "prompt": None, "max_tokens": 7,
-                                                   "temperature": 0.0, "n": 1, "stream": False}
+    assert server.bodies[0] | {"prompt": None} == {
+        "model": "served-small",
+        "prompt": None,
+        "max_tokens": 7,
+        "temperature": 0.0,
+        "n": 1,
+        "stream": False,
+    }
 
 
 def test_a_named_model_is_used_without_asking_the_server():
@@ -125,10 +130,13 @@ def test_it_works_when_called_from_inside_an_event_loop():
     assert [c.text for c in asyncio.run(notebook_cell())] == ["A"]
 
 
-@pytest.mark.parametrize(("url", "kwargs", "message"), [
-    ("localhost:8000", {}, "must start with http"),
-    ("http://h:1", {"concurrency": 0}, "concurrency >= 1"),
-])
+@pytest.mark.parametrize(
+    ("url", "kwargs", "message"),
+    [
+        ("localhost:8000", {}, "must start with http"),
+        ("http://h:1", {"concurrency": 0}, "concurrency >= 1"),
+    ],
+)
 def test_bad_settings_are_config_errors(url, kwargs, message):
     with pytest.raises(ConfigError, match=message):
         OpenAIServerBackend(url, **kwargs)

@@ -39,21 +39,27 @@ def con() -> duckdb.DuckDBPyConnection:
 
 
 def test_each_row_gets_the_answer_to_its_own_values_with_fields_named_by_the_sql(con):
-    frame = llm_sql(con, "SELECT id, llm('Kids?', m.title, genre) AS answer FROM movies m ORDER BY id",
-                    backend=EchoBackend(), order="original")
-    assert frame["answer"].tolist() == [prompt("Kids?", title="Heat", genre="crime"),
-                                        prompt("Kids?", title="Up", genre="family"),
-                                        prompt("Kids?", title="Heat", genre="crime"),
-                                        prompt("Kids?", title="Alien", genre="")]
+    frame = llm_sql(
+        con,
+        "SELECT id, llm('Kids?', m.title, genre) AS answer FROM movies m ORDER BY id",
+        backend=EchoBackend(),
+        order="original",
+    )
+    assert frame["answer"].tolist() == [
+        prompt("Kids?", title="Heat", genre="crime"),
+        prompt("Kids?", title="Up", genre="family"),
+        prompt("Kids?", title="Heat", genre="crime"),
+        prompt("Kids?", title="Alien", genre=""),
+    ]
 
 
 def test_a_5000_row_query_is_one_backend_call_that_asks_each_distinct_row_once():
     con = duckdb.connect()
-    con.execute("CREATE TABLE reviews AS SELECT i AS id, 'film ' || (i % 1234) AS title, (i % 2) AS half "
-                "FROM range(5000) t(i)")
+    con.execute(
+        "CREATE TABLE reviews AS SELECT i AS id, 'film ' || (i % 1234) AS title, (i % 2) AS half FROM range(5000) t(i)"
+    )
     backend = EchoBackend()
-    result = run_query(con, "SELECT id, title, llm('Kids?', title) AS answer FROM reviews ORDER BY id",
-                       backend=backend)
+    result = run_query(con, "SELECT id, title, llm('Kids?', title) AS answer FROM reviews ORDER BY id", backend=backend)
     assert len(backend.calls) == 1
     assert sorted(backend.calls[0]) == sorted(prompt("Kids?", title=f"film {k}") for k in range(1234))
     assert len(result.frame) == 5000
@@ -74,17 +80,21 @@ def test_expressions_are_named_by_their_position_and_shared_column_names_are_qua
 
 def test_two_instructions_in_one_query_share_one_backend_call(con):
     backend = EchoBackend()
-    frame = llm_sql(con, "SELECT llm('Kids?', title) AS a, llm('Violent?', genre) AS b FROM movies WHERE id = 2",
-                    backend=backend)
+    frame = llm_sql(
+        con, "SELECT llm('Kids?', title) AS a, llm('Violent?', genre) AS b FROM movies WHERE id = 2", backend=backend
+    )
     assert len(backend.calls) == 1
     assert frame.iloc[0].tolist() == [prompt("Kids?", title="Up"), prompt("Violent?", genre="family")]
 
 
 def test_a_filter_on_an_answer_runs_the_query_again_until_every_answer_is_known(con):
     backend = EchoBackend()
-    result = run_query(con, f"""SELECT id, llm('Summary?', title) AS summary FROM movies
+    result = run_query(
+        con,
+        f"""SELECT id, llm('Summary?', title) AS summary FROM movies
                                 WHERE llm('Kids?', genre) = '{prompt("Kids?", genre="crime")}' ORDER BY id""",
-                       backend=backend)
+        backend=backend,
+    )
     assert result.frame["id"].tolist() == [1, 3]
     assert result.frame["summary"].tolist() == [prompt("Summary?", title="Heat")] * 2
     assert [len(call) for call in backend.calls] == [3, 1]  # the filter's three genres, then the one title
@@ -92,8 +102,9 @@ def test_a_filter_on_an_answer_runs_the_query_again_until_every_answer_is_known(
 
 
 def test_an_llm_call_can_take_another_ones_answer(con):
-    frame = llm_sql(con, "SELECT llm('Again?', llm('Kids?', title)) AS a FROM movies WHERE id = 2",
-                    backend=EchoBackend())
+    frame = llm_sql(
+        con, "SELECT llm('Again?', llm('Kids?', title)) AS a FROM movies WHERE id = 2", backend=EchoBackend()
+    )
     assert frame["a"].tolist() == [prompt("Again?", arg1=prompt("Kids?", title="Up"))]
 
 
@@ -108,15 +119,18 @@ def test_a_non_deterministic_query_is_refused(con):
         llm_sql(con, "SELECT llm('Kids?', random()) FROM range(3)", backend=EchoBackend())
 
 
-@pytest.mark.parametrize(("query", "message"), [
-    ("SELECT llm('Kids?', title) FROM films", "Table with name films does not exist"),
-    ("SELECT llm('Kids?', rating) FROM movies", "rating"),
-    ("SELEC llm('Kids?', title) FROM movies", "does not parse: syntax error"),
-    ("SELECT 1; SELECT llm('Kids?', title) FROM movies", "single SELECT statement; the query has 2"),
-    ("CREATE TABLE x AS SELECT llm('Kids?', title) FROM movies", "single SELECT statement"),
-    ("SELECT llm('Kids?') FROM movies", "needs an instruction and at least one value"),
-    ("SELECT llm('Kids?', title, title) FROM movies", "passes 'title' more than once"),
-])
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("SELECT llm('Kids?', title) FROM films", "Table with name films does not exist"),
+        ("SELECT llm('Kids?', rating) FROM movies", "rating"),
+        ("SELEC llm('Kids?', title) FROM movies", "does not parse: syntax error"),
+        ("SELECT 1; SELECT llm('Kids?', title) FROM movies", "single SELECT statement; the query has 2"),
+        ("CREATE TABLE x AS SELECT llm('Kids?', title) FROM movies", "single SELECT statement"),
+        ("SELECT llm('Kids?') FROM movies", "needs an instruction and at least one value"),
+        ("SELECT llm('Kids?', title, title) FROM movies", "passes 'title' more than once"),
+    ],
+)
 def test_bad_queries_are_table_errors_that_name_the_problem(con, query, message):
     with pytest.raises(TableError, match=message):
         llm_sql(con, query, backend=EchoBackend())

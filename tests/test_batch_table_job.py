@@ -42,11 +42,14 @@ def fields_of(prompt: str) -> dict[str, str]:
 
 def movies() -> pd.DataFrame:
     """Reviews of three films, the film fields repeated per review; duplicate and non-default index labels."""
-    return pd.DataFrame({
-        "title": ["Heat", "Up", "Heat", "Up", "Alien", "Heat"],
-        "genre": ["crime", "family", "crime", "family", None, "crime"],
-        "review": ["tense", "sweet", "long", "sweet", "scary", "tense"],
-    }, index=["r1", "r2", "r1", "r9", "r5", "r0"])
+    return pd.DataFrame(
+        {
+            "title": ["Heat", "Up", "Heat", "Up", "Alien", "Heat"],
+            "genre": ["crime", "family", "crime", "family", None, "crime"],
+            "review": ["tense", "sweet", "long", "sweet", "scary", "tense"],
+        },
+        index=["r1", "r2", "r1", "r9", "r5", "r0"],
+    )
 
 
 @pytest.mark.parametrize("order", METHODS)
@@ -66,8 +69,10 @@ def test_answers_map_back_to_their_rows_for_random_tables(data):
     n_rows = data.draw(st.integers(0, 30))
     n_cols = data.draw(st.integers(1, 4))
     cell = st.sampled_from(["a", "b", "c", None])
-    df = pd.DataFrame({f"f{j}": data.draw(st.lists(cell, min_size=n_rows, max_size=n_rows)) for j in range(n_cols)},
-                      index=data.draw(st.lists(st.integers(0, 3), min_size=n_rows, max_size=n_rows)))
+    df = pd.DataFrame(
+        {f"f{j}": data.draw(st.lists(cell, min_size=n_rows, max_size=n_rows)) for j in range(n_cols)},
+        index=data.draw(st.lists(st.integers(0, 3), min_size=n_rows, max_size=n_rows)),
+    )
     order = data.draw(st.sampled_from(["original", "sorted", "stats", "ggr"]))
     answers = llm_map(df, INSTRUCTION, backend=EchoBackend(), order=order)
     assert list(answers.index) == list(df.index)
@@ -130,16 +135,20 @@ def test_max_tokens_reaches_the_backend_and_must_be_positive():
 
 
 def test_json_format_writes_each_row_as_one_object():
-    answers = llm_map(movies().iloc[:1], INSTRUCTION, ["title", "genre"], backend=EchoBackend(), fmt="json",
-                      order="original")
+    answers = llm_map(
+        movies().iloc[:1], INSTRUCTION, ["title", "genre"], backend=EchoBackend(), fmt="json", order="original"
+    )
     assert answers.iloc[0] == f'{INSTRUCTION}\n\n{{"title": "Heat", "genre": "crime"}}\n'
 
 
-@pytest.mark.parametrize(("kwargs", "error", "message"), [
-    ({"fields": ["title", "rating"]}, TableError, "unknown field 'rating'"),
-    ({"fields": ["title"], "order": "random"}, ConfigError, "unknown reordering method 'random'"),
-    ({"fields": ["title"], "fmt": "yaml"}, ConfigError, "prompt format 'yaml'"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"fields": ["title", "rating"]}, TableError, "unknown field 'rating'"),
+        ({"fields": ["title"], "order": "random"}, ConfigError, "unknown reordering method 'random'"),
+        ({"fields": ["title"], "fmt": "yaml"}, ConfigError, "prompt format 'yaml'"),
+    ],
+)
 def test_bad_arguments_fail_before_anything_is_sent(kwargs, error, message):
     backend = EchoBackend()
     with pytest.raises(error, match=message):
@@ -170,9 +179,15 @@ def test_with_the_engines_cache_model_the_plan_shares_at_least_as_many_blocks_as
         return [[vocab.setdefault(w, len(vocab)) for w in t.replace("\n", " \n ").split(" ") if w] for t in texts]
 
     rng = np.random.default_rng(3)
-    df = pd.DataFrame({
-        "a": rng.choice(["x", "y", "z"], 300), "b": rng.choice(["p", "q"], 300), "c": rng.choice(["u", "v"], 300),
-        "long_field_name_number": rng.integers(0, 40, 300).astype(str), "d": rng.choice(["k", "l"], 300)})
+    df = pd.DataFrame(
+        {
+            "a": rng.choice(["x", "y", "z"], 300),
+            "b": rng.choice(["p", "q"], 300),
+            "c": rng.choice(["u", "v"], 300),
+            "long_field_name_number": rng.integers(0, 40, 300).astype(str),
+            "d": rng.choice(["k", "l"], 300),
+        }
+    )
     plan = plan_table(df, "Q", order="ggr", cache_model=PrefixCacheModel(tokenize, block_size=4))
     planned = block_hit_stats(tokenize(plan.prompts), 4).hit_rate
     table = prepare_table(df, None)

@@ -12,9 +12,19 @@ from harness import ArmFigures, agreement, format_table, report  # noqa: E402
 
 
 def _fig(arm, cached, wall):
-    return ArmFigures(arm=arm, requests=10, prompt_tokens=1000, cached_tokens=cached, engine_cache_hits=cached,
-                      computed_prompt_tokens=1000 - cached, wall_s=wall, prepare_s=0.01, ttft_median_s=0.2,
-                      ttft_p90_s=0.3, same_answers=1.0)
+    return ArmFigures(
+        arm=arm,
+        requests=10,
+        prompt_tokens=1000,
+        cached_tokens=cached,
+        engine_cache_hits=cached,
+        computed_prompt_tokens=1000 - cached,
+        wall_s=wall,
+        prepare_s=0.01,
+        ttft_median_s=0.2,
+        ttft_p90_s=0.3,
+        same_answers=1.0,
+    )
 
 
 def test_table_shows_hit_rate_and_ratios_against_the_first_arm():

@@ -27,13 +27,16 @@ def test_boolean_variables_accept_the_usual_spellings():
         ReorderConfig.load({}, environ={"KVREUSE_REORDER_DISCOVER_FDS": "maybe"})
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    ({"max_skips": -1}, r"reorder\.max_skips .*outside the accepted range \[0, 1000000\]"),
-    ({"lookahead": 0}, r"reorder\.lookahead .*outside the accepted range \[1, 1000000\]"),
-    ({"max_wait_s": "soon"}, r"reorder\.max_wait_s .*'soon' is not a valid float"),
-    ({"max_wait_s": float("nan")}, r"reorder\.max_wait_s"),
-    ({"max_skip": 3}, r"unknown reorder setting\(s\) max_skip"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"max_skips": -1}, r"reorder\.max_skips .*outside the accepted range \[0, 1000000\]"),
+        ({"lookahead": 0}, r"reorder\.lookahead .*outside the accepted range \[1, 1000000\]"),
+        ({"max_wait_s": "soon"}, r"reorder\.max_wait_s .*'soon' is not a valid float"),
+        ({"max_wait_s": float("nan")}, r"reorder\.max_wait_s"),
+        ({"max_skip": 3}, r"unknown reorder setting\(s\) max_skip"),
+    ],
+)
 def test_bad_values_name_the_setting_and_the_accepted_range(flags, message):
     with pytest.raises(ConfigError, match=message):
         ReorderConfig.load(flags, environ={})

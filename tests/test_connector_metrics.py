@@ -20,8 +20,12 @@ from kvreuse.vllm.sparse_metrics import PREFIX, SPARSE_COUNTERS, summarise
 
 def _step(blocks_read: int, blocks_total: int, tokens: int = 10, context: int = 40) -> DIPRCounters:
     """Counters of one decode of one sequence, 1 KV head, 2 query heads."""
-    return DIPRCounters(blocks_read=torch.tensor([[blocks_read]]), blocks_total=torch.tensor([blocks_total]),
-                        tokens_attended=torch.tensor([[tokens, tokens]]), tokens_total=torch.tensor([context]))
+    return DIPRCounters(
+        blocks_read=torch.tensor([[blocks_read]]),
+        blocks_total=torch.tensor([blocks_total]),
+        tokens_attended=torch.tensor([[tokens, tokens]]),
+        tokens_total=torch.tensor([context]),
+    )
 
 
 def test_module_stats_flatten_the_counters_and_sum_across_steps_and_workers():
@@ -40,8 +44,10 @@ def test_module_stats_flatten_the_counters_and_sum_across_steps_and_workers():
 
 def test_each_sparse_figure_has_one_prometheus_counter_per_layer():
     assert set(SPARSE_COUNTERS) == {PREFIX + name for name in FIGURES}
-    assert all(label == "layer" and prom.startswith("kvreuse:sparse_") and prom.endswith("_total")
-               for prom, _, label in SPARSE_COUNTERS.values())
+    assert all(
+        label == "layer" and prom.startswith("kvreuse:sparse_") and prom.endswith("_total")
+        for prom, _, label in SPARSE_COUNTERS.values()
+    )
 
 
 def test_increments_are_what_grew_since_the_last_call_and_restart_with_new_figures():
@@ -50,14 +56,26 @@ def test_increments_are_what_grew_since_the_last_call_and_restart_with_new_figur
     figures.add(3, _step(2, 8))
     figures.add(3, _step(1, 8))
     figures.add_recovery(3, torch.tensor([0.5, 1.0]))
-    assert increments.take(figures) == {("blocks_read", 3): 3, ("blocks_total", 3): 16, ("tokens_attended", 3): 40,
-                                        ("tokens_total", 3): 160, ("recovery_kept", 3): 1.5,
-                                        ("recovery_samples", 3): 2}
+    assert increments.take(figures) == {
+        ("blocks_read", 3): 3,
+        ("blocks_total", 3): 16,
+        ("tokens_attended", 3): 40,
+        ("tokens_total", 3): 160,
+        ("recovery_kept", 3): 1.5,
+        ("recovery_samples", 3): 2,
+    }
     figures.add(3, _step(4, 8))
     figures.add(0, _step(1, 1))
-    assert increments.take(figures) == {("blocks_read", 3): 4, ("blocks_total", 3): 8, ("tokens_attended", 3): 20,
-                                        ("tokens_total", 3): 80, ("blocks_read", 0): 1, ("blocks_total", 0): 1,
-                                        ("tokens_attended", 0): 20, ("tokens_total", 0): 80}
+    assert increments.take(figures) == {
+        ("blocks_read", 3): 4,
+        ("blocks_total", 3): 8,
+        ("tokens_attended", 3): 20,
+        ("tokens_total", 3): 80,
+        ("blocks_read", 0): 1,
+        ("blocks_total", 0): 1,
+        ("tokens_attended", 0): 20,
+        ("tokens_total", 0): 80,
+    }
     assert increments.take(figures) == {}
     fresh = AttendedFractions()  # the figures were reset: counting starts again from zero
     fresh.add(3, _step(1, 2))
@@ -70,11 +88,19 @@ def test_dense_decodes_count_as_reading_everything_next_to_the_device_sums_that_
     figures, increments = AttendedFractions(), FigureIncrements()
     figures.add(2, _step(1, 4))
     figures.add_dense(2, blocks=6, tokens=90)
-    assert increments.take(figures) == {("blocks_read", 2): 6, ("blocks_total", 2): 6, ("tokens_attended", 2): 90,
-                                        ("tokens_total", 2): 90}
+    assert increments.take(figures) == {
+        ("blocks_read", 2): 6,
+        ("blocks_total", 2): 6,
+        ("tokens_attended", 2): 90,
+        ("tokens_total", 2): 90,
+    }
     landed["now"] = True
-    assert increments.take(figures) == {("blocks_read", 2): 1, ("blocks_total", 2): 4, ("tokens_attended", 2): 20,
-                                        ("tokens_total", 2): 80}
+    assert increments.take(figures) == {
+        ("blocks_read", 2): 1,
+        ("blocks_total", 2): 4,
+        ("tokens_attended", 2): 20,
+        ("tokens_total", 2): 80,
+    }
     assert figures.rows()[0]["block_fraction"] == pytest.approx(7 / 10)
 
 
@@ -94,10 +120,23 @@ def test_increments_wait_for_copies_still_in_flight_and_lose_nothing(monkeypatch
 
 
 def test_stats_sum_sparse_figures_over_workers_and_log_them_as_fractions_over_layers():
-    one = KVReuseStats(data={f"{PREFIX}blocks_read:0": 2, f"{PREFIX}blocks_total:0": 10,
-                             f"{PREFIX}blocks_read:1": 3, f"{PREFIX}blocks_total:1": 10, "tokens_loaded": 4})
-    two = KVReuseStats(data={f"{PREFIX}blocks_read:0": 5, f"{PREFIX}blocks_total:0": 20,
-                             f"{PREFIX}recovery_kept:1": 1.8, f"{PREFIX}recovery_samples:1": 2})
+    one = KVReuseStats(
+        data={
+            f"{PREFIX}blocks_read:0": 2,
+            f"{PREFIX}blocks_total:0": 10,
+            f"{PREFIX}blocks_read:1": 3,
+            f"{PREFIX}blocks_total:1": 10,
+            "tokens_loaded": 4,
+        }
+    )
+    two = KVReuseStats(
+        data={
+            f"{PREFIX}blocks_read:0": 5,
+            f"{PREFIX}blocks_total:0": 20,
+            f"{PREFIX}recovery_kept:1": 1.8,
+            f"{PREFIX}recovery_samples:1": 2,
+        }
+    )
     both = one.aggregate(two)
     assert both.data[f"{PREFIX}blocks_read:0"] == 7
     assert both.reduce() == {"tokens_loaded": 4, "sparse_block_fraction": 0.25, "sparse_recovery": 0.9}
@@ -111,8 +150,17 @@ def test_prometheus_counters_take_the_stats_with_their_labels():
     registry = CollectorRegistry()
     types = {kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
     metrics = KVReusePromMetrics(VllmConfig(), types, ["engine"], {0: ["0"]})
-    metrics.observe({"tokens_loaded": 64, "bytes_moved:cpu->gpu": 4096, "hits:gpu": 2, "unknown": 1,
-                     f"{PREFIX}blocks_read:1": 3, f"{PREFIX}recovery_kept:1": 0.75}, 0)
+    metrics.observe(
+        {
+            "tokens_loaded": 64,
+            "bytes_moved:cpu->gpu": 4096,
+            "hits:gpu": 2,
+            "unknown": 1,
+            f"{PREFIX}blocks_read:1": 3,
+            f"{PREFIX}recovery_kept:1": 0.75,
+        },
+        0,
+    )
     metrics.observe({"tokens_loaded": 36, f"{PREFIX}blocks_read:1": 2}, 0)
     get = registry.get_sample_value
     assert get("kvreuse:module_tokens_loaded_total", {"engine": "0"}) == 100

@@ -53,6 +53,7 @@ def test_the_special_prefix_is_what_the_tokenizer_puts_before_every_text(local_t
     assert special_prefix(plain) == []
     bos = local_tokenizer.token_to_id("<|begin_of_text|>")
     with_bos = local_tokenizer.__class__.from_str(local_tokenizer.to_str())
-    with_bos.post_processor = TemplateProcessing(single="<|begin_of_text|> $A",
-                                                 special_tokens=[("<|begin_of_text|>", bos)])
+    with_bos.post_processor = TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+    )
     assert special_prefix(PreTrainedTokenizerFast(tokenizer_object=with_bos)) == [bos]

@@ -9,8 +9,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvreuse.errors import KVReuseError
-from kvreuse.modules.pml import (Import, Module, ModuleUnion, Param, PMLError, Prompt, Role, Schema, Text, parse,
-                                 parse_prompt, parse_schema, render)
+from kvreuse.modules.pml import (
+    Import,
+    Module,
+    ModuleUnion,
+    Param,
+    PMLError,
+    Prompt,
+    Role,
+    Schema,
+    Text,
+    parse,
+    parse_prompt,
+    parse_schema,
+    render,
+)
 
 TRAVEL = """<schema name="travel">
   <system>You are a travel agent.</system>
@@ -36,29 +49,41 @@ def test_schema_parses_into_modules_unions_params_and_roles():
 
 
 def test_prompt_imports_modules_with_arguments_among_free_text():
-    prompt = parse_prompt('<prompt schema="travel"><doc-a/> and <paris><louvre/></paris>'
-                          '<trip-plan duration="3 days"/> Where?</prompt>')
-    assert prompt == Prompt("travel", (Import("doc-a"), Text(" and "), Import("paris", (), (Import("louvre"),)),
-                                       Import("trip-plan", (("duration", "3 days"),)), Text(" Where?")))
+    prompt = parse_prompt(
+        '<prompt schema="travel"><doc-a/> and <paris><louvre/></paris><trip-plan duration="3 days"/> Where?</prompt>'
+    )
+    assert prompt == Prompt(
+        "travel",
+        (
+            Import("doc-a"),
+            Text(" and "),
+            Import("paris", (), (Import("louvre"),)),
+            Import("trip-plan", (("duration", "3 days"),)),
+            Text(" Where?"),
+        ),
+    )
 
 
-@pytest.mark.parametrize(("text", "where", "problem"), [
-    ('<schema name="x">\n  <module name="a">text', (2, 3), "unclosed tag <module>"),
-    ('<schema name=x></schema>', (1, 14), "must be in quotes"),
-    ('<schema name="x"><module name="a"/>\n<module name="a"/></schema>', (2, 1), "duplicate module name 'a'"),
-    ('<schema name="x"><module name="a"><param name="p" len="0"/></module></schema>', (1, 35), "positive integer"),
-    ('<schema name="x"><param name="p" len="3"/></schema>', (1, 18), "outside a module"),
-    ('<schema name="x"><union>text</union></schema>', (1, 25), "only <module> members"),
-    ('<schema name="x"><table/></schema>', (1, 18), "unknown tag <table>"),
-    ('<schema name="x"><module name="a"></schema>', (1, 35), "</schema> closes <module>"),
-    ('<schema name="x">a < b</schema>', (1, 20), "'<' must start a tag name"),
-    ('<schema name="x">fish & chips</schema>', (1, 23), "'&' must start an entity"),
-    ('<schema name="x" name="y"></schema>', (1, 18), "given twice"),
-    ('<schema>\n</schema>', (1, 1), 'needs the attribute name="..."'),
-    ('<prompt schema="x"><module name="a"/></prompt>', (1, 20), "cannot appear in a prompt"),
-    ('<schema name="x"></schema><schema name="y"></schema>', (1, 27), "a second root element"),
-    ('', (1, 1), "empty document"),
-])
+@pytest.mark.parametrize(
+    ("text", "where", "problem"),
+    [
+        ('<schema name="x">\n  <module name="a">text', (2, 3), "unclosed tag <module>"),
+        ("<schema name=x></schema>", (1, 14), "must be in quotes"),
+        ('<schema name="x"><module name="a"/>\n<module name="a"/></schema>', (2, 1), "duplicate module name 'a'"),
+        ('<schema name="x"><module name="a"><param name="p" len="0"/></module></schema>', (1, 35), "positive integer"),
+        ('<schema name="x"><param name="p" len="3"/></schema>', (1, 18), "outside a module"),
+        ('<schema name="x"><union>text</union></schema>', (1, 25), "only <module> members"),
+        ('<schema name="x"><table/></schema>', (1, 18), "unknown tag <table>"),
+        ('<schema name="x"><module name="a"></schema>', (1, 35), "</schema> closes <module>"),
+        ('<schema name="x">a < b</schema>', (1, 20), "'<' must start a tag name"),
+        ('<schema name="x">fish & chips</schema>', (1, 23), "'&' must start an entity"),
+        ('<schema name="x" name="y"></schema>', (1, 18), "given twice"),
+        ("<schema>\n</schema>", (1, 1), 'needs the attribute name="..."'),
+        ('<prompt schema="x"><module name="a"/></prompt>', (1, 20), "cannot appear in a prompt"),
+        ('<schema name="x"></schema><schema name="y"></schema>', (1, 27), "a second root element"),
+        ("", (1, 1), "empty document"),
+    ],
+)
 def test_errors_give_line_column_and_the_problem(text, where, problem):
     with pytest.raises(PMLError) as info:
         parse(text)
@@ -89,12 +114,18 @@ def _schema_nodes(depth, in_module, in_role):
         leaves.append(st.builds(Param, st.just("p"), st.integers(1, 99)))
     if depth == 0:
         return st.one_of(*leaves)
-    module = st.builds(lambda kids: Module("m", _merge(kids)),
-                       st.lists(_schema_nodes(depth - 1, True, in_role), max_size=4))
+    module = st.builds(
+        lambda kids: Module("m", _merge(kids)), st.lists(_schema_nodes(depth - 1, True, in_role), max_size=4)
+    )
     options = leaves + [module, st.lists(module, min_size=1, max_size=3).map(lambda ms: ModuleUnion(tuple(ms)))]
     if not in_role:
-        options.append(st.builds(lambda role, kids: Role(role, _merge(kids)), st.sampled_from(["system", "user"]),
-                                 st.lists(_schema_nodes(depth - 1, in_module, True), max_size=3)))
+        options.append(
+            st.builds(
+                lambda role, kids: Role(role, _merge(kids)),
+                st.sampled_from(["system", "user"]),
+                st.lists(_schema_nodes(depth - 1, in_module, True), max_size=3),
+            )
+        )
     return st.one_of(*options)
 
 
@@ -106,8 +137,11 @@ def _name_uniquely(nodes, counter):
         if isinstance(node, Module):
             out.append(Module(f"m{next(counter)}", _name_uniquely(node.children, counter)))
         elif isinstance(node, ModuleUnion):
-            out.append(ModuleUnion(tuple(Module(f"m{next(counter)}", _name_uniquely(m.children, counter))
-                                         for m in node.members)))
+            out.append(
+                ModuleUnion(
+                    tuple(Module(f"m{next(counter)}", _name_uniquely(m.children, counter)) for m in node.members)
+                )
+            )
         elif isinstance(node, Role):
             out.append(Role(node.role, _name_uniquely(node.children, counter)))
         elif isinstance(node, Param):
@@ -118,14 +152,20 @@ def _name_uniquely(nodes, counter):
 
 
 schemas = st.lists(_schema_nodes(3, False, False), max_size=5).map(
-    lambda kids: Schema("s", _name_uniquely(_merge(kids), itertools.count())))
+    lambda kids: Schema("s", _name_uniquely(_merge(kids), itertools.count()))
+)
 
 _imports = st.recursive(
-    st.builds(Import, st.sampled_from(["doc-a", "trip_plan", "x.y"]),
-              st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.text(max_size=8)), max_size=3,
-                       unique_by=lambda kv: kv[0]).map(tuple)),
+    st.builds(
+        Import,
+        st.sampled_from(["doc-a", "trip_plan", "x.y"]),
+        st.lists(
+            st.tuples(st.sampled_from(["a", "b", "c"]), st.text(max_size=8)), max_size=3, unique_by=lambda kv: kv[0]
+        ).map(tuple),
+    ),
     lambda inner: st.builds(Import, st.just("parent"), st.just(()), st.lists(inner, min_size=1, max_size=2).map(tuple)),
-    max_leaves=4)
+    max_leaves=4,
+)
 prompts = st.lists(st.one_of(_texts.map(Text), _imports), max_size=6).map(lambda kids: Prompt("s", _merge(kids)))
 
 
@@ -141,9 +181,12 @@ def test_random_prompts_round_trip(prompt):
     assert parse(render(prompt)) == prompt
 
 
-_garbage = st.lists(st.sampled_from(list('<>/="\' &;!\nabmpx') + ["schema", "module", "union", "param", "prompt",
-                                                                   "name", "len", "&amp;", "system"]),
-                    max_size=40).map("".join)
+_garbage = st.lists(
+    st.sampled_from(
+        list("<>/=\"' &;!\nabmpx") + ["schema", "module", "union", "param", "prompt", "name", "len", "&amp;", "system"]
+    ),
+    max_size=40,
+).map("".join)
 
 
 def _parse_or_pml_error(text):

@@ -9,9 +9,18 @@ import pytest
 from kvreuse.localmodel import DATASETS
 from kvreuse.modules.layout import layout_schema, resolve_prompt
 from kvreuse.modules.pml import parse_prompt, parse_schema
-from kvreuse.modules.schemas import (ForeignKey, Table, UnknownTable, duckdb_schema, schema_from_tables,
-                                     spider_schema, spider_schemas, sqlite_schema, text_to_sql_pml,
-                                     text_to_sql_prompt)
+from kvreuse.modules.schemas import (
+    ForeignKey,
+    Table,
+    UnknownTable,
+    duckdb_schema,
+    schema_from_tables,
+    spider_schema,
+    spider_schemas,
+    sqlite_schema,
+    text_to_sql_pml,
+    text_to_sql_prompt,
+)
 from kvreuse.modules.trie import ModuleTrie
 
 SPIDER = DATASETS / "spider" / "tables.json"
@@ -24,7 +33,8 @@ def test_spider_tables_render_as_ddl_with_keys():
     assert farm.table("competition_record").ddl() == (
         "CREATE TABLE competition_record (Competition_ID number, Farm_ID number, Rank number, "
         "PRIMARY KEY (Competition_ID), FOREIGN KEY (Farm_ID) REFERENCES farm(Farm_ID), "
-        "FOREIGN KEY (Competition_ID) REFERENCES farm_competition(Competition_ID))\n")
+        "FOREIGN KEY (Competition_ID) REFERENCES farm_competition(Competition_ID))\n"
+    )
 
 
 @needs_spider
@@ -44,6 +54,7 @@ def test_every_spider_table_comes_after_the_tables_it_references():
 def test_a_foreign_key_cycle_is_broken_at_the_first_table_in_catalog_order():
     def t(name, *refs):
         return Table(name, (("id", "int"),), ("id",), tuple(ForeignKey(("id",), r, ("id",)) for r in refs))
+
     schema = schema_from_tables("loop", [t("c", "a"), t("a", "b"), t("b", "a", "b"), t("d")])
     # c waits for a, a for b, b for a (a cycle; b's self-reference is ignored): nothing is ready but d.
     # Then the cycle is broken at c, first in catalog order; a and b still wait for each other: a is placed.
@@ -67,9 +78,11 @@ CREATE TABLE singer_in_concert (concert_id INTEGER, year INTEGER, singer_id INTE
     FOREIGN KEY (concert_id, year) REFERENCES concert (concert_id, year),
     FOREIGN KEY (singer_id) REFERENCES singer (singer_id));
 """
-WANT = ("CREATE TABLE singer_in_concert (concert_id INTEGER, year INTEGER, singer_id INTEGER, "
-        "FOREIGN KEY (concert_id, year) REFERENCES concert(concert_id, year), "
-        "FOREIGN KEY (singer_id) REFERENCES singer(singer_id))\n")
+WANT = (
+    "CREATE TABLE singer_in_concert (concert_id INTEGER, year INTEGER, singer_id INTEGER, "
+    "FOREIGN KEY (concert_id, year) REFERENCES concert(concert_id, year), "
+    "FOREIGN KEY (singer_id) REFERENCES singer(singer_id))\n"
+)
 
 
 def test_sqlite_catalog_gives_columns_and_keys():
@@ -78,8 +91,9 @@ def test_sqlite_catalog_gives_columns_and_keys():
     schema = sqlite_schema(con, "concerts")
     assert schema.table("concert").primary_key == ("concert_id", "year")
     assert schema.table("singer_in_concert").ddl() == WANT  # foreign keys in declaration order
-    assert schema.table("singer").ddl() == \
-        "CREATE TABLE singer (singer_id INTEGER, name TEXT, PRIMARY KEY (singer_id))\n"
+    assert (
+        schema.table("singer").ddl() == "CREATE TABLE singer (singer_id INTEGER, name TEXT, PRIMARY KEY (singer_id))\n"
+    )
     assert schema.encoding_order()[-1] == "singer_in_concert"
 
 
@@ -89,8 +103,10 @@ def test_duckdb_catalog_gives_columns_and_keys():
     con.execute(CATALOG)
     schema = duckdb_schema(con, "concerts")
     assert schema.table("singer_in_concert").ddl() == WANT
-    assert schema.table("singer").ddl() == "CREATE TABLE singer (singer_id INTEGER, name VARCHAR, " \
-                                           "PRIMARY KEY (singer_id))\n"
+    assert (
+        schema.table("singer").ddl() == "CREATE TABLE singer (singer_id INTEGER, name VARCHAR, "
+        "PRIMARY KEY (singer_id))\n"
+    )
     assert schema.encoding_order() == ["singer", "concert", "singer_in_concert"]
 
 
@@ -109,8 +125,7 @@ def test_the_pml_request_resolves_to_the_chosen_tables_at_their_schema_positions
     farm = spider_schema(SPIDER, "farm")
     chars = lambda text: [ord(c) for c in text]  # noqa: E731
     layout = layout_schema(parse_schema(farm.pml()), chars)
-    res = resolve_prompt(parse_prompt(text_to_sql_pml(farm, ["competition_record", "city"], "Which?")), layout,
-                         chars)
+    res = resolve_prompt(parse_prompt(text_to_sql_pml(farm, ["competition_record", "city"], "Which?")), layout, chars)
     assert res.modules == ("competition_record", "city")
     assert res.items[1].start == 0 and res.items[0].start == layout.modules["competition_record"].start > 0
     assert res.items[2].text == "Question: Which?\nSQL:" and res.items[2].start == layout.length

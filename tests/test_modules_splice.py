@@ -40,8 +40,10 @@ def test_plans_follow_the_trie_on_prompts_in_any_order():
         pieces = plan_splice(trie.find(prompt), 0, len(prompt) - 1, ALL)
         assert sum(p.length for p in pieces) == 9
         for piece in pieces:
-            assert prompt[piece.prompt_start:piece.prompt_end] == {"x": [1, 2, 3], "y": [4, 5],
-                                                                     "z": [6, 7, 8, 9]}[piece.name]
+            assert (
+                prompt[piece.prompt_start : piece.prompt_end]
+                == {"x": [1, 2, 3], "y": [4, 5], "z": [6, 7, 8, 9]}[piece.name]
+            )
 
 
 def test_token_slots_follow_the_block_table_and_refuse_tokens_past_it():
@@ -54,10 +56,12 @@ def _words(text):
     return [hash(w) % 1000 for w in text.split()]
 
 
-SCHEMA = parse_schema('<schema name="s"><system>be brief </system><module name="doc">a b c '
-                      '<module name="inner">d e </module>f g </module><union><module name="u1">h </module>'
-                      '<module name="u2">i j </module></union><module name="p">k <param name="x" len="3"/>'
-                      'l m </module>tail </schema>')
+SCHEMA = parse_schema(
+    '<schema name="s"><system>be brief </system><module name="doc">a b c '
+    '<module name="inner">d e </module>f g </module><union><module name="u1">h </module>'
+    '<module name="u2">i j </module></union><module name="p">k <param name="x" len="3"/>'
+    "l m </module>tail </schema>"
+)
 
 
 def test_schema_runs_split_modules_at_params_and_nested_modules_and_list_the_scaffold():

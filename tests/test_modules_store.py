@@ -19,24 +19,35 @@ MODEL, TOKENIZER = "local/small", "local/small-bpe"
 TOKEN_BYTES = 32
 
 
-def module(name, tokens=4, *, seed=None, dtype=torch.float32, layers=1, model=MODEL, tokenizer=TOKENIZER,
-           start=0, first_id=None):
+def module(
+    name,
+    tokens=4,
+    *,
+    seed=None,
+    dtype=torch.float32,
+    layers=1,
+    model=MODEL,
+    tokenizer=TOKENIZER,
+    start=0,
+    first_id=None,
+):
     """A module of ``tokens`` tokens (``tokens * 32`` bytes in fp32 with the defaults) with distinct token ids."""
-    generator = torch.Generator().manual_seed(seed if seed is not None else abs(hash(name)) % 2 ** 31)
+    generator = torch.Generator().manual_seed(seed if seed is not None else abs(hash(name)) % 2**31)
     kv = torch.randn(layers, 2, tokens, 1, 4, generator=generator).to(dtype)
     base = first_id if first_id is not None else 1000 * (abs(hash(name)) % 10_000)
     return EncodedModule(name, model, tokenizer, tuple(range(base, base + tokens)), start, kv)
 
 
 def store(gpu=0, cpu=0, disk=0, eviction="lru", **kw):
-    cfg = ModulesConfig(gpu_bytes=gpu, cpu_bytes=cpu, disk_bytes=disk, eviction=eviction, gpu_device="cpu",
-                        pin_cpu_memory=False, **kw)
+    cfg = ModulesConfig(
+        gpu_bytes=gpu, cpu_bytes=cpu, disk_bytes=disk, eviction=eviction, gpu_device="cpu", pin_cpu_memory=False, **kw
+    )
     return ModuleStore(cfg, model_id=MODEL, tokenizer_id=TOKENIZER)
 
 
 def test_config_reads_modules_variables_and_rejects_an_unknown_policy():
     cfg = ModulesConfig.load({"gpu_bytes": 1024}, environ={"KVREUSE_MODULES_EVICTION": "fifo"})
-    assert (cfg.gpu_bytes, cfg.eviction, cfg.cpu_bytes) == (1024, "fifo", 8 * 1024 ** 3)
+    assert (cfg.gpu_bytes, cfg.eviction, cfg.cpu_bytes) == (1024, "fifo", 8 * 1024**3)
     with pytest.raises(ConfigError, match=r"modules\.eviction .*'mru' is not one of lru, lfu, fifo"):
         ModulesConfig.load({"eviction": "mru"}, environ={})
     with pytest.raises(ConfigError, match="all 0"):
@@ -116,8 +127,11 @@ def test_module_larger_than_fast_tiers_goes_to_the_first_tier_that_fits():
 
 def test_module_larger_than_every_tier_is_refused():
     with store(gpu=128, cpu=256) as s:
-        with pytest.raises(ModuleTooLarge, match=r"'huge' holds 320 bytes of KV, more than any tier \(gpu: 128, "
-                                                 r"cpu: 256\)"):
+        with pytest.raises(
+            ModuleTooLarge,
+            match=r"'huge' holds 320 bytes of KV, more than any tier \(gpu: 128, "
+            r"cpu: 256\)",
+        ):
             s.put(module("huge", tokens=10))
         assert len(s) == 0
 
@@ -182,8 +196,11 @@ def test_damaged_file_of_a_module_being_promoted_gives_none_and_leaves_the_tiers
 
 def test_module_of_another_model_or_tokenizer_is_refused():
     with store(gpu=1 << 20) as s:
-        with pytest.raises(ModuleMismatch, match=r"encoded for model 'other/model', but this store serves model "
-                                                 r"'local/small'"):
+        with pytest.raises(
+            ModuleMismatch,
+            match=r"encoded for model 'other/model', but this store serves model "
+            r"'local/small'",
+        ):
             s.put(module("t", model="other/model"))
         with pytest.raises(ModuleMismatch, match="tokenizer 'other-bpe'"):
             s.put(module("t", tokenizer="other-bpe"))
@@ -244,10 +261,13 @@ def test_prefetch_order_cuts_promotions_on_clustered_requests():
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(caps=st.tuples(*[st.integers(0, 6)] * 3).filter(any),
-       ops=st.lists(st.tuples(st.sampled_from(["put", "get", "get", "evict"]), st.integers(0, 7),
-                              st.integers(1, 5)), max_size=30),
-       policy=st.sampled_from(["lru", "lfu", "fifo"]))
+@given(
+    caps=st.tuples(*[st.integers(0, 6)] * 3).filter(any),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["put", "get", "get", "evict"]), st.integers(0, 7), st.integers(1, 5)), max_size=30
+    ),
+    policy=st.sampled_from(["lru", "lfu", "fifo"]),
+)
 def test_capacity_is_never_exceeded(caps, ops, policy):
     # capacities in units of 64 bytes (2 tokens); modules of 1-5 units. After every call: no tier over its
     # capacity, a get returns exactly what was put (or None), one disk file per module on the disk tier.
@@ -281,7 +301,14 @@ def test_every_modules_setting_is_documented():
     from kvreuse.config import describe
 
     rows = describe(ModulesConfig, "modules")
-    assert [key for key, *_ in rows] == ["modules.gpu_bytes", "modules.cpu_bytes", "modules.disk_bytes",
-                                         "modules.disk_dir", "modules.eviction", "modules.pin_cpu_memory",
-                                         "modules.prefetch_depth", "modules.gpu_device"]
+    assert [key for key, *_ in rows] == [
+        "modules.gpu_bytes",
+        "modules.cpu_bytes",
+        "modules.disk_bytes",
+        "modules.disk_dir",
+        "modules.eviction",
+        "modules.pin_cpu_memory",
+        "modules.prefetch_depth",
+        "modules.gpu_device",
+    ]
     assert all(doc for *_, doc in rows)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from kvreuse.modules.trie import ModuleMatch, ModuleRegistrationError, ModuleTrie, module_text
@@ -10,8 +9,12 @@ from kvreuse.modules.trie import ModuleMatch, ModuleRegistrationError, ModuleTri
 
 def test_longest_module_wins_at_a_start_and_matches_never_overlap():
     trie = ModuleTrie([("ab", [1, 2]), ("abc", [1, 2, 3]), ("cd", [3, 4]), ("d", [4])])
-    assert trie.find([9, 1, 2, 3, 4, 1, 2, 9, 4]) == [ModuleMatch("abc", 1, 4), ModuleMatch("d", 4, 5),
-                                                      ModuleMatch("ab", 5, 7), ModuleMatch("d", 8, 9)]
+    assert trie.find([9, 1, 2, 3, 4, 1, 2, 9, 4]) == [
+        ModuleMatch("abc", 1, 4),
+        ModuleMatch("d", 4, 5),
+        ModuleMatch("ab", 5, 7),
+        ModuleMatch("d", 8, 9),
+    ]
 
 
 def test_a_prompt_without_modules_gives_nothing_and_a_partial_module_is_no_match():
@@ -37,9 +40,15 @@ def test_a_long_prompt_among_many_modules_yields_its_one_match():
     assert trie.find(prompt) == [ModuleMatch("m5", 100_000, 100_050)]
 
 
-@pytest.mark.parametrize(("before", "after"), [("", "Question: how many singers?"),
-                                               ("Database concert_singer.\n", "Question: how many?"),
-                                               ("Tables:\n", ""), ("x\n", "CREATE TABLE b (x int)\n")])
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ("", "Question: how many singers?"),
+        ("Database concert_singer.\n", "Question: how many?"),
+        ("Tables:\n", ""),
+        ("x\n", "CREATE TABLE b (x int)\n"),
+    ],
+)
 def test_a_module_has_the_same_tokens_alone_and_inside_a_prompt(before, after, local_tokenizer):
     tok = local_tokenizer
     encode = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
@@ -47,4 +56,4 @@ def test_a_module_has_the_same_tokens_alone_and_inside_a_prompt(before, after, l
     ids = encode(module)
     prompt = encode(before + module + after)
     [match] = ModuleTrie([("singer", ids)]).find(prompt)
-    assert prompt[match.start:match.end] == ids and match.start == len(encode(before))
+    assert prompt[match.start : match.end] == ids and match.start == len(encode(before))

@@ -36,7 +36,7 @@ def batch(shape, dtype, requests=REQUESTS, *, seed=0, poison=False):
     taken = 0
     for i, (_, n) in enumerate(requests):
         blocks = -(-n // block)
-        table[i, :blocks] = order[taken:taken + blocks]
+        table[i, :blocks] = order[taken : taken + blocks]
         taken += blocks
         for pos in range(n):
             used_slots[table[i, pos // block], pos % block] = True
@@ -48,8 +48,15 @@ def batch(shape, dtype, requests=REQUESTS, *, seed=0, poison=False):
     query = torch.randn(int(ends[-1]), q_heads, dim, generator=g)
     seq_lens = torch.tensor([n for _, n in requests], dtype=torch.int32)
     to = lambda t: t.to(DEVICE)  # noqa: E731
-    return (to(query.to(dtype)), to(keys.to(dtype)), to(values.to(dtype)), to(starts), to(ends), to(seq_lens),
-            to(table))
+    return (
+        to(query.to(dtype)),
+        to(keys.to(dtype)),
+        to(values.to(dtype)),
+        to(starts),
+        to(ends),
+        to(seq_lens),
+        to(table),
+    )
 
 
 def run(shape, case, *, requests=None):
@@ -68,8 +75,9 @@ def test_a_mixed_batch_equals_the_reference(shape, dtype):
     case = batch(SHAPES[shape], dtype)
     out, scale = run(SHAPES[shape], case)
     query, keys, values, starts, ends, seq_lens, table = case
-    expected = paged_causal_reference(query, keys, values, starts, ends, seq_lens, table, scale,
-                                      torch.empty_like(query, dtype=torch.float32))
+    expected = paged_causal_reference(
+        query, keys, values, starts, ends, seq_lens, table, scale, torch.empty_like(query, dtype=torch.float32)
+    )
     torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=0)
 
 
@@ -101,8 +109,9 @@ def test_one_new_token_is_decode_attention():
     case = batch(shape, torch.float32, decodes)
     out, scale = run(shape, case)
     query, keys, values, _, _, seq_lens, table = case
-    torch.testing.assert_close(out, dense_decode_reference(query, keys, values, table, seq_lens, scale),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        out, dense_decode_reference(query, keys, values, table, seq_lens, scale), atol=1e-5, rtol=0
+    )
 
 
 def test_the_reference_takes_long_prompts_in_query_chunks_with_the_same_result(monkeypatch):
@@ -110,8 +119,9 @@ def test_the_reference_takes_long_prompts_in_query_chunks_with_the_same_result(m
     query = torch.randn(45, 4, 64)
     whole = causal_attention_reference(query, keys, values, table[0], 45, 0.125)
     monkeypatch.setattr(paged_causal, "REFERENCE_LOGITS", 4 * 45 * 7)  # 7 query rows at a time
-    torch.testing.assert_close(causal_attention_reference(query, keys, values, table[0], 45, 0.125), whole,
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        causal_attention_reference(query, keys, values, table[0], 45, 0.125), whole, atol=1e-6, rtol=0
+    )
 
 
 def test_arguments_are_checked_and_named():

@@ -3,8 +3,8 @@
 Awkward shapes (3 KV heads, head_dim 48, block size 24), keys as a strided view of a fused projection (as vLLM
 passes them) and values contiguous, a key cache that is one half of vLLM's K|V page and a value cache with other
 strides (so no stride is taken for another), padding slots, a slot mapping longer than the tokens, and a cache of
-another dtype than the projection (the kernel rounds on store as the reference does). Every slot the step does not write is NaN before and
-must still be NaN after.
+another dtype than the projection (the kernel rounds on store as the reference does). Every slot the step does not
+write is NaN before and must still be NaN after.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def step(source_dtype, seed=0):
     slots[[3, 17]] = -1
     slots = torch.cat([slots, torch.tensor([5, 6])])  # entries past the tokens are not used
     qkv = torch.randn(29, 4 * KV_HEADS * DIM, generator=g).to(source_dtype)
-    key = qkv[:, 2 * KV_HEADS * DIM:3 * KV_HEADS * DIM].view(29, KV_HEADS, DIM)
-    value = qkv[:, 3 * KV_HEADS * DIM:].reshape(29, KV_HEADS, DIM).contiguous()
+    key = qkv[:, 2 * KV_HEADS * DIM : 3 * KV_HEADS * DIM].view(29, KV_HEADS, DIM)
+    value = qkv[:, 3 * KV_HEADS * DIM :].reshape(29, KV_HEADS, DIM).contiguous()
     return key.to(DEVICE), value.to(DEVICE), slots.to(DEVICE)
 
 
@@ -39,8 +39,15 @@ def nan_caches(dtype):
     return pages[..., :DIM], padded[..., :DIM]
 
 
-@pytest.mark.parametrize("source_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
-                                                      (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)])
+@pytest.mark.parametrize(
+    "source_dtype,cache_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float16),
+    ],
+)
 def test_the_kernel_stores_what_the_reference_stores_and_nothing_else(source_dtype, cache_dtype):
     key, value, slots = step(source_dtype)
     assert key.stride(0) == 4 * KV_HEADS * DIM != value.stride(0)  # a strided view, not a copy
@@ -51,7 +58,9 @@ def test_the_kernel_stores_what_the_reference_stores_and_nothing_else(source_dty
         assert torch.equal(mine.isnan(), ref.isnan())
         assert torch.equal(mine.nan_to_num(), ref.nan_to_num())
     written = ~ours[0].isnan().all(-1).all(-1)  # [blocks, slots] that hold a token
-    assert torch.equal(written, ~ours[1].isnan().all(-1).all(-1)) and int(written.sum()) == 27  # 29 tokens, 2 of them padding; the 2 extra slot entries unused
+    assert (
+        torch.equal(written, ~ours[1].isnan().all(-1).all(-1)) and int(written.sum()) == 27
+    )  # 29 tokens, 2 of them padding; the 2 extra slot entries unused
 
 
 def test_int32_slots_and_an_empty_step():

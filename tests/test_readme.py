@@ -15,8 +15,10 @@ from kvreuse.sparse.config import SparseConfig
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 
-@pytest.mark.parametrize(("config", "plugin"), [(ReorderConfig, "reorder"), (SparseConfig, "sparse"), (ModulesConfig, "modules"),
-                                               (SGLangConfig, "sglang")])
+@pytest.mark.parametrize(
+    ("config", "plugin"),
+    [(ReorderConfig, "reorder"), (SparseConfig, "sparse"), (ModulesConfig, "modules"), (SGLangConfig, "sglang")],
+)
 def test_every_setting_is_in_the_readme_table_with_its_default(config, plugin):
     for key, variable, default, _ in describe(config, plugin):
         shown = str(default).lower() if isinstance(default, bool) else str(default)

@@ -43,10 +43,16 @@ class FakeCache:
         return PrefixProbe(0, req.prefix)
 
 
-def queue(cache: FakeCache, config: ReorderConfig = RELAXED, *, priority: bool = False,
-          now: float = NOW) -> PrefixAffinityQueue[Req]:
-    return PrefixAffinityQueue(config, cache.probe, arrival_time=lambda r: r.arrival,
-                               priority=(lambda r: r.priority) if priority else None, clock=lambda: now)
+def queue(
+    cache: FakeCache, config: ReorderConfig = RELAXED, *, priority: bool = False, now: float = NOW
+) -> PrefixAffinityQueue[Req]:
+    return PrefixAffinityQueue(
+        config,
+        cache.probe,
+        arrival_time=lambda r: r.arrival,
+        priority=(lambda r: r.priority) if priority else None,
+        clock=lambda: now,
+    )
 
 
 def drain(q: PrefixAffinityQueue[Req]) -> list[str]:
@@ -54,6 +60,7 @@ def drain(q: PrefixAffinityQueue[Req]) -> list[str]:
 
 
 # choose(): one decision among requests of equal priority, in arrival order.
+
 
 def test_a_request_with_cached_leading_blocks_goes_before_earlier_uncached_ones():
     assert choose([cand(key="a"), cand(key="b"), cand(cached=3)], RELAXED, NOW) == Choice(2, forced=False)
@@ -95,6 +102,7 @@ def test_max_skips_zero_admits_in_arrival_order():
 
 
 # PrefixAffinityQueue: vLLM's RequestQueue contract around choose().
+
 
 def test_pop_after_peek_returns_the_peeked_request_although_admitting_it_changed_the_cache():
     cache = FakeCache()
@@ -234,8 +242,11 @@ def test_on_a_shuffled_workload_each_shared_prefix_is_computed_once():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(0, 5), st.lists(st.tuples(st.sampled_from("abc"), st.booleans(), st.integers(1, 3)),
-                                   min_size=1, max_size=40), st.randoms(use_true_random=False))
+@given(
+    st.integers(0, 5),
+    st.lists(st.tuples(st.sampled_from("abc"), st.booleans(), st.integers(1, 3)), min_size=1, max_size=40),
+    st.randoms(use_true_random=False),
+)
 def test_no_request_is_passed_over_more_than_max_skips_times(max_skips, arrivals, rng):
     """Requests arrive in waves and leave one or more at a time while a random cache changes under them."""
     cache = FakeCache()
@@ -249,7 +260,7 @@ def test_no_request_is_passed_over_more_than_max_skips_times(max_skips, arrivals
         cache.cached = {prefix: 4} if hot else {}
         for _ in range(min(pops, len(waiting)) if rng.random() < 0.5 else 0):
             popped = q.pop_request()
-            for earlier in waiting[:waiting.index(popped)]:
+            for earlier in waiting[: waiting.index(popped)]:
                 passed_over[earlier] = passed_over.get(earlier, 0) + 1
             waiting.remove(popped)
         q.close_step(lambda _: True)

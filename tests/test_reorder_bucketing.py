@@ -34,14 +34,20 @@ def drain(stream: CountingStream, **kwargs) -> tuple[list[list[str]], int]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(items=st.lists(st.text(alphabet="abc", max_size=6), max_size=80), buffer_size=st.integers(1, 12),
-       min_bucket=st.integers(1, 12), split_fraction=st.floats(0.0, 1.0))
-def test_every_item_is_yielded_once_and_the_buffer_never_exceeds_its_size(items, buffer_size, min_bucket,
-                                                                         split_fraction):
+@given(
+    items=st.lists(st.text(alphabet="abc", max_size=6), max_size=80),
+    buffer_size=st.integers(1, 12),
+    min_bucket=st.integers(1, 12),
+    split_fraction=st.floats(0.0, 1.0),
+)
+def test_every_item_is_yielded_once_and_the_buffer_never_exceeds_its_size(
+    items, buffer_size, min_bucket, split_fraction
+):
     min_bucket = min(min_bucket, buffer_size)
     tagged = [f"{text}#{i}" for i, text in enumerate(items)]
-    buckets, most_held = drain(CountingStream(tagged), buffer_size=buffer_size, min_bucket=min_bucket,
-                               split_fraction=split_fraction)
+    buckets, most_held = drain(
+        CountingStream(tagged), buffer_size=buffer_size, min_bucket=min_bucket, split_fraction=split_fraction
+    )
     assert sorted(item for bucket in buckets for item in bucket) == sorted(tagged)
     assert all(buckets)
     assert most_held <= buffer_size
@@ -81,11 +87,14 @@ def test_mixing_string_and_token_keys_is_an_error():
         list(bucket_stream(["ab", [1, 2]], key=lambda item: item))
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"buffer_size": 0}, "buffer_size must be a positive integer, got 0"),
-    ({"buffer_size": 4, "min_bucket": 5}, r"min_bucket must be an integer in \[1, buffer_size=4\], got 5"),
-    ({"split_fraction": 1.5}, r"split_fraction must be a number in \[0, 1\], got 1.5"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"buffer_size": 0}, "buffer_size must be a positive integer, got 0"),
+        ({"buffer_size": 4, "min_bucket": 5}, r"min_bucket must be an integer in \[1, buffer_size=4\], got 5"),
+        ({"split_fraction": 1.5}, r"split_fraction must be a number in \[0, 1\], got 1.5"),
+    ],
+)
 def test_bad_parameters_are_named(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         list(bucket_stream(["a"], key=lambda item: item, **kwargs))

@@ -16,9 +16,16 @@ def ordering(rows: list[int], fields: list[tuple[int, ...]]) -> Ordering:
     return Ordering(np.array(rows, dtype=np.int64), tuple(fields))
 
 
-TABLE = prepare_table(pd.DataFrame({"country": ["Norway", "Norway", "Norway", "Chile"],
-                                    "city": ["Oslo", "Oslo", "Bergen", "Oslo"],
-                                    "name": ["Ann", "Bob", "Ann", "Ann"]}), None)
+TABLE = prepare_table(
+    pd.DataFrame(
+        {
+            "country": ["Norway", "Norway", "Norway", "Chile"],
+            "city": ["Oslo", "Oslo", "Bergen", "Oslo"],
+            "name": ["Ann", "Bob", "Ann", "Ann"],
+        }
+    ),
+    None,
+)
 
 
 def test_phc_of_a_hand_computed_order():
@@ -55,13 +62,16 @@ def test_phc_rejects_an_ordering_that_is_not_a_permutation():
 
 
 def test_blocks_hit_only_after_the_same_whole_prefix_and_the_last_token_is_recomputed():
-    stats = block_hit_stats([
-        [1, 2, 3, 4, 5],  # cold: 0 hits, caches blocks [1,2] and [1,2|3,4]
-        [1, 2, 3, 4, 6],  # both full blocks cached: 4 hits
-        [1, 2, 3, 4],     # wholly cached, but its last block is recomputed: 2 hits
-        [9, 9, 3, 4],     # block [3,4] after a different prefix is a different block: 0 hits
-        [1, 2, 3],        # one cached block, and a partial block that is never cached: 2 hits
-    ], block_size=2)
+    stats = block_hit_stats(
+        [
+            [1, 2, 3, 4, 5],  # cold: 0 hits, caches blocks [1,2] and [1,2|3,4]
+            [1, 2, 3, 4, 6],  # both full blocks cached: 4 hits
+            [1, 2, 3, 4],  # wholly cached, but its last block is recomputed: 2 hits
+            [9, 9, 3, 4],  # block [3,4] after a different prefix is a different block: 0 hits
+            [1, 2, 3],  # one cached block, and a partial block that is never cached: 2 hits
+        ],
+        block_size=2,
+    )
     assert (stats.prompt_tokens, stats.hit_tokens, stats.computed_tokens) == (21, 8, 13)
     assert stats.hit_rate == pytest.approx(8 / 21)
 
@@ -82,11 +92,14 @@ def test_hits_in_the_empty_replay_are_zero():
     assert block_hit_stats([[]], block_size=16).hit_rate == 0.0
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"block_size": 0}, "block_size must be a positive integer, got 0"),
-    ({"block_size": 2.0}, "block_size must be a positive integer, got 2.0"),
-    ({"block_size": 2, "capacity_blocks": 0}, "capacity_blocks must be a positive integer or None, got 0"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"block_size": 0}, "block_size must be a positive integer, got 0"),
+        ({"block_size": 2.0}, "block_size must be a positive integer, got 2.0"),
+        ({"block_size": 2, "capacity_blocks": 0}, "capacity_blocks must be a positive integer or None, got 0"),
+    ],
+)
 def test_bad_cache_geometry_is_named(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         block_hit_stats([[1, 2]], **kwargs)

@@ -56,12 +56,15 @@ def test_requests_without_modules_are_ordered_too():
     assert rerank_by_module_sets([set(), {4}, set()], n_modules=5).tolist() == [0, 2, 1]
 
 
-@pytest.mark.parametrize(("module_sets", "n_modules", "error", "message"), [
-    ([{0}, {-1}], None, TableError, r"request 1 uses module ids \[-1\]; ids must be in \[0, n_modules=1\)"),
-    ([{0, 3}], 2, TableError, r"request 0 uses module ids \[0, 3\]; ids must be in \[0, n_modules=2\)"),
-    ([{"a"}], None, TableError, "request 0 has module ids .*; ids must be integers"),
-    ([{0}], -1, ConfigError, "n_modules must be a non-negative integer or None, got -1"),
-])
+@pytest.mark.parametrize(
+    ("module_sets", "n_modules", "error", "message"),
+    [
+        ([{0}, {-1}], None, TableError, r"request 1 uses module ids \[-1\]; ids must be in \[0, n_modules=1\)"),
+        ([{0, 3}], 2, TableError, r"request 0 uses module ids \[0, 3\]; ids must be in \[0, n_modules=2\)"),
+        ([{"a"}], None, TableError, "request 0 has module ids .*; ids must be integers"),
+        ([{0}], -1, ConfigError, "n_modules must be a non-negative integer or None, got -1"),
+    ],
+)
 def test_bad_module_ids_are_named(module_sets, n_modules, error, message):
     with pytest.raises(error, match=message):
         rerank_by_module_sets(module_sets, n_modules)

@@ -15,9 +15,21 @@ from hypothesis import strategies as st
 
 import kvreuse.reorder.ggr as ggr
 from kvreuse.errors import ConfigError, TableError
-from kvreuse.reorder import (METHODS, OPHR_MAX_COLS, OPHR_MAX_ROWS, ReorderConfig, column_stats, discover_fds,
-                             fixed_field_order, merge_fds, prefix_hit_count, prepare_table, prompts, solve,
-                             token_hit_measure)
+from kvreuse.reorder import (
+    METHODS,
+    OPHR_MAX_COLS,
+    OPHR_MAX_ROWS,
+    ReorderConfig,
+    column_stats,
+    discover_fds,
+    fixed_field_order,
+    merge_fds,
+    prefix_hit_count,
+    prepare_table,
+    prompts,
+    solve,
+    token_hit_measure,
+)
 from kvreuse.reorder.stats import encode_table
 
 DATASETS = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
@@ -39,9 +51,11 @@ def random_table(rng: np.random.Generator, n_rows: int, n_cols: int) -> pd.DataF
 
 
 cells = st.text(alphabet=st.characters(blacklist_characters="\n", blacklist_categories=("Cs",)), max_size=6)
-small_tables = st.integers(1, 4).flatmap(lambda n_cols: st.lists(
-    st.lists(st.sampled_from(["", "a", "bb", "a b", "é"]) | cells, min_size=n_cols, max_size=n_cols),
-    max_size=9).map(lambda rows: pd.DataFrame(rows, columns=[f"f{c}" for c in range(n_cols)], dtype=object)))
+small_tables = st.integers(1, 4).flatmap(
+    lambda n_cols: st.lists(
+        st.lists(st.sampled_from(["", "a", "bb", "a b", "é"]) | cells, min_size=n_cols, max_size=n_cols), max_size=9
+    ).map(lambda rows: pd.DataFrame(rows, columns=[f"f{c}" for c in range(n_cols)], dtype=object))
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -61,7 +75,7 @@ def test_each_prompt_carries_exactly_its_rows_values_and_the_instruction(table, 
         ordering = solve(prepared, method)
         for row, prompt in zip(ordering.rows.tolist(), prompts(ordering, prepared, instruction)):
             assert prompt.startswith(instruction + "\n\n")
-            lines = prompt[len(instruction) + 2:].split("\n")
+            lines = prompt[len(instruction) + 2 :].split("\n")
             assert lines[-1] == ""
             parsed = dict(line.split(": ", 1) for line in lines[:-1])
             assert parsed == dict(zip(prepared.columns, prepared.iloc[row]))
@@ -75,15 +89,19 @@ def test_an_empty_table_gives_an_empty_ordering_for_every_method():
 
 
 def test_an_unknown_method_lists_the_methods():
-    with pytest.raises(ConfigError, match="unknown reordering method 'greedy'; methods: original, sorted, stats, "
-                                          "ggr, ophr"):
+    with pytest.raises(
+        ConfigError, match="unknown reordering method 'greedy'; methods: original, sorted, stats, ggr, ophr"
+    ):
         solve(pd.DataFrame({"a": ["x"]}), "greedy")
 
 
 def test_ophr_refuses_tables_past_its_limit():
     too_big = pd.DataFrame({"a": ["x"] * (OPHR_MAX_ROWS + 1)})
-    with pytest.raises(TableError, match=f"at most {OPHR_MAX_ROWS} rows x {OPHR_MAX_COLS} fields; this table has "
-                                         f"{OPHR_MAX_ROWS + 1} x 1: use method 'ggr'"):
+    with pytest.raises(
+        TableError,
+        match=f"at most {OPHR_MAX_ROWS} rows x {OPHR_MAX_COLS} fields; this table has "
+        f"{OPHR_MAX_ROWS + 1} x 1: use method 'ggr'",
+    ):
         solve(too_big, "ophr")
 
 
@@ -124,16 +142,20 @@ def test_ggr_is_within_5_percent_of_the_optimum_on_small_tables_with_repeated_va
     assert mean >= 0.95, f"mean GGR/OPHR PHC ratio {mean:.4f} < 0.95 (min {min(ratios):.4f})"
 
 
-NESTED = pd.DataFrame({
-    "country": ["Norway", "Chile", "Norway", "Norway", "Chile", "Norway", "Peru"],
-    "city": ["Oslo", "Lima", "Bergen", "Oslo", "Santiago", "Oslo", "Lima"],
-    "shop": ["north", "north", "east", "west", "north", "west", "south"],
-})
-ZIPS = pd.DataFrame({
-    "zip": ["94720", "10001", "94720", "10001", "94720", "60601"],
-    "city": ["Berkeley", "New York", "Berkeley", "New York", "Berkeley", "Chicago"],
-    "amount": ["5", "5", "10", "250", "5", "10"],
-})
+NESTED = pd.DataFrame(
+    {
+        "country": ["Norway", "Chile", "Norway", "Norway", "Chile", "Norway", "Peru"],
+        "city": ["Oslo", "Lima", "Bergen", "Oslo", "Santiago", "Oslo", "Lima"],
+        "shop": ["north", "north", "east", "west", "north", "west", "south"],
+    }
+)
+ZIPS = pd.DataFrame(
+    {
+        "zip": ["94720", "10001", "94720", "10001", "94720", "60601"],
+        "city": ["Berkeley", "New York", "Berkeley", "New York", "Berkeley", "Chicago"],
+        "amount": ["5", "5", "10", "250", "5", "10"],
+    }
+)
 
 
 @pytest.mark.parametrize("table", [NESTED, ZIPS], ids=["nested", "zip-city"])
@@ -200,14 +222,24 @@ def codes(table: pd.DataFrame) -> np.ndarray:
 
 
 def test_discovery_finds_zip_determines_city_and_not_the_reverse():
-    fds = discover_fds(codes(pd.DataFrame({"zip": ["94720", "94720", "94704", "10001"],
-                                           "city": ["Berkeley", "Berkeley", "Berkeley", "New York"]})))
+    fds = discover_fds(
+        codes(
+            pd.DataFrame(
+                {"zip": ["94720", "94720", "94704", "10001"], "city": ["Berkeley", "Berkeley", "Berkeley", "New York"]}
+            )
+        )
+    )
     assert fds == {0: frozenset({1})}
 
 
 def test_discovery_finds_nothing_where_one_row_breaks_the_dependency():
-    fds = discover_fds(codes(pd.DataFrame({"zip": ["94720", "94720", "10001", "10001"],
-                                           "city": ["Berkeley", "Oakland", "New York", "Brooklyn"]})))
+    fds = discover_fds(
+        codes(
+            pd.DataFrame(
+                {"zip": ["94720", "94720", "10001", "10001"], "city": ["Berkeley", "Oakland", "New York", "Brooklyn"]}
+            )
+        )
+    )
     assert fds == {}
 
 
@@ -217,8 +249,11 @@ def test_discovery_skips_key_columns_as_determinants():
 
 
 def test_declared_dependencies_merge_with_discovered_ones_transitively():
-    assert merge_fds({0: {1}}, {1: {2}, 2: {2, 3}}) == {0: frozenset({1, 2, 3}), 1: frozenset({2, 3}),
-                                                        2: frozenset({3})}
+    assert merge_fds({0: {1}}, {1: {2}, 2: {2, 3}}) == {
+        0: frozenset({1, 2, 3}),
+        1: frozenset({2, 3}),
+        2: frozenset({3}),
+    }
 
 
 def test_a_declared_dependency_leads_with_its_determinant():
@@ -264,9 +299,15 @@ def test_with_a_measure_ggr_is_never_worse_than_a_baseline_on_it():
     # Many short, low-cardinality fields: sharing whole blocks needs several of them to lead together, which a
     # statistics order does and PHC (characters of cells) does not reward.
     rng = np.random.default_rng(3)
-    table = pd.DataFrame({
-        "a": rng.choice(["x", "y", "z"], 300), "b": rng.choice(["p", "q"], 300), "c": rng.choice(["u", "v"], 300),
-        "long_field_name_number": rng.integers(0, 40, 300).astype(str), "d": rng.choice(["k", "l"], 300)})
+    table = pd.DataFrame(
+        {
+            "a": rng.choice(["x", "y", "z"], 300),
+            "b": rng.choice(["p", "q"], 300),
+            "c": rng.choice(["u", "v"], 300),
+            "long_field_name_number": rng.integers(0, 40, 300).astype(str),
+            "d": rng.choice(["k", "l"], 300),
+        }
+    )
     measure = token_hit_measure(table, "Q", "lines", _whitespace_tokenize, block_size=4)
     chosen = measure(solve(table, "ggr", measure=measure))
     for baseline in ("stats", "sorted"):

@@ -26,9 +26,13 @@ def test_prepare_table_without_fields_takes_every_column():
 
 
 def test_nulls_become_the_empty_string():
-    df = pd.DataFrame({"text": ["a", None, np.nan, pd.NA],
-                       "number": [1.5, np.nan, None, 2.0],
-                       "when": pd.to_datetime(["2024-01-02", None, None, "2024-03-04"])})
+    df = pd.DataFrame(
+        {
+            "text": ["a", None, np.nan, pd.NA],
+            "number": [1.5, np.nan, None, 2.0],
+            "when": pd.to_datetime(["2024-01-02", None, None, "2024-03-04"]),
+        }
+    )
     table = prepare_table(df, None)
     assert table["text"].tolist() == ["a", "", "", ""]
     assert table["number"].tolist() == ["1.5", "", "", "2.0"]
@@ -85,7 +89,7 @@ def test_lines_prompt_is_instruction_blank_line_then_one_line_per_field():
 
 
 def test_json_prompt_lists_the_fields_in_the_given_order():
-    prompt = render_prompt("Classify.", ["b", "a"], ["2", "é\n\"q\""], fmt="json")
+    prompt = render_prompt("Classify.", ["b", "a"], ["2", 'é\n"q"'], fmt="json")
     assert prompt == 'Classify.\n\n{"b": "2", "a": "é\\n\\"q\\""}\n'
     assert list(json.loads(prompt.split("\n\n", 1)[1])) == ["b", "a"]
 
@@ -93,7 +97,7 @@ def test_json_prompt_lists_the_fields_in_the_given_order():
 def test_rows_sharing_leading_fields_share_the_prompt_up_to_the_first_difference():
     a = render_prompt("Q", ["movie", "review"], ["Heat", "Tense."])
     b = render_prompt("Q", ["movie", "review"], ["Heat", "Long."])
-    assert a[:len("Q\n\nmovie: Heat\nreview: ")] == b[:len("Q\n\nmovie: Heat\nreview: ")]
+    assert a[: len("Q\n\nmovie: Heat\nreview: ")] == b[: len("Q\n\nmovie: Heat\nreview: ")]
 
 
 def test_reordering_fields_changes_the_layout_but_not_what_is_asked():

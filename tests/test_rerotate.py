@@ -9,12 +9,20 @@ import pytest
 import torch
 
 from kvreuse.errors import KernelArgumentError, KVReuseError
-from kvreuse.kernels.rerotate import (KeyRerotation, RopeSpec, UnsupportedPositionalEncoding, apply_rope_reference,
-                                      check_rerotation, rerotate_keys, rerotate_keys_reference,
-                                      rope_spec_from_hf_config)
+from kvreuse.kernels.rerotate import (
+    KeyRerotation,
+    RopeSpec,
+    UnsupportedPositionalEncoding,
+    apply_rope_reference,
+    check_rerotation,
+    rerotate_keys,
+    rerotate_keys_reference,
+    rope_spec_from_hf_config,
+)
 
-LLAMA31 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-               original_max_position_embeddings=8192)
+LLAMA31 = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
 SPECS = {
     "neox": RopeSpec(head_dim=64, rotary_dim=64),
     "gptj-partial": RopeSpec(head_dim=40, rotary_dim=24, interleaved=True),
@@ -69,8 +77,9 @@ def test_in_place_move_of_a_strided_cache_slice_leaves_values_and_other_slots_al
     rotation = KeyRerotation(spec)
     rotation.plan(torch.full((5,), 11))
     rotation.run(keys, out=keys)
-    assert torch.allclose(cache[2:7, 0].double(), rerotate_keys_reference(before[2:7, 0], torch.full((5,), 11), spec),
-                          atol=1e-5)
+    assert torch.allclose(
+        cache[2:7, 0].double(), rerotate_keys_reference(before[2:7, 0], torch.full((5,), 11), spec), atol=1e-5
+    )
     assert torch.equal(cache[:, 1], before[:, 1]) and torch.equal(cache[:2], before[:2])
 
 
@@ -85,8 +94,15 @@ def test_llama3_frequencies_follow_metas_llama31_apply_scaling():
         smooth = (old / wavelen - low) / (high - low)
         return (1 - smooth) * freq / factor + smooth * freq
 
-    spec = rope_spec_from_hf_config({"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32,
-                                     "rope_theta": 500000.0, "rope_scaling": LLAMA31})
+    spec = rope_spec_from_hf_config(
+        {
+            "model_type": "llama",
+            "hidden_size": 4096,
+            "num_attention_heads": 32,
+            "rope_theta": 500000.0,
+            "rope_scaling": LLAMA31,
+        }
+    )
     plain = [500000.0 ** (-i / 128) for i in range(0, 128, 2)]
     want = torch.tensor([apply_scaling(f) for f in plain], dtype=torch.float64)
     assert torch.allclose(spec.inv_freq(), want, rtol=1e-12, atol=0)
@@ -94,33 +110,75 @@ def test_llama3_frequencies_follow_metas_llama31_apply_scaling():
 
 
 def test_hf_configs_are_read():
-    assert rope_spec_from_hf_config({"model_type": "llama", "head_dim": 64, "hidden_size": 256,
-                                     "num_attention_heads": 4,
-                                     "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}) \
-        == RopeSpec(head_dim=64, rotary_dim=64)
-    phi = rope_spec_from_hf_config({"model_type": "phi", "hidden_size": 2560, "num_attention_heads": 32,
-                                    "partial_rotary_factor": 0.4, "rope_theta": 10000.0})
+    assert rope_spec_from_hf_config(
+        {
+            "model_type": "llama",
+            "head_dim": 64,
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        }
+    ) == RopeSpec(head_dim=64, rotary_dim=64)
+    phi = rope_spec_from_hf_config(
+        {
+            "model_type": "phi",
+            "hidden_size": 2560,
+            "num_attention_heads": 32,
+            "partial_rotary_factor": 0.4,
+            "rope_theta": 10000.0,
+        }
+    )
     assert (phi.head_dim, phi.rotary_dim, phi.interleaved) == (80, 32, False)
     gptj = rope_spec_from_hf_config({"model_type": "gptj", "n_embd": 4096, "n_head": 16, "rotary_dim": 64})
     assert (gptj.head_dim, gptj.rotary_dim, gptj.interleaved) == (256, 64, True)
-    neox = rope_spec_from_hf_config({"model_type": "gpt_neox", "hidden_size": 2048, "num_attention_heads": 16,
-                                     "rotary_pct": 0.25, "rotary_emb_base": 10000})
+    neox = rope_spec_from_hf_config(
+        {
+            "model_type": "gpt_neox",
+            "hidden_size": 2048,
+            "num_attention_heads": 16,
+            "rotary_pct": 0.25,
+            "rotary_emb_base": 10000,
+        }
+    )
     assert (neox.head_dim, neox.rotary_dim, neox.interleaved) == (128, 32, False)
-    linear = rope_spec_from_hf_config({"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4,
-                                       "rope_scaling": {"type": "linear", "factor": 2.0}})
+    linear = rope_spec_from_hf_config(
+        {
+            "model_type": "llama",
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "rope_scaling": {"type": "linear", "factor": 2.0},
+        }
+    )
     assert (linear.rope_type, linear.factor) == ("linear", 2.0)
 
 
-@pytest.mark.parametrize(("config", "why"), [
-    ({"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4,
-      "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic NTK"),
-    ({"model_type": "qwen2", "hidden_size": 256, "num_attention_heads": 4,
-      "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "YaRN"),
-    ({"model_type": "bloom", "hidden_size": 256, "n_head": 4}, "ALiBi"),
-    ({"model_type": "falcon", "alibi": True}, "ALiBi"),
-    ({"model_type": "gpt2", "n_embd": 256}, "learned absolute positions"),
-    ({"model_type": "mystery", "hidden_size": 256, "num_attention_heads": 4}, "no rotary positional encoding"),
-])
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [
+        (
+            {
+                "model_type": "llama",
+                "hidden_size": 256,
+                "num_attention_heads": 4,
+                "rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
+            },
+            "dynamic NTK",
+        ),
+        (
+            {
+                "model_type": "qwen2",
+                "hidden_size": 256,
+                "num_attention_heads": 4,
+                "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
+            },
+            "YaRN",
+        ),
+        ({"model_type": "bloom", "hidden_size": 256, "n_head": 4}, "ALiBi"),
+        ({"model_type": "falcon", "alibi": True}, "ALiBi"),
+        ({"model_type": "gpt2", "n_embd": 256}, "learned absolute positions"),
+        ({"model_type": "mystery", "hidden_size": 256, "num_attention_heads": 4}, "no rotary positional encoding"),
+    ],
+)
 def test_encodings_that_cannot_be_reapplied_are_refused_saying_why(config, why):
     with pytest.raises(UnsupportedPositionalEncoding, match=why) as info:
         check_rerotation(config)
@@ -133,8 +191,11 @@ def test_startup_check_passes_for_the_local_model_config(dtype):
     from pathlib import Path
 
     built = Path(__file__).resolve().parents[1] / "build/models/small/config.json"
-    config = json.loads(built.read_text()) if built.exists() else \
-        {"model_type": "llama", "head_dim": 64, "hidden_size": 256, "num_attention_heads": 4}
+    config = (
+        json.loads(built.read_text())
+        if built.exists()
+        else {"model_type": "llama", "head_dim": 64, "hidden_size": 256, "num_attention_heads": 4}
+    )
     assert check_rerotation(config, dtype=dtype) == RopeSpec(head_dim=64, rotary_dim=64)
 
 

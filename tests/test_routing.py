@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 
 from kvreuse.errors import ConfigError
-from kvreuse.reorder.routing import (ROUTERS, LeastLoadedRouter, PrefixAwareRouter, RandomRouter, RoundRobinRouter,
-                                     make_router, prefix_keys)
+from kvreuse.reorder.routing import (
+    ROUTERS,
+    LeastLoadedRouter,
+    PrefixAwareRouter,
+    RandomRouter,
+    RoundRobinRouter,
+    make_router,
+    prefix_keys,
+)
 
 
 def test_load_counts_unfinished_requests_not_requests_sent():

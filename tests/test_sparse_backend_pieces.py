@@ -11,12 +11,12 @@ import torch
 
 from kvreuse.kernels.block_bounds import merge_written_keys_reference, recompute_bounds_reference
 from kvreuse.kernels.dipr_decode import dense_decode_reference, dipr_selection_reference, masked_decode_reference
-from kvreuse.sparse.config import SparseConfig
 from kvreuse.kernels.paged_write import store_kv_reference
+from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.paged import PagedBatch, SparseAttention, merge_bounds
 
 BLOCK, KV_HEADS, Q_HEADS, DIM, POOL = 32, 2, 4, 64, 40
-SCALE = DIM ** -0.5
+SCALE = DIM**-0.5
 PROMPTS = [300, 45]
 
 
@@ -67,8 +67,16 @@ class Engine:
             query = 4 * self.direction.repeat_interleave(Q_HEADS // KV_HEADS, 0)[None] + 0.1 * query
         starts = torch.tensor([0] + new_tokens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         lens = torch.tensor(self.lens, dtype=torch.int32)
-        batch = PagedBatch(starts, starts, lens, lens, self.table.clone(), torch.tensor(slots, dtype=torch.int64),
-                           total, max(self.lens))
+        batch = PagedBatch(
+            starts,
+            starts,
+            lens,
+            lens,
+            self.table.clone(),
+            torch.tensor(slots, dtype=torch.int64),
+            total,
+            max(self.lens),
+        )
         self.attention.write(key, value, self.key_cache, self.value_cache, self.bounds, batch.slot_mapping)
         return query, key, value, batch
 
@@ -106,8 +114,9 @@ def test_bounds_stay_equal_to_bounds_recomputed_from_the_cache_after_prefill_and
     filled = torch.tensor([min(BLOCK, max(0, n - i * BLOCK)) for n in engine.lens for i in range(16)])
     blocks = engine.table.flatten().long()
     used = filled > 0
-    assert torch.equal(engine.bounds[blocks[used]],
-                       recompute_bounds_reference(engine.key_cache, blocks[used], filled[used]))
+    assert torch.equal(
+        engine.bounds[blocks[used]], recompute_bounds_reference(engine.key_cache, blocks[used], filled[used])
+    )
 
 
 def test_a_reused_block_forgets_its_previous_owners_keys():
@@ -121,7 +130,7 @@ def test_prefill_is_dense_and_causal():
     engine = Engine(sparse(1.0))
     query, key, value, batch = engine.step(PROMPTS)
     out = engine.attend(1, query, batch)
-    for req, (first, last) in enumerate(zip(batch.query_start_loc.tolist(), batch.query_start_loc.tolist()[1:])):
+    for first, last in zip(batch.query_start_loc.tolist(), batch.query_start_loc.tolist()[1:]):
         q = query[first:last].transpose(0, 1)
         k = key[first:last].transpose(0, 1).repeat_interleave(2, 0)
         v = value[first:last].transpose(0, 1).repeat_interleave(2, 0)
@@ -135,8 +144,9 @@ def test_decode_at_beta_inf_equals_the_dense_reference():
     for _ in range(3):
         query, _, _, batch = engine.step([1, 1])
         out = engine.attend(1, query, batch)
-        expected = dense_decode_reference(query, engine.key_cache, engine.value_cache, batch.block_table,
-                                          batch.seq_lens, SCALE)
+        expected = dense_decode_reference(
+            query, engine.key_cache, engine.value_cache, batch.block_table, batch.seq_lens, SCALE
+        )
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     rows = engine.attention.figures.rows()
     assert rows[0]["block_fraction"] == 1.0 and rows[0]["token_fraction"] == 1.0
@@ -147,12 +157,17 @@ def test_finite_beta_attends_a_superset_of_the_exact_dipr_set_and_reads_fewer_bl
     engine.step(PROMPTS)
     query, _, _, batch = engine.step([1, 1])
     out = engine.attend(1, query, batch)
-    sel = dipr_selection_reference(query, engine.key_cache, engine.bounds, batch.block_table, batch.seq_lens, 4.0,
-                                   SCALE, 4, 8)
+    sel = dipr_selection_reference(
+        query, engine.key_cache, engine.bounds, batch.block_table, batch.seq_lens, 4.0, SCALE, 4, 8
+    )
     for attended, exact in zip(sel.attended, sel.exact):
         assert bool((attended | ~exact).all()), "a token of the exact DIPR set was not attended"
-    torch.testing.assert_close(out, masked_decode_reference(engine.value_cache, batch.block_table, batch.seq_lens,
-                                                            sel.logits, sel.attended), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out,
+        masked_decode_reference(engine.value_cache, batch.block_table, batch.seq_lens, sel.logits, sel.attended),
+        atol=1e-5,
+        rtol=1e-5,
+    )
     row = engine.attention.figures.rows()[0]
     # 301 tokens = 10 blocks: the sink block, the local block and block 6 (position 200) are read, 7 are not.
     assert row["block_fraction"] < 0.5 and row["token_fraction"] < 0.1
@@ -167,8 +182,9 @@ def test_the_triton_path_computes_what_the_pytorch_path_computes_step_by_step():
     for new_tokens in (PROMPTS, [1, 1], [20, 1], [1, 1]):
         (q0, _, _, batch0), (q1, _, _, batch1) = (engine.step(new_tokens) for engine in engines)
         for layer in (0, 1):
-            torch.testing.assert_close(engines[1].attend(layer, q1, batch1), engines[0].attend(layer, q0, batch0),
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                engines[1].attend(layer, q1, batch1), engines[0].attend(layer, q0, batch0), atol=1e-5, rtol=0
+            )
         assert torch.equal(engines[1].bounds, engines[0].bounds)
     assert engines[1].attention.figures.rows() == engines[0].attention.figures.rows()
     assert engines[1].attention.figures.rows()[1]["block_fraction"] < 0.8
@@ -180,8 +196,9 @@ def test_dense_layers_and_short_contexts_decode_densely(settings):
     engine.step(PROMPTS)
     query, _, _, batch = engine.step([1, 1])
     out = engine.attend(1, query, batch)
-    expected = dense_decode_reference(query, engine.key_cache, engine.value_cache, batch.block_table,
-                                      batch.seq_lens, SCALE)
+    expected = dense_decode_reference(
+        query, engine.key_cache, engine.value_cache, batch.block_table, batch.seq_lens, SCALE
+    )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert engine.attention.figures.rows()[0]["block_fraction"] == 1.0
 

@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from kvreuse.errors import KernelArgumentError
-from kvreuse.kernels.block_bounds import (BlockBounds, merge_written_keys_reference,
-                                          recompute_bounds_reference)
-from kvreuse.kernels.dipr_decode import (DIPRDecode, dense_decode_reference, dipr_selection_reference,
-                                         masked_decode_reference)
+from kvreuse.kernels.block_bounds import BlockBounds, merge_written_keys_reference, recompute_bounds_reference
+from kvreuse.kernels.dipr_decode import (
+    DIPRDecode,
+    dense_decode_reference,
+    dipr_selection_reference,
+    masked_decode_reference,
+)
 from kvreuse.sparse.figures import recovery_ratio, sample_recovery
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,7 +42,7 @@ def paged(lens, dtype, *, peaked=False, seed=0, pool=40, block=BLOCK):
     used = 0
     for s, n in enumerate(lens):
         blocks = -(-n // block)
-        table[s, :blocks] = order[used:used + blocks]
+        table[s, :blocks] = order[used : used + blocks]
         used += blocks
     if peaked:
         keys *= 0.05
@@ -53,8 +56,12 @@ def paged(lens, dtype, *, peaked=False, seed=0, pool=40, block=BLOCK):
     table = table.to(DEVICE)
     bounds = BlockBounds(block, KV_HEADS, DIM)
     b = bounds.allocate(pool, dtype, DEVICE)
-    bounds.recompute(keys, b, torch.arange(pool, dtype=torch.int32, device=DEVICE),
-                     torch.full((pool,), block, dtype=torch.int32, device=DEVICE))
+    bounds.recompute(
+        keys,
+        b,
+        torch.arange(pool, dtype=torch.int32, device=DEVICE),
+        torch.full((pool,), block, dtype=torch.int32, device=DEVICE),
+    )
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     return query, keys, values, b, table, seq_lens
 
@@ -131,7 +138,7 @@ def test_beta_inf_equals_dense_attention(dtype):
     case = paged(LENS, dtype)
     out, counters, _ = decode(case, float("inf"))
     query, keys, values, _, table, seq_lens = case
-    dense = dense_decode_reference(query, keys, values, table, seq_lens, DIM ** -0.5)
+    dense = dense_decode_reference(query, keys, values, table, seq_lens, DIM**-0.5)
     torch.testing.assert_close(out.float(), dense, atol=TOLERANCE[dtype], rtol=0)
     assert counters.blocks_read.tolist() == [[1, 1], [3, 3], [10, 10]]
     assert counters.tokens_attended.tolist() == [[n] * Q_HEADS for n in LENS]
@@ -206,7 +213,7 @@ def test_an_empty_sequence_yields_zeros_and_reads_nothing():
 
 def test_attended_set_keeps_at_least_the_dense_mass_of_the_exact_set():
     query, keys, _, bounds, table, seq_lens = paged(LENS, torch.float32, peaked=True)
-    scale = DIM ** -0.5
+    scale = DIM**-0.5
     sel = dipr_selection_reference(query, keys, bounds, table, seq_lens, 2.0, scale, SINK, LOCAL)
     kept = sample_recovery(query, keys, bounds, table, seq_lens, 2.0, scale, SINK, LOCAL)
     exact = torch.stack([recovery_ratio(lg, ex) for lg, ex in zip(sel.logits, sel.exact)])

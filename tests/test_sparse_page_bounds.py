@@ -37,7 +37,9 @@ def test_customize_spec_pads_each_page_by_exactly_one_bounds_row():
 
 
 def test_customize_spec_keeps_a_larger_padding_and_refuses_a_smaller_one():
-    assert SparseAttentionBackend.customize_spec(spec(page_size_padded=PAGE + 4 * ROW)).page_size_bytes == PAGE + 4 * ROW
+    assert (
+        SparseAttentionBackend.customize_spec(spec(page_size_padded=PAGE + 4 * ROW)).page_size_bytes == PAGE + 4 * ROW
+    )
     with pytest.raises(ConfigError, match=f"needs {PAGE + ROW} bytes per KV page .* padded the page to {PAGE + 8}"):
         SparseAttentionBackend.customize_spec(spec(page_size_padded=PAGE + 8))
 

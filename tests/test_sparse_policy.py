@@ -8,8 +8,17 @@ import pytest
 import torch
 
 from kvreuse.errors import ConfigError
-from kvreuse.sparse import (AttendedFractions, RuleBasedPolicy, SparseConfig, layer_beta, parse_layer_betas,
-                            recovery_ratio, sequence_betas, should_sample, uses_dipr)
+from kvreuse.sparse import (
+    AttendedFractions,
+    RuleBasedPolicy,
+    SparseConfig,
+    layer_beta,
+    parse_layer_betas,
+    recovery_ratio,
+    sequence_betas,
+    should_sample,
+    uses_dipr,
+)
 
 INF = float("inf")
 
@@ -25,17 +34,20 @@ def test_beta_accepts_inf_from_a_variable_and_a_flag():
     assert SparseConfig.load({"beta": "inf"}, environ={"KVREUSE_SPARSE_BETA": "3"}).beta == INF
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    ({"beta": -1.0}, r"sparse\.beta \(KVREUSE_SPARSE_BETA\): -1\.0 is outside the accepted range \[0\.0, None\]"),
-    ({"beta": "nan"}, r"sparse\.beta"),
-    ({"dense_layers": -1}, r"sparse\.dense_layers .*outside the accepted range \[0, 1000000\]"),
-    ({"min_context": "long"}, r"sparse\.min_context .*'long' is not a valid int"),
-    ({"sink": 0, "local": 0}, r"sparse\.sink .* and sparse\.local .*at least one must be >= 1"),
-    ({"layer_betas": "0:inf,x:3"}, r"sparse\.layer_betas \(KVREUSE_SPARSE_LAYER_BETAS\): 'x:3' is not LAYER:BETA"),
-    ({"layer_betas": "1:-2"}, r"sparse\.layer_betas .*'1:-2'.*beta in \[0, inf\]"),
-    ({"layer_betas": "0-3:6,2:inf"}, r"sparse\.layer_betas .*layer 2 is given twice"),
-    ({"betta": 3}, r"unknown sparse setting\(s\) betta"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"beta": -1.0}, r"sparse\.beta \(KVREUSE_SPARSE_BETA\): -1\.0 is outside the accepted range \[0\.0, None\]"),
+        ({"beta": "nan"}, r"sparse\.beta"),
+        ({"dense_layers": -1}, r"sparse\.dense_layers .*outside the accepted range \[0, 1000000\]"),
+        ({"min_context": "long"}, r"sparse\.min_context .*'long' is not a valid int"),
+        ({"sink": 0, "local": 0}, r"sparse\.sink .* and sparse\.local .*at least one must be >= 1"),
+        ({"layer_betas": "0:inf,x:3"}, r"sparse\.layer_betas \(KVREUSE_SPARSE_LAYER_BETAS\): 'x:3' is not LAYER:BETA"),
+        ({"layer_betas": "1:-2"}, r"sparse\.layer_betas .*'1:-2'.*beta in \[0, inf\]"),
+        ({"layer_betas": "0-3:6,2:inf"}, r"sparse\.layer_betas .*layer 2 is given twice"),
+        ({"betta": 3}, r"unknown sparse setting\(s\) betta"),
+    ],
+)
 def test_bad_values_name_the_setting_and_the_accepted_range(flags, message):
     with pytest.raises(ConfigError, match=message):
         SparseConfig.load(flags, environ={})
@@ -87,9 +99,12 @@ def test_fractions_sum_over_steps_per_layer():
     from kvreuse.kernels.dipr_decode import DIPRCounters
 
     figures = AttendedFractions()
-    step = DIPRCounters(blocks_read=torch.tensor([[1, 3], [2, 2]]), blocks_total=torch.tensor([4, 2]),
-                        tokens_attended=torch.tensor([[10, 20, 30, 40], [5, 5, 5, 5]]),
-                        tokens_total=torch.tensor([60, 20]))
+    step = DIPRCounters(
+        blocks_read=torch.tensor([[1, 3], [2, 2]]),
+        blocks_total=torch.tensor([4, 2]),
+        tokens_attended=torch.tensor([[10, 20, 30, 40], [5, 5, 5, 5]]),
+        tokens_total=torch.tensor([60, 20]),
+    )
     figures.add(5, step)
     figures.add(5, step)
     figures.add_recovery(5, torch.tensor([0.9, 1.0]))

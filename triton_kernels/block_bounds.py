@@ -35,13 +35,22 @@ from kvreuse.kernels import SUPPORTED_DTYPES
 
 def check_cache_shape(name: str, cache: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int) -> None:
     """A paged cache is ``[num_blocks, block_size, num_kv_heads, head_dim]``; the message names the tensor."""
-    _check(cache.dim() == 4 and tuple(cache.shape[1:]) == (block_size, num_kv_heads, head_dim),
-           f"{name} must be [num_blocks, block_size={block_size}, num_kv_heads={num_kv_heads}, "
-           f"head_dim={head_dim}], got {list(cache.shape)}")
+    _check(
+        cache.dim() == 4 and tuple(cache.shape[1:]) == (block_size, num_kv_heads, head_dim),
+        f"{name} must be [num_blocks, block_size={block_size}, num_kv_heads={num_kv_heads}, "
+        f"head_dim={head_dim}], got {list(cache.shape)}",
+    )
 
 
-def check_paged_kv(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int,
-                   num_kv_heads: int, head_dim: int, device: torch.device) -> None:
+def check_paged_kv(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+) -> None:
     """The checks every attention launcher makes of its query and caches: the caches are
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the query's (supported) dtype, and all three are on
     ``device`` with a contiguous last dimension. Each message names the tensor."""
@@ -56,8 +65,16 @@ def check_paged_kv(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
 
 @triton.jit
 def _merge_written_keys_kernel(
-    key_ptr, bounds_ptr, slot_ptr, num_tokens,
-    stride_kb, stride_kt, stride_kh, stride_bb, stride_bh, stride_bs,
+    key_ptr,
+    bounds_ptr,
+    slot_ptr,
+    num_tokens,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_bb,
+    stride_bh,
+    stride_bs,
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block (vLLM's page size)
     RUN: tl.constexpr,  # next power of two >= BLOCK_SIZE: a run of writes into one block is at most a block long
     HEAD_DIM: tl.constexpr,
@@ -79,8 +96,11 @@ def _merge_written_keys_kernel(
         offsets = slots % BLOCK_SIZE
         d = tl.arange(0, BLOCK_D)
         mask = in_run[:, None] & (d < HEAD_DIM)[None, :]
-        keys = tl.load(key_ptr + block * stride_kb + offsets[:, None] * stride_kt + head * stride_kh + d[None, :],
-                       mask=mask, other=0.0).to(tl.float32)
+        keys = tl.load(
+            key_ptr + block * stride_kb + offsets[:, None] * stride_kt + head * stride_kh + d[None, :],
+            mask=mask,
+            other=0.0,
+        ).to(tl.float32)
         run_max = tl.max(tl.where(mask, keys, float("-inf")), axis=0)
         run_min = tl.min(tl.where(mask, keys, float("inf")), axis=0)
         starts_block = tl.min(tl.where(in_run, offsets, BLOCK_SIZE), axis=0) == 0
@@ -94,8 +114,16 @@ def _merge_written_keys_kernel(
 
 @triton.jit
 def _recompute_bounds_kernel(
-    key_ptr, bounds_ptr, block_ids_ptr, num_filled_ptr,
-    stride_kb, stride_kt, stride_kh, stride_bb, stride_bh, stride_bs,
+    key_ptr,
+    bounds_ptr,
+    block_ids_ptr,
+    num_filled_ptr,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_bb,
+    stride_bh,
+    stride_bs,
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block (vLLM's page size)
     RUN: tl.constexpr,  # next power of two >= BLOCK_SIZE: one tile holds every slot of the block
     HEAD_DIM: tl.constexpr,
@@ -109,25 +137,31 @@ def _recompute_bounds_kernel(
     offsets = tl.arange(0, RUN)
     d = tl.arange(0, BLOCK_D)
     mask = (offsets < filled)[:, None] & (d < HEAD_DIM)[None, :]
-    keys = tl.load(key_ptr + block * stride_kb + offsets[:, None] * stride_kt + head * stride_kh + d[None, :],
-                   mask=mask, other=0.0).to(tl.float32)
+    keys = tl.load(
+        key_ptr + block * stride_kb + offsets[:, None] * stride_kt + head * stride_kh + d[None, :], mask=mask, other=0.0
+    ).to(tl.float32)
     out = bounds_ptr + block * stride_bb + head * stride_bh + d
-    tl.store(out, tl.max(tl.where(mask, keys, float("-inf")), axis=0).to(bounds_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
-    tl.store(out + stride_bs, tl.min(tl.where(mask, keys, float("inf")), axis=0).to(bounds_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+    tl.store(
+        out, tl.max(tl.where(mask, keys, float("-inf")), axis=0).to(bounds_ptr.dtype.element_ty), mask=d < HEAD_DIM
+    )
+    tl.store(
+        out + stride_bs,
+        tl.min(tl.where(mask, keys, float("inf")), axis=0).to(bounds_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # PyTorch references
 
 
-def recompute_bounds_reference(key_cache: torch.Tensor, block_ids: torch.Tensor,
-                               num_filled: torch.Tensor) -> torch.Tensor:
+def recompute_bounds_reference(
+    key_cache: torch.Tensor, block_ids: torch.Tensor, num_filled: torch.Tensor
+) -> torch.Tensor:
     """Bounds ``[len(block_ids), num_kv_heads, 2, head_dim]`` of slots ``[0, num_filled[i])`` of each block."""
     block_size = key_cache.shape[1]
     keys = key_cache[block_ids.long()].float()  # [n, block_size, heads, dim]
-    valid = (torch.arange(block_size, device=keys.device)[None, :] < num_filled[:, None].to(keys.device))
+    valid = torch.arange(block_size, device=keys.device)[None, :] < num_filled[:, None].to(keys.device)
     valid = valid[:, :, None, None]
     hi = torch.where(valid, keys, float("-inf")).amax(dim=1)
     lo = torch.where(valid, keys, float("inf")).amin(dim=1)
@@ -161,8 +195,10 @@ class BlockBounds:
     """
 
     def __init__(self, block_size: int, num_kv_heads: int, head_dim: int):
-        _check(block_size >= 1 and num_kv_heads >= 1 and head_dim >= 1,
-               f"block_size, num_kv_heads and head_dim must be >= 1, got {block_size}, {num_kv_heads}, {head_dim}")
+        _check(
+            block_size >= 1 and num_kv_heads >= 1 and head_dim >= 1,
+            f"block_size, num_kv_heads and head_dim must be >= 1, got {block_size}, {num_kv_heads}, {head_dim}",
+        )
         self.block_size, self.num_kv_heads, self.head_dim = block_size, num_kv_heads, head_dim
         self._slot_mapping: torch.Tensor | None = None
 
@@ -180,8 +216,10 @@ class BlockBounds:
         Entries that write one block must be consecutive (true in vLLM: a request's new tokens are contiguous and
         a block being written belongs to one request).
         """
-        _check(slot_mapping.dim() == 1 and slot_mapping.dtype in (torch.int32, torch.int64),
-               f"slot_mapping must be a 1-D int32/int64 tensor, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+        _check(
+            slot_mapping.dim() == 1 and slot_mapping.dtype in (torch.int32, torch.int64),
+            f"slot_mapping must be a 1-D int32/int64 tensor, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}",
+        )
         self._slot_mapping = slot_mapping
 
     def run(self, key_cache: torch.Tensor, bounds: torch.Tensor) -> None:
@@ -189,48 +227,82 @@ class BlockBounds:
         _check(self._slot_mapping is not None, "BlockBounds.run called before plan(slot_mapping)")
         slots = self._slot_mapping
         self._check_cache(key_cache, bounds)
-        _check(slots.device == key_cache.device,
-               f"slot_mapping is on {slots.device} but key_cache is on {key_cache.device}")
+        _check(
+            slots.device == key_cache.device,
+            f"slot_mapping is on {slots.device} but key_cache is on {key_cache.device}",
+        )
         if slots.numel() == 0:
             return
         _merge_written_keys_kernel[(slots.numel(), self.num_kv_heads)](
-            key_cache, bounds, slots, slots.numel(),
-            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            bounds.stride(0), bounds.stride(1), bounds.stride(2),
-            BLOCK_SIZE=self.block_size, RUN=triton.next_power_of_2(self.block_size),
-            HEAD_DIM=self.head_dim, BLOCK_D=triton.next_power_of_2(self.head_dim))
+            key_cache,
+            bounds,
+            slots,
+            slots.numel(),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            bounds.stride(0),
+            bounds.stride(1),
+            bounds.stride(2),
+            BLOCK_SIZE=self.block_size,
+            RUN=triton.next_power_of_2(self.block_size),
+            HEAD_DIM=self.head_dim,
+            BLOCK_D=triton.next_power_of_2(self.head_dim),
+        )
 
-    def recompute(self, key_cache: torch.Tensor, bounds: torch.Tensor, block_ids: torch.Tensor,
-                  num_filled: torch.Tensor) -> None:
+    def recompute(
+        self, key_cache: torch.Tensor, bounds: torch.Tensor, block_ids: torch.Tensor, num_filled: torch.Tensor
+    ) -> None:
         """Rebuild the bounds of ``block_ids`` from slots ``[0, num_filled[i])`` of each block (0 = empty; values
         above ``block_size`` count as a full block)."""
         self._check_cache(key_cache, bounds)
-        _check(block_ids.dim() == 1 and block_ids.dtype in (torch.int32, torch.int64),
-               f"block_ids must be a 1-D int32/int64 tensor, got {tuple(block_ids.shape)} {block_ids.dtype}")
-        _check(num_filled.shape == block_ids.shape and num_filled.dtype in (torch.int32, torch.int64),
-               f"num_filled must be an int32/int64 tensor of shape {tuple(block_ids.shape)}, "
-               f"got {tuple(num_filled.shape)} {num_filled.dtype}")
+        _check(
+            block_ids.dim() == 1 and block_ids.dtype in (torch.int32, torch.int64),
+            f"block_ids must be a 1-D int32/int64 tensor, got {tuple(block_ids.shape)} {block_ids.dtype}",
+        )
+        _check(
+            num_filled.shape == block_ids.shape and num_filled.dtype in (torch.int32, torch.int64),
+            f"num_filled must be an int32/int64 tensor of shape {tuple(block_ids.shape)}, "
+            f"got {tuple(num_filled.shape)} {num_filled.dtype}",
+        )
         if block_ids.numel() == 0:
             return
         _recompute_bounds_kernel[(block_ids.numel(), self.num_kv_heads)](
-            key_cache, bounds, block_ids, num_filled,
-            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            bounds.stride(0), bounds.stride(1), bounds.stride(2),
-            BLOCK_SIZE=self.block_size, RUN=triton.next_power_of_2(self.block_size),
-            HEAD_DIM=self.head_dim, BLOCK_D=triton.next_power_of_2(self.head_dim))
+            key_cache,
+            bounds,
+            block_ids,
+            num_filled,
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            bounds.stride(0),
+            bounds.stride(1),
+            bounds.stride(2),
+            BLOCK_SIZE=self.block_size,
+            RUN=triton.next_power_of_2(self.block_size),
+            HEAD_DIM=self.head_dim,
+            BLOCK_D=triton.next_power_of_2(self.head_dim),
+        )
 
     def _check_cache(self, key_cache: torch.Tensor, bounds: torch.Tensor) -> None:
-        _check(key_cache.dim() == 4 and tuple(key_cache.shape[1:]) == (self.block_size, self.num_kv_heads,
-                                                                       self.head_dim),
-               f"key_cache must be [num_blocks, {self.block_size}, {self.num_kv_heads}, {self.head_dim}] "
-               f"(block_size, num_kv_heads, head_dim), got {tuple(key_cache.shape)}")
-        _check(key_cache.dtype in SUPPORTED_DTYPES,
-               f"key_cache dtype must be one of {SUPPORTED_DTYPES}, got {key_cache.dtype}")
+        _check(
+            key_cache.dim() == 4 and tuple(key_cache.shape[1:]) == (self.block_size, self.num_kv_heads, self.head_dim),
+            f"key_cache must be [num_blocks, {self.block_size}, {self.num_kv_heads}, {self.head_dim}] "
+            f"(block_size, num_kv_heads, head_dim), got {tuple(key_cache.shape)}",
+        )
+        _check(
+            key_cache.dtype in SUPPORTED_DTYPES,
+            f"key_cache dtype must be one of {SUPPORTED_DTYPES}, got {key_cache.dtype}",
+        )
         _check(key_cache.stride(-1) == 1, "key_cache must be contiguous in its last (head_dim) dimension")
         expected = (key_cache.shape[0], self.num_kv_heads, 2, self.head_dim)
-        _check(tuple(bounds.shape) == expected,
-               f"bounds must be [num_blocks, num_kv_heads, 2, head_dim] = {list(expected)}, got {list(bounds.shape)}")
-        _check(bounds.dtype == key_cache.dtype and bounds.device == key_cache.device,
-               f"bounds must have key_cache's dtype and device ({key_cache.dtype}, {key_cache.device}), "
-               f"got {bounds.dtype}, {bounds.device}")
+        _check(
+            tuple(bounds.shape) == expected,
+            f"bounds must be [num_blocks, num_kv_heads, 2, head_dim] = {list(expected)}, got {list(bounds.shape)}",
+        )
+        _check(
+            bounds.dtype == key_cache.dtype and bounds.device == key_cache.device,
+            f"bounds must have key_cache's dtype and device ({key_cache.dtype}, {key_cache.device}), "
+            f"got {bounds.dtype}, {bounds.device}",
+        )
         _check(bounds.stride(-1) == 1, "bounds must be contiguous in its last (head_dim) dimension")

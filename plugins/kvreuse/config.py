@@ -23,8 +23,14 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
 
-def setting(default: Any, doc: str, *, low: float | None = None, high: float | None = None,
-            choices: tuple[str, ...] | None = None) -> Any:
+def setting(
+    default: Any,
+    doc: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
     """Declare one setting: its default, a one-line description for the README, and its accepted range."""
     return dataclasses.field(default=default, metadata={"doc": doc, "low": low, "high": high, "choices": choices})
 
@@ -64,8 +70,9 @@ def _coerce(plugin: str, field: dataclasses.Field, raw: Any) -> Any:
     return value
 
 
-def load(cls: type[T], plugin: str, flags: Mapping[str, Any] | None = None,
-         environ: Mapping[str, str] | None = None) -> T:
+def load(
+    cls: type[T], plugin: str, flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> T:
     """Build ``cls`` from defaults, then ``KVREUSE_*`` variables, then engine ``flags`` (highest precedence).
 
     Unknown keys in ``flags`` are an error: a misspelt setting must not be silently ignored.
@@ -87,5 +94,6 @@ def load(cls: type[T], plugin: str, flags: Mapping[str, Any] | None = None,
 
 def describe(cls: type, plugin: str) -> list[tuple[str, str, Any, str]]:
     """Rows (flag key, variable, default, description) for the README's table of settings."""
-    return [(f"{plugin}.{f.name}", env_name(plugin, f.name), f.default, f.metadata["doc"])
-            for f in dataclasses.fields(cls)]
+    return [
+        (f"{plugin}.{f.name}", env_name(plugin, f.name), f.default, f.metadata["doc"]) for f in dataclasses.fields(cls)
+    ]

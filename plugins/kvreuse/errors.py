@@ -40,7 +40,10 @@ class UnsupportedPositionalEncoding(KVReuseError, ValueError):
 
 
 class RerotationMismatch(KVReuseError, RuntimeError):
-    """The start-up check found that rotating twice differs from rotating once (see ``kvreuse.kernels.rerotate.check_rerotation``)."""
+    """The start-up check found that rotating twice differs from rotating once.
+
+    See ``kvreuse.kernels.rerotate.check_rerotation``.
+    """
 
 
 class PMLError(KVReuseError, ValueError):

@@ -16,9 +16,15 @@ import importlib.machinery
 import sys
 import types
 
-_MODULES = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional",
-            "torchvision.transforms.v2", "torchvision.transforms.v2.functional", "torchvision.io",
-            "torchvision.ops")
+_MODULES = (
+    "torchvision",
+    "torchvision.transforms",
+    "torchvision.transforms.functional",
+    "torchvision.transforms.v2",
+    "torchvision.transforms.v2.functional",
+    "torchvision.io",
+    "torchvision.ops",
+)
 
 
 class _Anything:

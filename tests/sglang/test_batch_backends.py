@@ -33,11 +33,15 @@ def sglang_server(cache_report: bool, cached: dict[str, int], seen: list[dict]) 
         seen.append(body)
         prompt = body["prompt"]
         meta = {"id": "x", "prompt_tokens": len(prompt), "completion_tokens": 2, "cached_tokens": cached[prompt]}
-        usage = UsageProcessor.calculate_response_usage([{"meta_info": meta}], n_choices=1,
-                                                        enable_cache_report=cache_report)
-        response = CompletionResponse(id="x", model=body["model"], usage=usage,
-                                      choices=[CompletionResponseChoice(index=0, text=f"<{prompt}>",
-                                                                        finish_reason="length")])
+        usage = UsageProcessor.calculate_response_usage(
+            [{"meta_info": meta}], n_choices=1, enable_cache_report=cache_report
+        )
+        response = CompletionResponse(
+            id="x",
+            model=body["model"],
+            usage=usage,
+            choices=[CompletionResponseChoice(index=0, text=f"<{prompt}>", finish_reason="length")],
+        )
         return httpx.Response(200, text=response.model_dump_json())
 
     return httpx.MockTransport(handle)
@@ -45,8 +49,9 @@ def sglang_server(cache_report: bool, cached: dict[str, int], seen: list[dict]) 
 
 def test_an_sglang_server_url_works_and_reports_cached_tokens_with_enable_cache_report():
     seen: list[dict] = []
-    backend = OpenAIServerBackend("http://127.0.0.1:30000", concurrency=1,
-                                  transport=sglang_server(True, {"ab": 0, "abc": 2}, seen))
+    backend = OpenAIServerBackend(
+        "http://127.0.0.1:30000", concurrency=1, transport=sglang_server(True, {"ab": 0, "abc": 2}, seen)
+    )
     got = backend.generate(["ab", "abc"], max_tokens=4)
     assert got == [Completion("<ab>", 2, 0), Completion("<abc>", 3, 2)]
     assert [b["prompt"] for b in seen] == ["ab", "abc"] and seen[0]["model"] == "served"
@@ -60,9 +65,19 @@ def test_without_enable_cache_report_cached_tokens_are_unknown():
 
 def engine_output(text: str, prompt_tokens: int, cached_tokens: int) -> dict:
     """One element of ``Engine.generate``'s answer to a batch (keys as SGLang's tokenizer manager sets them)."""
-    return {"text": text, "output_ids": [1, 2], "meta_info": {
-        "id": "r", "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": prompt_tokens,
-        "completion_tokens": 2, "cached_tokens": cached_tokens, "reasoning_tokens": 0, "e2e_latency": 0.1}}
+    return {
+        "text": text,
+        "output_ids": [1, 2],
+        "meta_info": {
+            "id": "r",
+            "finish_reason": {"type": "length", "length": 2},
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 2,
+            "cached_tokens": cached_tokens,
+            "reasoning_tokens": 0,
+            "e2e_latency": 0.1,
+        },
+    }
 
 
 class StandInEngine:
@@ -71,7 +86,8 @@ class StandInEngine:
     def __init__(self, page_size: int):
         self.server_args = SimpleNamespace(page_size=page_size)
         self.tokenizer_manager = SimpleNamespace(
-            tokenizer=lambda prompts: {"input_ids": [[ord(c) for c in p] for p in prompts]})
+            tokenizer=lambda prompts: {"input_ids": [[ord(c) for c in p] for p in prompts]}
+        )
         self.calls = []
 
     def generate(self, prompt, sampling_params):

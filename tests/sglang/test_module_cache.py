@@ -36,21 +36,31 @@ X = [7, 8, 9, 10, 11]  # free text
 class World:
     def __init__(self, seed: int = 0):
         self.g = torch.Generator().manual_seed(seed)
-        self.pool = MHATokenToKVPool(size=SLOTS, page_size=1, dtype=torch.float32, head_num=KV_HEADS, head_dim=DIM,
-                                     layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+        self.pool = MHATokenToKVPool(
+            size=SLOTS,
+            page_size=1,
+            dtype=torch.float32,
+            head_num=KV_HEADS,
+            head_dim=DIM,
+            layer_num=LAYERS,
+            device="cpu",
+            enable_memory_saver=False,
+        )
         self.allocator = TokenToKVPoolAllocator(SLOTS, torch.float32, "cpu", self.pool, need_sort=False)
         self.store = ModuleStore(ModulesConfig(gpu_bytes=1 << 24, cpu_bytes=1 << 24), model_id="m", tokenizer_id="t")
-        params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator,
-                                 page_size=1)
-        self.cache = ModuleRadixCache(params, store=self.store, rope=ROPE,
-                                      modules=[("t1", T1), ("t2", T2), ("t3", T3)])
+        params = CacheInitParams(
+            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator, page_size=1
+        )
+        self.cache = ModuleRadixCache(params, store=self.store, rope=ROPE, modules=[("t1", T1), ("t2", T2), ("t3", T3)])
         # Position-free content of every token id: keys before RoPE, and values.
         self.content: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def token(self, tid: int) -> tuple[torch.Tensor, torch.Tensor]:
         if tid not in self.content:
-            self.content[tid] = (torch.randn(LAYERS, KV_HEADS, DIM, generator=self.g),
-                                 torch.randn(LAYERS, KV_HEADS, DIM, generator=self.g))
+            self.content[tid] = (
+                torch.randn(LAYERS, KV_HEADS, DIM, generator=self.g),
+                torch.randn(LAYERS, KV_HEADS, DIM, generator=self.g),
+            )
         return self.content[tid]
 
     def expected_keys(self, ids: list[int], start: int, layer: int) -> torch.Tensor:
@@ -101,7 +111,7 @@ def test_the_splice_starts_where_sglangs_own_hit_ends_and_stops_at_free_text():
     world.compute(X + [3])  # X is in the tree
     hit, slots = world.match(X + T1 + [9] + T2 + [4])
     assert hit == len(X) + 12 and world.cache.spliced_tokens == 12  # T2 comes after free text: computed
-    keys = world.pool.get_key_buffer(0)[slots[len(X):]]
+    keys = world.pool.get_key_buffer(0)[slots[len(X) :]]
     torch.testing.assert_close(keys, world.expected_keys(T1, len(X), 0), atol=1e-5, rtol=1e-5)
 
 
@@ -135,19 +145,29 @@ def test_a_module_the_store_lost_is_computed():
 
 def build_context(**server_args) -> TreeCacheBuildContext:
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=1)
-    hf = SimpleNamespace(to_dict=lambda: {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4,
-                                          "rope_theta": 10000.0})
+    hf = SimpleNamespace(
+        to_dict=lambda: {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, "rope_theta": 10000.0}
+    )
     return TreeCacheBuildContext(
-        server_args=SimpleNamespace(model_path="m", tokenizer_path=None, attention_backend=None,
-                                    decode_attention_backend=None, **server_args),
-        params=params, is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False,
-        disable_radix_cache=False, tp_worker=None, model_config=SimpleNamespace(hf_config=hf), tp_size=1, tp_rank=0,
-        tp_group=None)
+        server_args=SimpleNamespace(
+            model_path="m", tokenizer_path=None, attention_backend=None, decode_attention_backend=None, **server_args
+        ),
+        params=params,
+        is_hybrid_swa=False,
+        is_hybrid_ssm=False,
+        enable_hierarchical_cache=False,
+        disable_radix_cache=False,
+        tp_worker=None,
+        model_config=SimpleNamespace(hf_config=hf),
+        tp_size=1,
+        tp_rank=0,
+        tp_group=None,
+    )
 
 
 def test_the_factory_builds_the_cache_from_sglangs_build_context(tmp_path, monkeypatch):
     path = tmp_path / "modules.json"
-    path.write_text('{"t1": %s}' % T1)
+    path.write_text(f'{{"t1": {T1}}}')
     monkeypatch.setenv("KVREUSE_SGLANG_MODULES_FILE", str(path))
     monkeypatch.setenv("KVREUSE_MODULES_GPU_BYTES", "0")
     cache = create_module_radix_cache(build_context())
@@ -171,8 +191,15 @@ def test_the_module_sets_policy_reads_the_modules_of_the_module_cache():
     from kvreuse.sglang.settings import SGLangConfig
 
     world = World()
-    policy = KVReuseSchedulePolicy("fcfs", world.cache, False, False, False,
-                                   settings=SGLangConfig(schedule_policy="module-sets"), reorder=ReorderConfig())
+    policy = KVReuseSchedulePolicy(
+        "fcfs",
+        world.cache,
+        False,
+        False,
+        False,
+        settings=SGLangConfig(schedule_policy="module-sets"),
+        reorder=ReorderConfig(),
+    )
     assert policy.module_trie is world.cache.module_trie
     waiting = []
     for arrival, (rid, ids) in enumerate([("t1", T1 + [1]), ("t3", T3 + [2]), ("t1b", T1 + [3])]):

@@ -45,22 +45,34 @@ print("RESULT" + json.dumps(out))
 
 def load(allowed: str) -> dict:
     env = {**os.environ, "SGLANG_PLUGINS": allowed}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=HERE, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, cwd=HERE, capture_output=True, text=True, timeout=300
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT"):])
+    return json.loads(lines[-1][len("RESULT") :])
 
 
 def test_sglang_loads_the_plugin_and_it_registers_every_name():
     got = load("kvreuse")
-    assert got == {"policy": "kvreuse.sglang.scheduler.KVReuseSchedulePolicy",
-                   "scheduler_binding": "KVReuseSchedulePolicy", "attention": True, "choice": True, "radix": True,
-                   "registered_here": True, "args": ["kvreuse_sparse", "kvreuse_modules", 16]}
+    assert got == {
+        "policy": "kvreuse.sglang.scheduler.KVReuseSchedulePolicy",
+        "scheduler_binding": "KVReuseSchedulePolicy",
+        "attention": True,
+        "choice": True,
+        "radix": True,
+        "registered_here": True,
+        "args": ["kvreuse_sparse", "kvreuse_modules", 16],
+    }
 
 
 def test_sglang_plugins_without_kvreuse_leaves_sglang_stock():
     got = load("some-other-plugin")
-    assert got == {"policy": "sglang.srt.managers.schedule_policy.SchedulePolicy",
-                   "scheduler_binding": "SchedulePolicy", "attention": False, "choice": False, "radix": False,
-                   "registered_here": False}
+    assert got == {
+        "policy": "sglang.srt.managers.schedule_policy.SchedulePolicy",
+        "scheduler_binding": "SchedulePolicy",
+        "attention": False,
+        "choice": False,
+        "radix": False,
+        "registered_here": False,
+    }

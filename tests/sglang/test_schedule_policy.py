@@ -38,8 +38,9 @@ class Clock:
 
 
 def radix_cache(*prefixes: list[int]) -> RadixCache:
-    cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None,
-                                       page_size=1))
+    cache = RadixCache(
+        CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=1)
+    )
     for ids in prefixes:
         cache.insert(InsertParams(key=RadixKey(array("q", ids)), value=torch.arange(len(ids), dtype=torch.int64)))
     return cache
@@ -53,8 +54,15 @@ def req(rid: str, ids: list[int], arrival: float, priority: int | None = None) -
 
 def policy(cache, order="prefix-affinity", *, clock=None, priority=False, low_first=False, **reorder):
     cls = type("Policy", (KVReuseSchedulePolicy,), {"clock": staticmethod(clock or Clock())})
-    return cls("fcfs", cache, False, priority, low_first, settings=SGLangConfig(schedule_policy=order),
-               reorder=ReorderConfig(**reorder))
+    return cls(
+        "fcfs",
+        cache,
+        False,
+        priority,
+        low_first,
+        settings=SGLangConfig(schedule_policy=order),
+        reorder=ReorderConfig(**reorder),
+    )
 
 
 def run_pass(p: SchedulePolicy, waiting: list[Req], admit: int) -> list[str]:
@@ -67,8 +75,12 @@ def run_pass(p: SchedulePolicy, waiting: list[Req], admit: int) -> list[str]:
 
 def test_requests_with_a_cached_prefix_go_first_longest_first():
     cache = radix_cache(P)
-    waiting = [req("cold1", A + [1], 1.0), req("hit20", P[:20] + [7] * 30, 2.0), req("cold2", B + [2], 3.0),
-               req("hit40", P + [9] * 10, 4.0)]
+    waiting = [
+        req("cold1", A + [1], 1.0),
+        req("hit20", P[:20] + [7] * 30, 2.0),
+        req("cold2", B + [2], 3.0),
+        req("hit40", P + [9] * 10, 4.0),
+    ]
     p = policy(cache)
     p.calc_priority(waiting)
     assert [r.rid for r in waiting] == ["hit40", "hit20", "cold1", "cold2"]
@@ -79,8 +91,13 @@ def test_requests_sharing_an_uncached_prefix_send_one_ahead_and_the_rest_after()
     # Nothing cached: one request of each group computes its prefix first (groups of three before groups of two),
     # the others follow and find it cached once those ran; SGLang computes a prefix twice if two requests that
     # share it are in one prefill batch.
-    waiting = [req("b1", B + [1], 1.0), req("a1", A + [1], 2.0), req("b2", B + [2], 3.0), req("a2", A + [2], 4.0),
-               req("a3", A + [3], 5.0)]
+    waiting = [
+        req("b1", B + [1], 1.0),
+        req("a1", A + [1], 2.0),
+        req("b2", B + [2], 3.0),
+        req("a2", A + [2], 4.0),
+        req("a3", A + [3], 5.0),
+    ]
     p = policy(radix_cache())
     p.calc_priority(waiting)
     assert [r.rid for r in waiting][:2] == ["a1", "b1"]
@@ -88,8 +105,13 @@ def test_requests_sharing_an_uncached_prefix_send_one_ahead_and_the_rest_after()
 
 def test_the_next_pass_admits_the_group_once_its_prefix_is_cached():
     cache = radix_cache()
-    waiting = [req("b1", B + [1], 1.0), req("a1", A + [1], 2.0), req("b2", B + [2], 3.0), req("a2", A + [2], 4.0),
-               req("a3", A + [3], 5.0)]
+    waiting = [
+        req("b1", B + [1], 1.0),
+        req("a1", A + [1], 2.0),
+        req("b2", B + [2], 3.0),
+        req("a2", A + [2], 4.0),
+        req("a3", A + [3], 5.0),
+    ]
     p = policy(cache)
     assert run_pass(p, waiting, admit=1) == ["a1"]
     cache.insert(InsertParams(key=RadixKey(array("q", A + [1])), value=torch.arange(33)))  # a1's prefill ran
@@ -126,8 +148,11 @@ def test_a_request_waiting_max_wait_s_is_admitted_next():
 
 def test_priority_wins_over_a_cached_prefix():
     cache = radix_cache(P)
-    waiting = [req("hit-low", P + [5], 1.0, priority=1), req("cold-high", A + [1], 2.0, priority=5),
-               req("hit-high", P + [6], 3.0, priority=5)]
+    waiting = [
+        req("hit-low", P + [5], 1.0, priority=1),
+        req("cold-high", A + [1], 2.0, priority=5),
+        req("hit-high", P + [6], 3.0, priority=5),
+    ]
     p = policy(cache, priority=True)  # SGLang's default: larger priority values first
     p.calc_priority(waiting)
     assert [r.rid for r in waiting] == ["hit-high", "cold-high", "hit-low"]
@@ -159,7 +184,10 @@ def test_only_lookahead_requests_are_picked_the_rest_follow_in_arrival_order():
 
 def test_without_the_setting_it_is_sglangs_own_policy():
     cache = radix_cache(P)
-    make = lambda: [req("cold", A + [1], 1.0), req("hit20", P[:20] + [7] * 30, 2.0), req("hit40", P + [9], 3.0)]
+
+    def make():
+        return [req("cold", A + [1], 1.0), req("hit20", P[:20] + [7] * 30, 2.0), req("hit40", P + [9], 3.0)]
+
     stock, ours = make(), make()
     SchedulePolicy("lpm", cache, False, False, False).calc_priority(stock)
     p = KVReuseSchedulePolicy("lpm", cache, False, False, False, settings=SGLangConfig())
@@ -169,8 +197,10 @@ def test_without_the_setting_it_is_sglangs_own_policy():
 
 
 def test_the_setting_is_read_from_its_variable_and_checked():
-    assert SGLangConfig.load(environ={"KVREUSE_SGLANG_SCHEDULE_POLICY": "prefix-affinity"}).schedule_policy == \
-        "prefix-affinity"
+    assert (
+        SGLangConfig.load(environ={"KVREUSE_SGLANG_SCHEDULE_POLICY": "prefix-affinity"}).schedule_policy
+        == "prefix-affinity"
+    )
     with pytest.raises(ConfigError, match="KVREUSE_SGLANG_SCHEDULE_POLICY"):
         SGLangConfig.load(environ={"KVREUSE_SGLANG_SCHEDULE_POLICY": "lpm"})
 
@@ -183,16 +213,27 @@ T1, T2, T3 = [list(range(5000 + 100 * k, 5000 + 100 * k + 12)) for k in range(3)
 @pytest.fixture
 def modules_file(tmp_path):
     path = tmp_path / "modules.json"
-    path.write_text('{"t1": %s, "t2": %s, "t3": %s}' % (T1, T2, T3))
+    path.write_text(f'{{"t1": {T1}, "t2": {T2}, "t3": {T3}}}')
     return str(path)
 
 
 def test_module_sets_puts_requests_sharing_modules_next_to_each_other(modules_file):
-    waiting = [req("t1t2", T1 + T2 + [1], 1.0), req("t3", T3 + [2], 2.0), req("t1", T1 + [3], 3.0),
-               req("t3b", T3 + [4], 4.0), req("t2", T2 + [5], 5.0)]
-    p = KVReuseSchedulePolicy("fcfs", radix_cache(), False, False, False,
-                              settings=SGLangConfig(schedule_policy="module-sets", modules_file=modules_file),
-                              reorder=ReorderConfig())
+    waiting = [
+        req("t1t2", T1 + T2 + [1], 1.0),
+        req("t3", T3 + [2], 2.0),
+        req("t1", T1 + [3], 3.0),
+        req("t3b", T3 + [4], 4.0),
+        req("t2", T2 + [5], 5.0),
+    ]
+    p = KVReuseSchedulePolicy(
+        "fcfs",
+        radix_cache(),
+        False,
+        False,
+        False,
+        settings=SGLangConfig(schedule_policy="module-sets", modules_file=modules_file),
+        reorder=ReorderConfig(),
+    )
     arrival = [frozenset(p._module_set(r)) for r in waiting]
     p.calc_priority(waiting)
     # The oldest first; then each time the request whose module set differs least from the last one's (ties: the
@@ -204,13 +245,20 @@ def test_module_sets_puts_requests_sharing_modules_next_to_each_other(modules_fi
 
 def test_module_sets_without_modules_is_refused():
     with pytest.raises(ConfigError, match="KVREUSE_SGLANG_MODULES_FILE"):
-        KVReuseSchedulePolicy("fcfs", radix_cache(), False, False, False,
-                              settings=SGLangConfig(schedule_policy="module-sets"))
+        KVReuseSchedulePolicy(
+            "fcfs", radix_cache(), False, False, False, settings=SGLangConfig(schedule_policy="module-sets")
+        )
 
 
 def test_a_malformed_modules_file_names_the_module(tmp_path):
     path = tmp_path / "modules.json"
     path.write_text('{"t1": [1, 2], "t2": "CREATE TABLE"}')
     with pytest.raises(ConfigError, match="'t2'"):
-        KVReuseSchedulePolicy("fcfs", radix_cache(), False, False, False,
-                              settings=SGLangConfig(schedule_policy="module-sets", modules_file=str(path)))
+        KVReuseSchedulePolicy(
+            "fcfs",
+            radix_cache(),
+            False,
+            False,
+            False,
+            settings=SGLangConfig(schedule_policy="module-sets", modules_file=str(path)),
+        )

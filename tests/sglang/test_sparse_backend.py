@@ -27,7 +27,7 @@ from kvreuse.sglang.attention import SparseAttnBackend
 from kvreuse.sparse.config import SparseConfig
 
 PAGE, KV_HEADS, Q_HEADS, DIM, LAYERS, PAGES = 16, 2, 4, 64, 2, 48
-SCALE = DIM ** -0.5
+SCALE = DIM**-0.5
 PROMPTS = [300, 45]
 
 
@@ -41,12 +41,24 @@ class Engine:
     def __init__(self, config: SparseConfig, page_size: int = PAGE, seed: int = 0, peaked: bool = False):
         self.g = torch.Generator().manual_seed(seed)
         self.page = page_size
-        self.kv_pool = MHATokenToKVPool(size=PAGES * page_size, page_size=page_size, dtype=torch.float32,
-                                        head_num=KV_HEADS, head_dim=DIM, layer_num=LAYERS, device="cpu",
-                                        enable_memory_saver=False)
+        self.kv_pool = MHATokenToKVPool(
+            size=PAGES * page_size,
+            page_size=page_size,
+            dtype=torch.float32,
+            head_num=KV_HEADS,
+            head_dim=DIM,
+            layer_num=LAYERS,
+            device="cpu",
+            enable_memory_saver=False,
+        )
         self.req_pool = ReqToTokenPool(size=4, max_context_len=1024, device="cpu", enable_memory_saver=False)
-        self.runner = SimpleNamespace(device="cpu", page_size=page_size, req_to_token_pool=self.req_pool,
-                                      token_to_kv_pool=self.kv_pool, use_mla_backend=False)
+        self.runner = SimpleNamespace(
+            device="cpu",
+            page_size=page_size,
+            req_to_token_pool=self.req_pool,
+            token_to_kv_pool=self.kv_pool,
+            use_mla_backend=False,
+        )
         self.backend = SparseAttnBackend(self.runner, config)
         self.layers = [RadixAttention(Q_HEADS, DIM, SCALE, KV_HEADS, layer_id=i) for i in range(LAYERS)]
         self.free_pages = (torch.randperm(PAGES - 1, generator=self.g) + 1).tolist()  # page 0 holds slot 0 (padding)
@@ -71,11 +83,16 @@ class Engine:
         prefix = list(self.lens)
         self.lens = [a + b for a, b in zip(self.lens, new_tokens)]
         decode = all(n == 1 for n in new_tokens)
-        fb = ForwardBatch(forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
-                          batch_size=len(new_tokens), input_ids=torch.zeros(sum(new_tokens), dtype=torch.int64),
-                          req_pool_indices=torch.tensor(self.rows), seq_lens=torch.tensor(self.lens),
-                          out_cache_loc=torch.tensor(slots), seq_lens_sum=sum(self.lens),
-                          seq_lens_cpu=torch.tensor(self.lens))
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
+            batch_size=len(new_tokens),
+            input_ids=torch.zeros(sum(new_tokens), dtype=torch.int64),
+            req_pool_indices=torch.tensor(self.rows),
+            seq_lens=torch.tensor(self.lens),
+            out_cache_loc=torch.tensor(slots),
+            seq_lens_sum=sum(self.lens),
+            seq_lens_cpu=torch.tensor(self.lens),
+        )
         if not decode:
             fb.extend_seq_lens = torch.tensor(new_tokens)
             fb.extend_prefix_lens = torch.tensor(prefix)
@@ -98,8 +115,8 @@ class Engine:
                 at += n
         at = 0
         for r, n in enumerate(new_tokens):
-            self.history[layer][r]["k"].append(k[at:at + n])
-            self.history[layer][r]["v"].append(v[at:at + n])
+            self.history[layer][r]["k"].append(k[at : at + n])
+            self.history[layer][r]["v"].append(v[at : at + n])
             at += n
         return q, k, v
 
@@ -121,7 +138,7 @@ class Engine:
             keys = torch.cat(self.history[layer][r]["k"]).repeat_interleave(Q_HEADS // KV_HEADS, 1)
             values = torch.cat(self.history[layer][r]["v"]).repeat_interleave(Q_HEADS // KV_HEADS, 1)
             total = len(keys)
-            logits = torch.einsum("qhd,nhd->hqn", q[at:at + n], keys) * SCALE
+            logits = torch.einsum("qhd,nhd->hqn", q[at : at + n], keys) * SCALE
             future = torch.arange(total)[None, :] > torch.arange(total - n, total)[:, None]
             weights = torch.softmax(logits.masked_fill(future[None], float("-inf")), -1)
             out.append(torch.einsum("hqn,nhd->qhd", weights, values))
@@ -166,7 +183,7 @@ def test_the_kv_and_the_page_bounds_are_written_into_sglangs_pool():
         torch.testing.assert_close(keys[slots], torch.cat(engine.history[layer][0]["k"]))
         bounds = engine.backend.bounds[layer]
         page = int(slots[0]) // PAGE
-        page_keys = keys[page * PAGE:(page + 1) * PAGE]
+        page_keys = keys[page * PAGE : (page + 1) * PAGE]
         torch.testing.assert_close(bounds[page, :, 0], page_keys.amax(0))
         torch.testing.assert_close(bounds[page, :, 1], page_keys.amin(0))
 

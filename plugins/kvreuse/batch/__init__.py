@@ -36,8 +36,12 @@ __all__ = [
 ]
 
 # Names whose modules need an optional dependency (httpx, duckdb): imported when first used.
-_LAZY = {"OpenAIServerBackend": "kvreuse.batch.openai_server", "QueryAnswers": "kvreuse.batch.sql",
-         "llm_sql": "kvreuse.batch.sql", "run_query": "kvreuse.batch.sql"}
+_LAZY = {
+    "OpenAIServerBackend": "kvreuse.batch.openai_server",
+    "QueryAnswers": "kvreuse.batch.sql",
+    "llm_sql": "kvreuse.batch.sql",
+    "run_query": "kvreuse.batch.sql",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,7 @@
 """What the batch front ends need from an engine: greedy completions of prompts, in the order they are given.
 
-A backend is anything with a ``generate`` method and a ``cache_model`` attribute of this shape: the in-process ``vllm.LLM``
-(:class:`kvreuse.vllm.backend.VLLMBackend`), an OpenAI-compatible server such as ``vllm serve`` or SGLang
+A backend is anything with a ``generate`` method and a ``cache_model`` attribute of this shape: the in-process
+``vllm.LLM`` (:class:`kvreuse.vllm.backend.VLLMBackend`), an OpenAI-compatible server such as ``vllm serve`` or SGLang
 (:class:`kvreuse.batch.openai_server.OpenAIServerBackend`), or a test double. The front ends decide the send
 order (that is the point of reordering), so a backend must submit the prompts in the order given and return one
 completion per prompt in that same order.
@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
-
 
 # Enough for a label or a short answer; every front end takes ``max_tokens`` to change it.
 MAX_TOKENS = 32

@@ -24,10 +24,19 @@ class TableAnswers:
     figures: BatchFigures
 
 
-def run_table(df: pd.DataFrame, instruction: str, fields: Sequence[str] | None = None, *, backend: Backend,
-              order: str = "ggr", fmt: str = "lines", max_tokens: int = MAX_TOKENS,
-              fds: Mapping[str, Iterable[str]] | None = None, config: ReorderConfig | None = None,
-              progress: bool = False) -> TableAnswers:
+def run_table(
+    df: pd.DataFrame,
+    instruction: str,
+    fields: Sequence[str] | None = None,
+    *,
+    backend: Backend,
+    order: str = "ggr",
+    fmt: str = "lines",
+    max_tokens: int = MAX_TOKENS,
+    fds: Mapping[str, Iterable[str]] | None = None,
+    config: ReorderConfig | None = None,
+    progress: bool = False,
+) -> TableAnswers:
     """Ask ``instruction`` about every row of ``df``, showing the model the columns ``fields`` (default: all).
 
     Each prompt is the instruction followed by one ``field: value`` line per field (``fmt="json"``: one JSON
@@ -35,21 +44,41 @@ def run_table(df: pd.DataFrame, instruction: str, fields: Sequence[str] | None =
     ``"ophr"``), and each row may list its fields in its own order; answers are greedy, so they do not depend on
     that order beyond the prompt itself. Every row is asked, duplicates included, and no row is dropped.
     """
-    plan = plan_table(df, instruction, fields, order=order, fmt=fmt, fds=fds, config=config,
-                      cache_model=backend.cache_model)
+    plan = plan_table(
+        df, instruction, fields, order=order, fmt=fmt, fds=fds, config=config, cache_model=backend.cache_model
+    )
     (completions,), figures = run_plans([plan], backend, max_tokens=max_tokens, progress=progress)
     # Positional: labels may repeat, and the answers belong to positions.
     answers = pd.Series([c.text for c in completions], index=df.index, dtype=object, name="answer")
     return TableAnswers(answers, completions, figures)
 
 
-def llm_map(df: pd.DataFrame, instruction: str, fields: Sequence[str] | None = None, *, backend: Backend,
-            order: str = "ggr", fmt: str = "lines", max_tokens: int = MAX_TOKENS,
-            fds: Mapping[str, Iterable[str]] | None = None, config: ReorderConfig | None = None,
-            progress: bool = False) -> pd.Series:
+def llm_map(
+    df: pd.DataFrame,
+    instruction: str,
+    fields: Sequence[str] | None = None,
+    *,
+    backend: Backend,
+    order: str = "ggr",
+    fmt: str = "lines",
+    max_tokens: int = MAX_TOKENS,
+    fds: Mapping[str, Iterable[str]] | None = None,
+    config: ReorderConfig | None = None,
+    progress: bool = False,
+) -> pd.Series:
     """The answers of :func:`run_table` alone: a Series of ``str`` with ``df``'s index, one answer per row.
 
     ``df["kids"] = llm_map(df, "Is this movie suitable for kids?", ["movie_title", "movie_info"], backend=b)``
     """
-    return run_table(df, instruction, fields, backend=backend, order=order, fmt=fmt, max_tokens=max_tokens,
-                     fds=fds, config=config, progress=progress).answers
+    return run_table(
+        df,
+        instruction,
+        fields,
+        backend=backend,
+        order=order,
+        fmt=fmt,
+        max_tokens=max_tokens,
+        fds=fds,
+        config=config,
+        progress=progress,
+    ).answers

@@ -128,26 +128,42 @@ class JobFigures:
 
     def summary(self) -> str:
         """Lines for a terminal: totals, then one line per replica."""
+
         def count(value: int | None) -> str:
             return "n/a" if value is None else f"{value:,}"
 
         rate = self.hit_rate
-        lines = [f"rows           {self.requests:,} over {len(self.replicas)} replica(s), router {self.router}",
-                 f"prompt tokens  {count(self.prompt_tokens)}",
-                 f"cached tokens  {count(self.cached_tokens)}" + ("" if rate is None else f" ({rate:.1%} hit rate)"),
-                 f"time           {self.wall_s:.1f} s wall, {self.throughput:.1f} rows/s",
-                 f"retried        {self.retried_batches} batch(es), {self.retried_requests} row(s)"]
+        lines = [
+            f"rows           {self.requests:,} over {len(self.replicas)} replica(s), router {self.router}",
+            f"prompt tokens  {count(self.prompt_tokens)}",
+            f"cached tokens  {count(self.cached_tokens)}" + ("" if rate is None else f" ({rate:.1%} hit rate)"),
+            f"time           {self.wall_s:.1f} s wall, {self.throughput:.1f} rows/s",
+            f"retried        {self.retried_batches} batch(es), {self.retried_requests} row(s)",
+        ]
         for r in self.replicas:
             hit = "" if r.hit_rate is None else f", {r.hit_rate:.1%} hit rate"
-            lines.append(f"  replica {r.replica}: {r.requests:,} rows in {r.batches} batches{hit}"
-                         + (" (died)" if r.died else ""))
+            lines.append(
+                f"  replica {r.replica}: {r.requests:,} rows in {r.batches} batches{hit}"
+                + (" (died)" if r.died else "")
+            )
         return "\n".join(lines)
 
 
-def answer_stream(rows: Iterable[tuple[Hashable, str]], pool: ReplicaPool, *, router: str = "prefix-aware",
-                  max_tokens: int = MAX_TOKENS, batch_size: int = 16, buffer_size: int = 1024,
-                  inflight: int = 64, key_block: int = 64, router_options: dict | None = None, bucket: bool = True,
-                  figures: JobFigures | None = None, progress: Any = None) -> Iterator[tuple[Hashable, Completion]]:
+def answer_stream(
+    rows: Iterable[tuple[Hashable, str]],
+    pool: ReplicaPool,
+    *,
+    router: str = "prefix-aware",
+    max_tokens: int = MAX_TOKENS,
+    batch_size: int = 16,
+    buffer_size: int = 1024,
+    inflight: int = 64,
+    key_block: int = 64,
+    router_options: dict | None = None,
+    bucket: bool = True,
+    figures: JobFigures | None = None,
+    progress: Any = None,
+) -> Iterator[tuple[Hashable, Completion]]:
     """Answer every ``(row_id, prompt)`` of ``rows`` on ``pool``; yield ``(row_id, completion)`` as they finish.
 
     Row ids must be distinct and hashable (a repeat of a row not yet answered is an error; only rows not yet
@@ -160,8 +176,13 @@ def answer_stream(rows: Iterable[tuple[Hashable, str]], pool: ReplicaPool, *, ro
     or not at all). ``figures`` (from :func:`new_figures`) is filled in as the job runs; ``progress`` is
     anything with ``update(n)`` (a tqdm bar).
     """
-    for name, value in (("batch_size", batch_size), ("buffer_size", buffer_size), ("inflight", inflight),
-                        ("key_block", key_block), ("max_tokens", max_tokens)):
+    for name, value in (
+        ("batch_size", batch_size),
+        ("buffer_size", buffer_size),
+        ("inflight", inflight),
+        ("key_block", key_block),
+        ("max_tokens", max_tokens),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     figures = figures if figures is not None else new_figures(pool.size, router)
@@ -183,16 +204,16 @@ def answer_stream(rows: Iterable[tuple[Hashable, str]], pool: ReplicaPool, *, ro
 
     def batches() -> Iterator[Batch]:
         if bucket:
-            buckets = bucket_stream(checked(rows), lambda item: item[1], buffer_size=buffer_size,
-                                    min_bucket=min(batch_size, buffer_size))
+            buckets = bucket_stream(
+                checked(rows), lambda item: item[1], buffer_size=buffer_size, min_bucket=min(batch_size, buffer_size)
+            )
         else:
             buckets = _chunks(checked(rows), batch_size)
         for group in buckets:
             for start in range(0, len(group), batch_size):
-                part = group[start:start + batch_size]
-                shared = part[0][1][:common_prefix_length(part[0][1], part[-1][1])]
-                yield Batch(tuple(r for r, _ in part), tuple(p for _, p in part),
-                            tuple(prefix_keys(shared, key_block)))
+                part = group[start : start + batch_size]
+                shared = part[0][1][: common_prefix_length(part[0][1], part[-1][1])]
+                yield Batch(tuple(r for r, _ in part), tuple(p for _, p in part), tuple(prefix_keys(shared, key_block)))
 
     def send(batch: Batch) -> None:
         replica = routing.route(batch.keys, len(batch.rows))
@@ -216,8 +237,9 @@ def answer_stream(rows: Iterable[tuple[Hashable, str]], pool: ReplicaPool, *, ro
                 figures.retried_requests += len(batch.rows)
                 continue
             if len(result) != len(batch.prompts):
-                raise BackendError(f"replica {replica} returned {len(result)} completion(s) for "
-                                   f"{len(batch.prompts)} prompt(s)")
+                raise BackendError(
+                    f"replica {replica} returned {len(result)} completion(s) for {len(batch.prompts)} prompt(s)"
+                )
             routing.finish(replica, len(batch.rows))
             _count(figures.replicas[replica], result)
             for row, completion in zip(batch.rows, result):

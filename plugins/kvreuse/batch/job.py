@@ -50,15 +50,27 @@ class BatchFigures:
             return None
         return self.cached_tokens / self.prompt_tokens
 
-    def __add__(self, other: "BatchFigures") -> "BatchFigures":
-        return BatchFigures(self.requests + other.requests, sum_known([self.prompt_tokens, other.prompt_tokens]),
-                            sum_known([self.cached_tokens, other.cached_tokens]),
-                            self.solve_s + other.solve_s, self.generate_s + other.generate_s)
+    def __add__(self, other: BatchFigures) -> BatchFigures:
+        return BatchFigures(
+            self.requests + other.requests,
+            sum_known([self.prompt_tokens, other.prompt_tokens]),
+            sum_known([self.cached_tokens, other.cached_tokens]),
+            self.solve_s + other.solve_s,
+            self.generate_s + other.generate_s,
+        )
 
 
-def plan_table(df: pd.DataFrame, instruction: str, fields: Sequence[str] | None = None, *, order: str = "ggr",
-               fmt: str = "lines", fds: Mapping[str, Iterable[str]] | None = None,
-               config: ReorderConfig | None = None, cache_model: PrefixCacheModel | None = None) -> PlannedTable:
+def plan_table(
+    df: pd.DataFrame,
+    instruction: str,
+    fields: Sequence[str] | None = None,
+    *,
+    order: str = "ggr",
+    fmt: str = "lines",
+    fds: Mapping[str, Iterable[str]] | None = None,
+    config: ReorderConfig | None = None,
+    cache_model: PrefixCacheModel | None = None,
+) -> PlannedTable:
     """Order ``df``'s rows (and each row's ``fields``) by ``order`` and render their prompts in send order.
 
     Every row gets exactly one prompt, duplicates included, so every row keeps its own answer. With the engine's
@@ -73,12 +85,12 @@ def plan_table(df: pd.DataFrame, instruction: str, fields: Sequence[str] | None 
         measure = token_hit_measure(table, instruction, fmt, cache_model.tokenize, cache_model.block_size)
     ordering = solve(table, order, fds=fds, config=config, measure=measure)
     solve_s = time.perf_counter() - start
-    return PlannedTable(prompts(ordering, table, instruction, fmt), np.asarray(ordering.rows, dtype=np.int64),
-                        solve_s)
+    return PlannedTable(prompts(ordering, table, instruction, fmt), np.asarray(ordering.rows, dtype=np.int64), solve_s)
 
 
-def run_plans(plans: Sequence[PlannedTable], backend: Backend, *, max_tokens: int,
-              progress: bool = False) -> tuple[list[list[Completion]], BatchFigures]:
+def run_plans(
+    plans: Sequence[PlannedTable], backend: Backend, *, max_tokens: int, progress: bool = False
+) -> tuple[list[list[Completion]], BatchFigures]:
     """Send every plan's prompts in one backend call, plan after plan, each in its send order.
 
     Returns, per plan, its completions by table position (``result[k][row]`` answers row ``row`` of plan ``k``)
@@ -91,18 +103,24 @@ def run_plans(plans: Sequence[PlannedTable], backend: Backend, *, max_tokens: in
     completions = backend.generate(sent, max_tokens=max_tokens, progress=progress)
     generate_s = time.perf_counter() - start
     if len(completions) != len(sent):
-        raise BackendError(f"the backend returned {len(completions)} completion(s) for {len(sent)} prompt(s); "
-                           "a backend must answer every prompt, in order")
+        raise BackendError(
+            f"the backend returned {len(completions)} completion(s) for {len(sent)} prompt(s); "
+            "a backend must answer every prompt, in order"
+        )
     by_plan: list[list[Completion]] = []
     offset = 0
     for plan in plans:
-        sent_by_plan = completions[offset:offset + len(plan.prompts)]
+        sent_by_plan = completions[offset : offset + len(plan.prompts)]
         # rows is a permutation, so its argsort is the inverse: the send position of each table position.
         by_plan.append([sent_by_plan[i] for i in np.argsort(plan.rows).tolist()])
         offset += len(plan.prompts)
-    figures = BatchFigures(len(sent), sum_known(c.prompt_tokens for c in completions),
-                           sum_known(c.cached_tokens for c in completions),
-                           sum(plan.solve_s for plan in plans), generate_s)
+    figures = BatchFigures(
+        len(sent),
+        sum_known(c.prompt_tokens for c in completions),
+        sum_known(c.cached_tokens for c in completions),
+        sum(plan.solve_s for plan in plans),
+        generate_s,
+    )
     return by_plan, figures
 
 

@@ -35,16 +35,27 @@ class OpenAIServerBackend:
     # A server does not tell its tokenizer or block size, so orders are planned by GGR alone.
     cache_model: PrefixCacheModel | None = None
 
-    def __init__(self, url: str, model: str | None = None, *, concurrency: int = 16, retries: int = 5,
-                 backoff_s: float = 0.5, timeout_s: float = 600.0, api_key: str | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str | None = None,
+        *,
+        concurrency: int = 16,
+        retries: int = 5,
+        backoff_s: float = 0.5,
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"server URL {url!r} must start with http:// or https://")
         if concurrency < 1 or retries < 0 or backoff_s < 0 or timeout_s <= 0:
-            raise ConfigError(f"need concurrency >= 1, retries >= 0, backoff_s >= 0 and timeout_s > 0; got "
-                              f"{concurrency}, {retries}, {backoff_s}, {timeout_s}")
+            raise ConfigError(
+                f"need concurrency >= 1, retries >= 0, backoff_s >= 0 and timeout_s > 0; got "
+                f"{concurrency}, {retries}, {backoff_s}, {timeout_s}"
+            )
         base = url.rstrip("/")
-        self.base_url = base[:-len("/v1")] if base.endswith("/v1") else base
+        self.base_url = base[: -len("/v1")] if base.endswith("/v1") else base
         self.model = model
         self.concurrency = concurrency
         self.retries = retries
@@ -68,16 +79,32 @@ class OpenAIServerBackend:
 
     async def _generate(self, prompts: list[str], max_tokens: int, progress: bool) -> list[Completion]:
         limits = httpx.Limits(max_connections=self.concurrency)
-        async with httpx.AsyncClient(base_url=self.base_url, headers=self._headers, limits=limits,
-                                     timeout=self.timeout_s, transport=self._transport) as client:
+        async with httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=self._headers,
+            limits=limits,
+            timeout=self.timeout_s,
+            transport=self._transport,
+        ) as client:
             model = self.model or await self._first_model(client)
             gate = asyncio.Semaphore(self.concurrency)
             with tqdm(total=len(prompts), disable=not progress, desc="prompts", unit="prompt") as bar:
+
                 async def one(prompt: str) -> Completion:
                     async with gate:
-                        body = await self._request(client, "POST", "/v1/completions", json={
-                            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                            "n": 1, "stream": False})
+                        body = await self._request(
+                            client,
+                            "POST",
+                            "/v1/completions",
+                            json={
+                                "model": model,
+                                "prompt": prompt,
+                                "max_tokens": max_tokens,
+                                "temperature": 0.0,
+                                "n": 1,
+                                "stream": False,
+                            },
+                        )
                     bar.update(1)
                     return _completion(body)
 

@@ -21,8 +21,9 @@ class VLLMReplica:
     """The actor's body: a ``vllm.LLM`` answering greedy batches (engine args as for ``started_vllm``)."""
 
     def __init__(self, engine_args: Mapping[str, Any]) -> None:
-        from kvreuse.vllm.backend import VLLMBackend
         from vllm import LLM
+
+        from kvreuse.vllm.backend import VLLMBackend
 
         self.backend = VLLMBackend(LLM(**{"enable_prefix_caching": True, "seed": 0, **engine_args}))
 
@@ -44,21 +45,31 @@ class RayVLLMReplicas:
     actor's process.
     """
 
-    def __init__(self, replicas: int, engine_args: Mapping[str, Any], *, num_cpus: float = 1, num_gpus: float = 0,
-                 env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        replicas: int,
+        engine_args: Mapping[str, Any],
+        *,
+        num_cpus: float = 1,
+        num_gpus: float = 0,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise ConfigError(f"replicas must be a positive integer, got {replicas!r}")
         try:
             import ray
         except ImportError:
-            raise ConfigError("more than one replica runs on Ray, which is not installed here; install "
-                              "kvreuse[ray], or run with --replicas 1") from None
+            raise ConfigError(
+                "more than one replica runs on Ray, which is not installed here; install "
+                "kvreuse[ray], or run with --replicas 1"
+            ) from None
         self._ray = ray
         if not ray.is_initialized():
             ray.init()
         env_vars = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
-        actor = ray.remote(VLLMReplica).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0,
-                                                runtime_env={"env_vars": env_vars})
+        actor = ray.remote(VLLMReplica).options(
+            num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, runtime_env={"env_vars": env_vars}
+        )
         self.size = replicas
         self.actors = [actor.remote(dict(engine_args)) for _ in range(replicas)]
         self._refs: dict[Hashable, Any] = {}
@@ -96,7 +107,7 @@ class RayVLLMReplicas:
         for actor in self.actors:
             self._ray.kill(actor, no_restart=True)
 
-    def __enter__(self) -> "RayVLLMReplicas":
+    def __enter__(self) -> RayVLLMReplicas:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -68,9 +68,17 @@ class QueryAnswers:
     runs: int
 
 
-def run_query(con: duckdb.DuckDBPyConnection, query: str, *, backend: Backend, order: str = "ggr",
-              fmt: str = "lines", max_tokens: int = MAX_TOKENS, config: ReorderConfig | None = None,
-              progress: bool = False) -> QueryAnswers:
+def run_query(
+    con: duckdb.DuckDBPyConnection,
+    query: str,
+    *,
+    backend: Backend,
+    order: str = "ggr",
+    fmt: str = "lines",
+    max_tokens: int = MAX_TOKENS,
+    config: ReorderConfig | None = None,
+    progress: bool = False,
+) -> QueryAnswers:
     """Run a ``SELECT`` whose ``llm(instruction, value, ...)`` calls are answered by ``backend`` in batches.
 
     See the module's description for how; ``order``, ``fmt`` and ``max_tokens`` are as in
@@ -85,8 +93,9 @@ def run_query(con: duckdb.DuckDBPyConnection, query: str, *, backend: Backend, o
     book = _AnswerBook([site.fields for site in sites])
     # One run per level of llm() feeding llm() (at most one per call site), plus the run that only reads answers.
     most_runs = len(sites) + 1
-    con.create_function(_HIDDEN_FUNCTION, book, None, "VARCHAR", type="arrow", null_handling="special",
-                        side_effects=True)
+    con.create_function(
+        _HIDDEN_FUNCTION, book, None, "VARCHAR", type="arrow", null_handling="special", side_effects=True
+    )
     try:
         for run in range(1, most_runs + 1):
             frame = _execute(con, rewritten)
@@ -95,26 +104,45 @@ def run_query(con: duckdb.DuckDBPyConnection, query: str, *, backend: Backend, o
                 return QueryAnswers(frame, figures, run)
             if run == most_runs:
                 break
-            plans = [plan_table(pd.DataFrame(list(rows), columns=list(fields), dtype=object), instruction,
-                                list(fields), order=order, fmt=fmt, config=config,
-                                cache_model=backend.cache_model)
-                     for (fields, instruction), rows in questions.items()]
+            plans = [
+                plan_table(
+                    pd.DataFrame(list(rows), columns=list(fields), dtype=object),
+                    instruction,
+                    list(fields),
+                    order=order,
+                    fmt=fmt,
+                    config=config,
+                    cache_model=backend.cache_model,
+                )
+                for (fields, instruction), rows in questions.items()
+            ]
             completions, batch = run_plans(plans, backend, max_tokens=max_tokens, progress=progress)
             figures = figures + batch
             for ((fields, instruction), rows), answered in zip(questions.items(), completions):
                 book.learn(fields, instruction, rows, [c.text for c in answered])
     finally:
         con.remove_function(_HIDDEN_FUNCTION)
-    raise TableError(f"the query still asked new llm() questions on run {most_runs}; llm() needs a deterministic "
-                     "query (no random(), uuid(), TABLESAMPLE, ... deciding which values it is asked about)")
+    raise TableError(
+        f"the query still asked new llm() questions on run {most_runs}; llm() needs a deterministic "
+        "query (no random(), uuid(), TABLESAMPLE, ... deciding which values it is asked about)"
+    )
 
 
-def llm_sql(con: duckdb.DuckDBPyConnection, query: str, *, backend: Backend, order: str = "ggr",
-            fmt: str = "lines", max_tokens: int = MAX_TOKENS, config: ReorderConfig | None = None,
-            progress: bool = False) -> pd.DataFrame:
+def llm_sql(
+    con: duckdb.DuckDBPyConnection,
+    query: str,
+    *,
+    backend: Backend,
+    order: str = "ggr",
+    fmt: str = "lines",
+    max_tokens: int = MAX_TOKENS,
+    config: ReorderConfig | None = None,
+    progress: bool = False,
+) -> pd.DataFrame:
     """The result of :func:`run_query` alone, as a DataFrame."""
-    return run_query(con, query, backend=backend, order=order, fmt=fmt, max_tokens=max_tokens, config=config,
-                     progress=progress).frame
+    return run_query(
+        con, query, backend=backend, order=order, fmt=fmt, max_tokens=max_tokens, config=config, progress=progress
+    ).frame
 
 
 def call_sites(con: duckdb.DuckDBPyConnection, query: str) -> list[CallSite]:
@@ -135,8 +163,10 @@ def call_sites(con: duckdb.DuckDBPyConnection, query: str) -> list[CallSite]:
         if node.get("class") == "FUNCTION" and str(node.get("function_name", "")).lower() == FUNCTION:
             arguments = [argument["expression"] for argument in node["arguments"]]
             if len(arguments) < 2:
-                raise TableError(f"llm() at byte {node['query_location']} of the query needs an instruction and "
-                                 f"at least one value, e.g. llm('Is this movie suitable for kids?', movie_title)")
+                raise TableError(
+                    f"llm() at byte {node['query_location']} of the query needs an instruction and "
+                    f"at least one value, e.g. llm('Is this movie suitable for kids?', movie_title)"
+                )
             sites.append(CallSite(node["query_location"], _field_names(arguments[1:], node["query_location"])))
     return sorted(sites, key=lambda site: site.offset)
 
@@ -159,8 +189,10 @@ def _field_names(values: list[dict], offset: int) -> _Fields:
     names = [".".join(path) if path and short.count(short[i]) > 1 else short[i] for i, path in enumerate(paths)]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
-        raise TableError(f"llm() at byte {offset} of the query passes {', '.join(map(repr, repeated))} more than "
-                         "once; each value must be a different field")
+        raise TableError(
+            f"llm() at byte {offset} of the query passes {', '.join(map(repr, repeated))} more than "
+            "once; each value must be a different field"
+        )
     return tuple(names)
 
 
@@ -174,10 +206,10 @@ def _rewrite(query: str, sites: list[CallSite]) -> str:
     for number in reversed(range(len(sites))):  # from the end, so earlier offsets stay valid
         start = sites[number].offset
         paren = text.find(b"(", start)
-        name = text[start:max(paren, start)].strip().replace(b'"', b"").lower()
+        name = text[start : max(paren, start)].strip().replace(b'"', b"").lower()
         if not (name == FUNCTION.encode() or name.endswith(b"." + FUNCTION.encode())):
             raise TableError(f"cannot find the llm( call at byte {start} of the query; write it as llm(...)")
-        text = text[:start] + f"{_HIDDEN_FUNCTION}({number}, ".encode() + text[paren + 1:]
+        text = text[:start] + f"{_HIDDEN_FUNCTION}({number}, ".encode() + text[paren + 1 :]
     return text.decode("utf-8")
 
 
@@ -206,8 +238,11 @@ class _AnswerBook:
         if len(site) == 0:
             return pa.array([], pa.string())
         fields = self._site_fields[site[0].as_py()]
-        cells = prepare_table(pd.DataFrame({str(i): pd.Series(column.to_pylist(), dtype=object)
-                                            for i, column in enumerate((instruction, *values))}))
+        cells = prepare_table(
+            pd.DataFrame(
+                {str(i): pd.Series(column.to_pylist(), dtype=object) for i, column in enumerate((instruction, *values))}
+            )
+        )
         out: list[str | None] = []
         with self._lock:
             for instruction_text, *row in cells.itertuples(index=False, name=None):

@@ -34,7 +34,7 @@ def table_chunks(source: Any, rows_per_chunk: int = 4096) -> Iterator[pd.DataFra
         yield from _file_chunks(Path(source), rows_per_chunk)
     elif isinstance(source, pd.DataFrame):
         for start in range(0, len(source), rows_per_chunk):
-            yield source.iloc[start:start + rows_per_chunk]
+            yield source.iloc[start : start + rows_per_chunk]
     elif hasattr(source, "to_arrow_reader"):  # a DuckDB relation
         for batch in source.to_arrow_reader(rows_per_chunk):
             yield batch.to_pandas()
@@ -43,8 +43,10 @@ def table_chunks(source: Any, rows_per_chunk: int = 4096) -> Iterator[pd.DataFra
     elif isinstance(source, Iterable):
         yield from source
     else:
-        raise TableError(f"cannot read rows from a {type(source).__name__}; give a .csv/.parquet path, a DuckDB "
-                         "relation, a Ray Dataset, a DataFrame or an iterable of DataFrames")
+        raise TableError(
+            f"cannot read rows from a {type(source).__name__}; give a .csv/.parquet path, a DuckDB "
+            "relation, a Ray Dataset, a DataFrame or an iterable of DataFrames"
+        )
 
 
 def _file_chunks(path: Path, rows_per_chunk: int) -> Iterator[pd.DataFrame]:
@@ -62,8 +64,14 @@ def _file_chunks(path: Path, rows_per_chunk: int) -> Iterator[pd.DataFrame]:
         raise TableError(f"{path}: read a .csv or .parquet file")
 
 
-def prompt_rows(chunks: Iterable[pd.DataFrame], instruction: str, fields: Sequence[str] | None = None, *,
-                fmt: str = "lines", id_column: str | None = None) -> Iterator[tuple[Hashable, str]]:
+def prompt_rows(
+    chunks: Iterable[pd.DataFrame],
+    instruction: str,
+    fields: Sequence[str] | None = None,
+    *,
+    fmt: str = "lines",
+    id_column: str | None = None,
+) -> Iterator[tuple[Hashable, str]]:
     """``(row_id, prompt)`` for every row of ``chunks``: row ids count rows from 0 across chunks, or are the
     values of ``id_column`` (which the model then does not see unless ``fields`` names it)."""
     row = 0
@@ -79,9 +87,17 @@ def prompt_rows(chunks: Iterable[pd.DataFrame], instruction: str, fields: Sequen
         row += len(chunk)
 
 
-def answer_table_stream(source: Any, instruction: str, fields: Sequence[str] | None = None, *, pool: ReplicaPool,
-                        fmt: str = "lines", rows_per_chunk: int = 4096, id_column: str | None = None,
-                        **options: Any) -> Iterator[tuple[Hashable, Completion]]:
+def answer_table_stream(
+    source: Any,
+    instruction: str,
+    fields: Sequence[str] | None = None,
+    *,
+    pool: ReplicaPool,
+    fmt: str = "lines",
+    rows_per_chunk: int = 4096,
+    id_column: str | None = None,
+    **options: Any,
+) -> Iterator[tuple[Hashable, Completion]]:
     """``(row_id, completion)`` for every row of ``source`` as the replicas answer them (options of
     :func:`kvreuse.batch.distributed.answer_stream`). Memory: one chunk, the bucketing buffer, what is in flight."""
     rows = prompt_rows(table_chunks(source, rows_per_chunk), instruction, fields, fmt=fmt, id_column=id_column)
@@ -97,9 +113,17 @@ class ReplicaTableAnswers:
     figures: JobFigures
 
 
-def run_table_on_replicas(df: pd.DataFrame, instruction: str, fields: Sequence[str] | None = None, *,
-                          pool: ReplicaPool, order: str = "ggr", fmt: str = "lines", max_tokens: int = MAX_TOKENS,
-                          **options: Any) -> ReplicaTableAnswers:
+def run_table_on_replicas(
+    df: pd.DataFrame,
+    instruction: str,
+    fields: Sequence[str] | None = None,
+    *,
+    pool: ReplicaPool,
+    order: str = "ggr",
+    fmt: str = "lines",
+    max_tokens: int = MAX_TOKENS,
+    **options: Any,
+) -> ReplicaTableAnswers:
     """Like :func:`kvreuse.batch.run_table`, on a pool of replicas: ``order`` picks each row's field order (and
     a first row order), then rows are bucketed by prefix and routed (options of ``answer_stream``)."""
     plan = plan_table(df, instruction, fields, order=order, fmt=fmt)

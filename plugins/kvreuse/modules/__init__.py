@@ -6,12 +6,29 @@ schemas (Spider, SQLite, DuckDB) into table modules and Text-to-SQL prompts, and
 inside a plain prompt's tokens. Keys are moved between positions by ``kvreuse.kernels.rerotate``.
 """
 
-from kvreuse.modules.layout import (FreeText, ModuleSpan, Resolution, SchemaLayout, Segment, UsedModule,
-                                    layout_schema, resolve_prompt)
+from kvreuse.modules.layout import (
+    FreeText,
+    ModuleSpan,
+    Resolution,
+    SchemaLayout,
+    Segment,
+    UsedModule,
+    layout_schema,
+    resolve_prompt,
+)
 from kvreuse.modules.pml import PMLError, parse, parse_prompt, parse_schema, render
-from kvreuse.modules.schemas import (DatabaseSchema, ForeignKey, Table, UnknownTable, duckdb_schema,
-                                     spider_schema, spider_schemas, sqlite_schema, text_to_sql_pml,
-                                     text_to_sql_prompt)
+from kvreuse.modules.schemas import (
+    DatabaseSchema,
+    ForeignKey,
+    Table,
+    UnknownTable,
+    duckdb_schema,
+    spider_schema,
+    spider_schemas,
+    sqlite_schema,
+    text_to_sql_pml,
+    text_to_sql_prompt,
+)
 from kvreuse.modules.trie import ModuleMatch, ModuleRegistrationError, ModuleTrie, module_text
 
 __all__ = [

@@ -17,10 +17,10 @@ before it, as if it continued the prompt, so it never shares a position with any
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
 
-from kvreuse.modules.pml import (Import, Module, ModuleUnion, Param, PMLError, Prompt, Role, Schema, Text)
+from kvreuse.modules.pml import Import, Module, ModuleUnion, Param, PMLError, Prompt, Role, Schema, Text
 
 Tokenize = Callable[[str], Sequence[int]]
 
@@ -77,8 +77,9 @@ class SchemaLayout:
     length: int  # positions the whole schema spans
 
 
-def layout_schema(schema: Schema, tokenize: Tokenize,
-                  roles: Mapping[str, tuple[str, str]] | None = None) -> SchemaLayout:
+def layout_schema(
+    schema: Schema, tokenize: Tokenize, roles: Mapping[str, tuple[str, str]] | None = None
+) -> SchemaLayout:
     """Assign every module of ``schema`` its span and start position (see the module docstring).
 
     ``roles`` maps ``system``/``user``/``assistant`` to the (opening, closing) text of the model's chat template.
@@ -121,8 +122,10 @@ def layout_schema(schema: Schema, tokenize: Tokenize,
         return pos
 
     length = walk(schema.children, None, 0)
-    modules = {name: ModuleSpan(name, start, end, parent, union, tuple(segments[name]))
-               for name, (start, end, parent, union) in spans.items()}
+    modules = {
+        name: ModuleSpan(name, start, end, parent, union, tuple(segments[name]))
+        for name, (start, end, parent, union) in spans.items()
+    }
     modules = {name: modules[name] for name in schema.modules()}  # document order
     return SchemaLayout(schema.name, modules, tuple(segments[None]), length)
 
@@ -162,16 +165,19 @@ class Resolution:
         return tuple(i.name for i in self.items if isinstance(i, UsedModule))
 
 
-def resolve_prompt(prompt: Prompt, layouts: SchemaLayout | Mapping[str, SchemaLayout], tokenize: Tokenize,
-                   roles: Mapping[str, tuple[str, str]] | None = None) -> Resolution:
+def resolve_prompt(
+    prompt: Prompt,
+    layouts: SchemaLayout | Mapping[str, SchemaLayout],
+    tokenize: Tokenize,
+    roles: Mapping[str, tuple[str, str]] | None = None,
+) -> Resolution:
     """Resolve a parsed prompt against its schema's layout. Raises :class:`PMLError` (at the offending tag) for an
     unknown schema, module or argument, an argument longer than its param, a module imported twice, two members
     of one union, or a nested import under a module that is not its parent."""
     if isinstance(layouts, SchemaLayout):
         layouts = {layouts.name: layouts}
     if prompt.schema not in layouts:
-        raise PMLError(f"unknown schema {prompt.schema!r} (known: {', '.join(sorted(layouts)) or 'none'})",
-                       *prompt.at)
+        raise PMLError(f"unknown schema {prompt.schema!r} (known: {', '.join(sorted(layouts)) or 'none'})", *prompt.at)
     layout = layouts[prompt.schema]
     roles = roles or {}
     items: list[UsedModule | FreeText] = []
@@ -194,8 +200,11 @@ def resolve_prompt(prompt: Prompt, layouts: SchemaLayout | Mapping[str, SchemaLa
         if parent is not None and span.parent != parent:
             raise PMLError(f"module {imp.name!r} is not nested in {parent!r}", *imp.at)
         if imp.name in used:
-            raise PMLError(f"module {imp.name!r} imported twice (first at line {used[imp.name].at[0]}, "
-                           f"column {used[imp.name].at[1]})", *imp.at)
+            raise PMLError(
+                f"module {imp.name!r} imported twice (first at line {used[imp.name].at[0]}, "
+                f"column {used[imp.name].at[1]})",
+                *imp.at,
+            )
         if span.union is not None:
             other = union_member.setdefault(span.union, imp.name)
             if other != imp.name:
@@ -205,12 +214,16 @@ def resolve_prompt(prompt: Prompt, layouts: SchemaLayout | Mapping[str, SchemaLa
         args = {}
         for name, value in imp.args:
             if name not in params:
-                raise PMLError(f"module {imp.name!r} has no param {name!r} "
-                               f"(params: {', '.join(params) or 'none'})", *imp.at)
+                raise PMLError(
+                    f"module {imp.name!r} has no param {name!r} (params: {', '.join(params) or 'none'})", *imp.at
+                )
             ids = tuple(tokenize(value)) if value else ()
             if len(ids) > params[name].length:
-                raise PMLError(f"argument {name}={value!r} of module {imp.name!r} is {len(ids)} tokens, longer "
-                               f"than its param (len={params[name].length})", *imp.at)
+                raise PMLError(
+                    f"argument {name}={value!r} of module {imp.name!r} is {len(ids)} tokens, longer "
+                    f"than its param (len={params[name].length})",
+                    *imp.at,
+                )
             args[name] = ids
         items.append(UsedModule(imp.name, span.start, span.end, args))
         high = max(high, span.end)

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence, Union
 
 from kvreuse.errors import PMLError
 
@@ -43,8 +43,6 @@ ROLES = ("system", "user", "assistant")
 RESERVED_NAMES = ("schema", "module", "union", "param", "prompt") + ROLES
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]*")
 _ENTITIES = {"amp": "&", "lt": "<", "gt": ">", "quot": '"', "apos": "'"}
-
-
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -69,14 +67,14 @@ class Role:
     """``<system>``, ``<user>`` or ``<assistant>`` around part of a schema or prompt."""
 
     role: str
-    children: tuple["Node", ...]
+    children: tuple[Node, ...]
     at: tuple[int, int] = field(default=(0, 0), compare=False)
 
 
 @dataclass(frozen=True)
 class Module:
     name: str
-    children: tuple["Node", ...]
+    children: tuple[Node, ...]
     at: tuple[int, int] = field(default=(0, 0), compare=False)
 
 
@@ -91,7 +89,7 @@ class ModuleUnion:
 @dataclass(frozen=True)
 class Schema:
     name: str
-    children: tuple["Node", ...]
+    children: tuple[Node, ...]
     at: tuple[int, int] = field(default=(0, 0), compare=False)
 
     def modules(self) -> dict[str, Module]:
@@ -107,6 +105,7 @@ class Schema:
                     walk(node.members)
                 elif isinstance(node, Role):
                     walk(node.children)
+
         walk(self.children)
         return found
 
@@ -118,18 +117,18 @@ class Import:
 
     name: str
     args: tuple[tuple[str, str], ...] = ()
-    children: tuple["Node", ...] = ()
+    children: tuple[Node, ...] = ()
     at: tuple[int, int] = field(default=(0, 0), compare=False)
 
 
 @dataclass(frozen=True)
 class Prompt:
     schema: str
-    children: tuple["Node", ...]
+    children: tuple[Node, ...]
     at: tuple[int, int] = field(default=(0, 0), compare=False)
 
 
-Node = Union[Text, Param, Role, Module, ModuleUnion, Import]
+Node = Text | Param | Role | Module | ModuleUnion | Import
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -176,7 +175,7 @@ def _unescape(src: _Source, raw: str, offset: int) -> str:
             return "".join(out)
         out.append(raw[i:j])
         end = raw.find(";", j)
-        name = raw[j + 1:end] if end > 0 else ""
+        name = raw[j + 1 : end] if end > 0 else ""
         if name not in _ENTITIES:
             raise src.error("'&' must start an entity (&amp; &lt; &gt; &quot; &apos;)", offset + j)
         out.append(_ENTITIES[name])
@@ -232,7 +231,7 @@ def _lex_tag(src: _Source, start: int) -> _Tag:
         while i < n and text[i].isspace():
             i += 1
         if i >= n or text[i] != "=":
-            raise src.error(f"attribute {attr!r} of <{name}> needs a value: {attr}=\"...\"", at)
+            raise src.error(f'attribute {attr!r} of <{name}> needs a value: {attr}="..."', at)
         i += 1
         while i < n and text[i].isspace():
             i += 1
@@ -266,8 +265,11 @@ def _tree(src: _Source) -> _Element:
                 raise src.error(f"closing tag </{tag.name}> without an open tag", tag.offset)
             if stack[-1].name != tag.name:
                 open_ = stack[-1]
-                raise src.error(f"</{tag.name}> closes <{open_.name}> opened at line "
-                                f"{src.where(open_.offset)[0]}, column {src.where(open_.offset)[1]}", tag.offset)
+                raise src.error(
+                    f"</{tag.name}> closes <{open_.name}> opened at line "
+                    f"{src.where(open_.offset)[0]}, column {src.where(open_.offset)[1]}",
+                    tag.offset,
+                )
             done = stack.pop()
             if not stack:
                 root = done
@@ -285,7 +287,7 @@ def _tree(src: _Source) -> _Element:
     if stack:
         raise src.error(f"unclosed tag <{stack[-1].name}>", stack[-1].offset)
     if root is None:
-        raise src.error("empty document: expected <schema name=\"...\"> or <prompt schema=\"...\">", len(src.text))
+        raise src.error('empty document: expected <schema name="..."> or <prompt schema="...">', len(src.text))
     return root
 
 
@@ -302,7 +304,7 @@ def _attrs(src: _Source, el: _Element, required: Sequence[str], optional: Sequen
         got[name] = value
     for name in required:
         if name not in got:
-            raise src.error(f"<{el.name}> needs the attribute {name}=\"...\"", el.offset)
+            raise src.error(f'<{el.name}> needs the attribute {name}="..."', el.offset)
     return got
 
 
@@ -325,12 +327,14 @@ class _SchemaBuilder:
         if el.name == "module":
             name = _attrs(src, el, ["name"])["name"]
             if not _NAME.fullmatch(name) or name in RESERVED_NAMES:
-                raise src.error(f"module name {name!r} must be a tag name and not one of "
-                                f"{', '.join(RESERVED_NAMES)}", el.offset)
+                raise src.error(
+                    f"module name {name!r} must be a tag name and not one of {', '.join(RESERVED_NAMES)}", el.offset
+                )
             if name in self.names:
                 first = src.where(self.names[name])
-                raise src.error(f"duplicate module name {name!r} (first at line {first[0]}, column {first[1]})",
-                                el.offset)
+                raise src.error(
+                    f"duplicate module name {name!r} (first at line {first[0]}, column {first[1]})", el.offset
+                )
             self.names[name] = el.offset
             children = self.children(el, in_module=True, in_role=in_role)
             params = [c for c in children if isinstance(c, Param)]
@@ -359,10 +363,11 @@ class _SchemaBuilder:
             if not in_module:
                 raise src.error(f"<param name={attrs['name']!r}> outside a module", el.offset)
             if el.children:
-                raise src.error("<param> must be empty: <param name=\"...\" len=\"...\"/>", el.offset)
+                raise src.error('<param> must be empty: <param name="..." len="..."/>', el.offset)
             if not re.fullmatch(r"[0-9]+", attrs["len"].strip()) or int(attrs["len"]) < 1:
-                raise src.error(f"len of <param name={attrs['name']!r}> must be a positive integer, "
-                                f"got {attrs['len']!r}", el.offset)
+                raise src.error(
+                    f"len of <param name={attrs['name']!r}> must be a positive integer, got {attrs['len']!r}", el.offset
+                )
             return Param(attrs["name"], int(attrs["len"]), at)
         if el.name in ROLES:
             _attrs(src, el, [])
@@ -371,8 +376,9 @@ class _SchemaBuilder:
             return Role(el.name, self.children(el, in_module=in_module, in_role=True), at)
         if el.name in ("schema", "prompt"):
             raise src.error(f"<{el.name}> must be the root element", el.offset)
-        raise src.error(f"unknown tag <{el.name}> in a schema (expected module, union, param, "
-                        f"system, user or assistant)", el.offset)
+        raise src.error(
+            f"unknown tag <{el.name}> in a schema (expected module, union, param, system, user or assistant)", el.offset
+        )
 
 
 def _import(src: _Source, el: _Element) -> Import:
@@ -394,8 +400,9 @@ def _prompt_children(src: _Source, el: _Element, in_role: bool) -> tuple[Node, .
                 raise src.error(f"<{child.name}> inside another role tag", child.offset)
             out.append(Role(child.name, _prompt_children(src, child, True), src.where(child.offset)))
         elif child.name in RESERVED_NAMES:
-            raise src.error(f"<{child.name}> cannot appear in a prompt (only module imports, text and role tags)",
-                            child.offset)
+            raise src.error(
+                f"<{child.name}> cannot appear in a prompt (only module imports, text and role tags)", child.offset
+            )
         else:
             out.append(_import(src, child))
     return tuple(out)
@@ -439,6 +446,7 @@ def escape(text: str, quote: bool = False) -> str:
 
 def render(doc: Schema | Prompt | Node) -> str:
     """PML text of a tree; ``parse(render(t)) == t``."""
+
     def attr(name, value):
         return f' {name}="{escape(value, quote=True)}"'
 

@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 from kvreuse.errors import UnknownTable
-from kvreuse.modules.pml import RESERVED_NAMES
-from kvreuse.modules.pml import escape
-
-
+from kvreuse.modules.pml import RESERVED_NAMES, escape
 
 
 @dataclass(frozen=True)
@@ -48,8 +45,10 @@ class Table:
         if self.primary_key:
             parts.append(f"PRIMARY KEY ({', '.join(map(_ident, self.primary_key))})")
         for fk in self.foreign_keys:
-            parts.append(f"FOREIGN KEY ({', '.join(map(_ident, fk.columns))}) REFERENCES "
-                         f"{_ident(fk.table)}({', '.join(map(_ident, fk.ref_columns))})")
+            parts.append(
+                f"FOREIGN KEY ({', '.join(map(_ident, fk.columns))}) REFERENCES "
+                f"{_ident(fk.table)}({', '.join(map(_ident, fk.ref_columns))})"
+            )
         return f"CREATE TABLE {_ident(self.name)} ({', '.join(parts)})\n"
 
 
@@ -72,15 +71,21 @@ class DatabaseSchema:
         folded = [t for t in self.tables if t.name.lower() == name.lower()]
         if len(folded) == 1:
             return folded[0]
-        raise UnknownTable(f"database {self.name!r} has no table {name!r} "
-                           f"(tables: {', '.join(t.name for t in self.tables)})")
+        raise UnknownTable(
+            f"database {self.name!r} has no table {name!r} (tables: {', '.join(t.name for t in self.tables)})"
+        )
 
     def encoding_order(self) -> list[str]:
         """Table names, each after the tables it references (see the module docstring for cycles)."""
         by_lower = {t.name.lower(): t.name for t in self.tables}
-        refs = {t.name: {by_lower[fk.table.lower()] for fk in t.foreign_keys
-                         if fk.table.lower() in by_lower and by_lower[fk.table.lower()] != t.name}
-                for t in self.tables}
+        refs = {
+            t.name: {
+                by_lower[fk.table.lower()]
+                for fk in t.foreign_keys
+                if fk.table.lower() in by_lower and by_lower[fk.table.lower()] != t.name
+            }
+            for t in self.tables
+        }
         placed: list[str] = []
         done: set[str] = set()
         remaining = [t.name for t in self.tables]
@@ -97,8 +102,9 @@ class DatabaseSchema:
 
     def pml(self) -> str:
         """A PML schema with one module per table, in encoding order; each module is named after its table."""
-        body = "".join(f'<module name="{escape(_module_name(n), True)}">{escape(ddl)}</module>'
-                       for n, ddl in self.modules())
+        body = "".join(
+            f'<module name="{escape(_module_name(n), True)}">{escape(ddl)}</module>' for n, ddl in self.modules()
+        )
         return f'<schema name="{escape(self.name, True)}">{body}</schema>'
 
 
@@ -148,8 +154,10 @@ def spider_schemas(path: str | Path) -> dict[str, DatabaseSchema]:
         fks: list[list[ForeignKey]] = [[] for _ in names]
         for src, dst in db["foreign_keys"]:
             fks[cols[src][0]].append(ForeignKey((cols[src][1],), names[cols[dst][0]], (cols[dst][1],)))
-        out[db["db_id"]] = DatabaseSchema(db["db_id"], tuple(
-            Table(name, tuple(columns[i]), tuple(pk[i]), tuple(fks[i])) for i, name in enumerate(names)))
+        out[db["db_id"]] = DatabaseSchema(
+            db["db_id"],
+            tuple(Table(name, tuple(columns[i]), tuple(pk[i]), tuple(fks[i])) for i, name in enumerate(names)),
+        )
     return out
 
 
@@ -164,7 +172,8 @@ def spider_schema(path: str | Path, db_id: str) -> DatabaseSchema:
 def sqlite_schema(connection, name: str = "main") -> DatabaseSchema:
     """Tables of a SQLite database (a ``sqlite3`` connection): columns, declared types, primary and foreign keys."""
     rows = connection.execute(
-        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY rowid").fetchall()
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY rowid"
+    ).fetchall()
     tables = []
     for (table,) in rows:
         info = connection.execute(f"PRAGMA table_info({_ident(table)})").fetchall()  # cid, name, type, ., ., pk
@@ -172,35 +181,45 @@ def sqlite_schema(connection, name: str = "main") -> DatabaseSchema:
         groups: dict[int, list] = {}
         for fk in connection.execute(f"PRAGMA foreign_key_list({_ident(table)})").fetchall():
             groups.setdefault(fk[0], []).append(fk)  # id, seq, table, from, to, ...
-        fks = tuple(ForeignKey(tuple(r[3] for r in g), g[0][2], tuple(r[4] or "" for r in g))
-                    for _, g in sorted(groups.items(), reverse=True))  # SQLite numbers them from the last declared
+        fks = tuple(
+            ForeignKey(tuple(r[3] for r in g), g[0][2], tuple(r[4] or "" for r in g))
+            for _, g in sorted(groups.items(), reverse=True)
+        )  # SQLite numbers them from the last declared
         tables.append(Table(table, tuple((col, kind) for _, col, kind, _, _, _ in info), pk, fks))
     return DatabaseSchema(name, tuple(tables))
 
 
 def duckdb_schema(connection, name: str | None = None, schema: str = "main") -> DatabaseSchema:
     """Tables of one DuckDB schema (``duckdb_columns()``, ``duckdb_constraints()``)."""
-    tables = [t for (t,) in connection.execute(
-        "SELECT table_name FROM duckdb_tables() WHERE schema_name = ? AND NOT internal ORDER BY table_oid",
-        [schema]).fetchall()]
+    tables = [
+        t
+        for (t,) in connection.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE schema_name = ? AND NOT internal ORDER BY table_oid", [schema]
+        ).fetchall()
+    ]
     columns: dict[str, list[tuple[str, str]]] = {t: [] for t in tables}
     for table, col, kind in connection.execute(
-            "SELECT table_name, column_name, data_type FROM duckdb_columns() WHERE schema_name = ? AND NOT internal "
-            "ORDER BY table_oid, column_index", [schema]).fetchall():
+        "SELECT table_name, column_name, data_type FROM duckdb_columns() WHERE schema_name = ? AND NOT internal "
+        "ORDER BY table_oid, column_index",
+        [schema],
+    ).fetchall():
         if table in columns:
             columns[table].append((col, kind))
     pks: dict[str, tuple[str, ...]] = {}
     fks: dict[str, list[ForeignKey]] = {t: [] for t in tables}
     for table, kind, cols, ref_table, ref_cols in connection.execute(
-            "SELECT table_name, constraint_type, constraint_column_names, referenced_table, referenced_column_names "
-            "FROM duckdb_constraints() WHERE schema_name = ? AND constraint_type IN ('PRIMARY KEY', 'FOREIGN KEY') "
-            "ORDER BY table_oid, constraint_index", [schema]).fetchall():
+        "SELECT table_name, constraint_type, constraint_column_names, referenced_table, referenced_column_names "
+        "FROM duckdb_constraints() WHERE schema_name = ? AND constraint_type IN ('PRIMARY KEY', 'FOREIGN KEY') "
+        "ORDER BY table_oid, constraint_index",
+        [schema],
+    ).fetchall():
         if kind == "PRIMARY KEY":
             pks[table] = tuple(cols)
         elif table in fks:
             fks[table].append(ForeignKey(tuple(cols), ref_table, tuple(ref_cols)))
-    return DatabaseSchema(name or schema, tuple(Table(t, tuple(columns[t]), pks.get(t, ()), tuple(fks[t]))
-                                                for t in tables))
+    return DatabaseSchema(
+        name or schema, tuple(Table(t, tuple(columns[t]), pks.get(t, ()), tuple(fks[t])) for t in tables)
+    )
 
 
 def schema_from_tables(name: str, tables: Iterable[Table] | Mapping[str, Table]) -> DatabaseSchema:

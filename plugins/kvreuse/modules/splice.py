@@ -43,8 +43,9 @@ class Piece:
         return self.prompt_start - (module_start + self.offset)
 
 
-def plan_splice(matches: Sequence[ModuleMatch], start: int, stop: int,
-                available: Callable[[Hashable], bool]) -> list[Piece]:
+def plan_splice(
+    matches: Sequence[ModuleMatch], start: int, stop: int, available: Callable[[Hashable], bool]
+) -> list[Piece]:
     """The pieces covering prompt tokens ``[start, end)`` for the largest ``end <= stop`` the modules reach.
 
     ``matches`` are sorted and disjoint; ``available(name)`` says whether the store holds a module now. The run
@@ -71,13 +72,16 @@ def token_slots(block_ids: Sequence[int], block_size: int, start: int, stop: int
     indexes any per-layer view whose block size divides ``block_size``.
     """
     if stop > len(block_ids) * block_size:
-        raise ValueError(f"tokens up to {stop} need {-(-stop // block_size)} blocks of {block_size}, "
-                         f"the request has {len(block_ids)}")
+        raise ValueError(
+            f"tokens up to {stop} need {-(-stop // block_size)} blocks of {block_size}, "
+            f"the request has {len(block_ids)}"
+        )
     return [block_ids[t // block_size] * block_size + t % block_size for t in range(start, stop)]
 
 
-def piece_kv(module: EncodedModule, piece: Piece, spec: RopeSpec, device: torch.device | str,
-             length: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def piece_kv(
+    module: EncodedModule, piece: Piece, spec: RopeSpec, device: torch.device | str, length: int | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer of ``module``, in order: the keys and values of the piece's first ``length`` tokens (default
     all) on ``device``, keys moved to the prompt positions the piece takes. What an engine adapter writes into its
     own cache."""

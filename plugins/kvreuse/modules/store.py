@@ -95,10 +95,12 @@ class EncodedModule:
         if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2:
             shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
             raise ModuleRegistrationError(
-                f"module {self.name!r}: kv must be [layers, 2, tokens, kv_heads, head_dim], got {shape}")
+                f"module {self.name!r}: kv must be [layers, 2, tokens, kv_heads, head_dim], got {shape}"
+            )
         if kv.shape[2] != len(self.token_ids):
             raise ModuleRegistrationError(
-                f"module {self.name!r}: kv holds {kv.shape[2]} tokens but token_ids has {len(self.token_ids)}")
+                f"module {self.name!r}: kv holds {kv.shape[2]} tokens but token_ids has {len(self.token_ids)}"
+            )
         if kv.dtype not in SUPPORTED_DTYPES:
             raise ModuleRegistrationError(f"module {self.name!r}: kv dtype {kv.dtype} is not fp16, bf16 or fp32")
         self.key = ModuleKey(self.name, module_fingerprint(self.model_id, self.tokenizer_id, self.token_ids))
@@ -147,8 +149,11 @@ class StoreFigures:
     def promotions(self, into: str = "gpu") -> int:
         """Modules moved up into tier ``into`` (from any slower tier)."""
         order = TIERS.index(into)
-        return sum(n for move, n in self.moves.items()
-                   if move.endswith(f"->{into}") and TIERS.index(move.split("->")[0]) > order)
+        return sum(
+            n
+            for move, n in self.moves.items()
+            if move.endswith(f"->{into}") and TIERS.index(move.split("->")[0]) > order
+        )
 
 
 @dataclass
@@ -194,8 +199,11 @@ class ModuleStore:
                 self._dir.mkdir(parents=True, exist_ok=True)
             else:
                 self._dir, self._owns_dir = Path(tempfile.mkdtemp(prefix="kvreuse-modules-")), True
-        all_tiers = [_Tier("gpu", config.gpu_bytes, gpu), _Tier("cpu", config.cpu_bytes, torch.device("cpu")),
-                     _Tier("disk", config.disk_bytes, None)]
+        all_tiers = [
+            _Tier("gpu", config.gpu_bytes, gpu),
+            _Tier("cpu", config.cpu_bytes, torch.device("cpu")),
+            _Tier("disk", config.disk_bytes, None),
+        ]
         self._tiers = [tier for tier in all_tiers if tier.capacity > 0]
         self._where: dict[ModuleKey, _Tier] = {}
         self._uses: Counter = Counter()  # gets and puts per module (lfu)
@@ -221,17 +229,22 @@ class ModuleStore:
         Raises :class:`ModuleMismatch` for a module of another model or tokenizer and :class:`ModuleTooLarge` for
         one larger than every tier.
         """
-        for what, theirs, ours in (("model", module.model_id, self.model_id),
-                                   ("tokenizer", module.tokenizer_id, self.tokenizer_id)):
+        for what, theirs, ours in (
+            ("model", module.model_id, self.model_id),
+            ("tokenizer", module.tokenizer_id, self.tokenizer_id),
+        ):
             if str(theirs) != ours:
-                raise ModuleMismatch(f"module {module.name!r} was encoded for {what} {theirs!r}, but this store "
-                                     f"serves {what} {ours!r}; re-encode it with this {what}")
+                raise ModuleMismatch(
+                    f"module {module.name!r} was encoded for {what} {theirs!r}, but this store "
+                    f"serves {what} {ours!r}; re-encode it with this {what}"
+                )
         largest = max(tier.capacity for tier in self._tiers)
         if module.nbytes > largest:
             raise ModuleTooLarge(
                 f"module {module.name!r} holds {module.nbytes} bytes of KV, more than any tier "
                 f"({', '.join(f'{t.name}: {t.capacity}' for t in self._tiers)}); raise modules.gpu_bytes, "
-                f"cpu_bytes or disk_bytes, or split the module")
+                f"cpu_bytes or disk_bytes, or split the module"
+            )
         with self._lock:
             if module.key in self._where:
                 self._remove(module.key)
@@ -328,7 +341,7 @@ class ModuleStore:
             if self._owns_dir and self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
 
-    def __enter__(self) -> "ModuleStore":
+    def __enter__(self) -> ModuleStore:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -373,7 +386,7 @@ class ModuleStore:
         while tier.used + module.nbytes > tier.capacity:
             victim = self._victim(tier)
             self.figures.evictions[tier.name] += 1
-            if not any(t.capacity >= tier.entries[victim].nbytes for t in self._tiers[index + 1:]):
+            if not any(t.capacity >= tier.entries[victim].nbytes for t in self._tiers[index + 1 :]):
                 self._remove(victim)  # no slower tier can hold it: it leaves the store
                 self._forget(victim)
                 self.figures.drops += 1
@@ -455,9 +468,14 @@ class ModuleStore:
 
         assert self._dir is not None
         kv = module.kv.detach().contiguous().cpu()
-        meta = {"name": json.dumps(module.name), "model_id": module.model_id, "tokenizer_id": module.tokenizer_id,
-                "token_ids": json.dumps(list(module.token_ids)), "start": str(module.start),
-                "fingerprint": module.key.fingerprint}
+        meta = {
+            "name": json.dumps(module.name),
+            "model_id": module.model_id,
+            "tokenizer_id": module.tokenizer_id,
+            "token_ids": json.dumps(list(module.token_ids)),
+            "start": str(module.start),
+            "fingerprint": module.key.fingerprint,
+        }
         stem = hashlib.sha256(f"{module.key.name!r}\0{module.key.fingerprint}".encode()).hexdigest()[:40]
         path = self._dir / f"{stem}.safetensors"
         handle, tmp = tempfile.mkstemp(dir=self._dir, prefix=f".{stem}.", suffix=".tmp")
@@ -468,8 +486,13 @@ class ModuleStore:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        return _Entry(module.nbytes, tick, path=path, checksum=_checksum(kv),
-                      meta={**meta, "name": module.name, "shape": tuple(kv.shape), "dtype": kv.dtype})
+        return _Entry(
+            module.nbytes,
+            tick,
+            path=path,
+            checksum=_checksum(kv),
+            meta={**meta, "name": module.name, "shape": tuple(kv.shape), "dtype": kv.dtype},
+        )
 
     def _load(self, entry: _Entry) -> EncodedModule | None:
         from safetensors import safe_open
@@ -480,11 +503,21 @@ class ModuleStore:
             with safe_open(str(entry.path), framework="pt") as f:
                 header = f.metadata() or {}
                 kv = f.get_tensor("kv")
-            if (header.get("fingerprint") != meta["fingerprint"] or tuple(kv.shape) != meta["shape"]
-                    or kv.dtype != meta["dtype"] or _checksum(kv) != entry.checksum):
+            if (
+                header.get("fingerprint") != meta["fingerprint"]
+                or tuple(kv.shape) != meta["shape"]
+                or kv.dtype != meta["dtype"]
+                or _checksum(kv) != entry.checksum
+            ):
                 raise ValueError("contents differ from what was written")
-            module = EncodedModule(meta["name"], meta["model_id"], meta["tokenizer_id"],
-                                   tuple(json.loads(meta["token_ids"])), int(meta["start"]), kv)
+            module = EncodedModule(
+                meta["name"],
+                meta["model_id"],
+                meta["tokenizer_id"],
+                tuple(json.loads(meta["token_ids"])),
+                int(meta["start"]),
+                kv,
+            )
             if module.key.fingerprint != meta["fingerprint"]:
                 raise ValueError("the file's module is not the one asked for")
             return module

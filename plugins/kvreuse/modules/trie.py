@@ -27,12 +27,10 @@ module's tokens are the same alone and inside a prompt when (see :func:`module_t
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Sequence
 
 from kvreuse.errors import ModuleRegistrationError
-
-
 
 
 def module_text(text: str) -> str:

@@ -123,9 +123,14 @@ class PrefixAffinityQueue(Generic[T]):
     after a request with the same next block was picked and has made that block cached).
     """
 
-    def __init__(self, config: ReorderConfig, probe: Callable[[T], PrefixProbe],
-                 arrival_time: Callable[[T], float], priority: Callable[[T], int] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        config: ReorderConfig,
+        probe: Callable[[T], PrefixProbe],
+        arrival_time: Callable[[T], float],
+        priority: Callable[[T], int] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.config = config
         self._probe = probe
         self._arrival_time = arrival_time
@@ -197,7 +202,7 @@ class PrefixAffinityQueue(Generic[T]):
             self._picked.append((pick.item, None, None))
             return pick.item
         self._unlink(self._entries.pop(pick.item))
-        for passed in pick.window[:pick.choice.index]:
+        for passed in pick.window[: pick.choice.index]:
             passed.skips += 1
             self._counters.max_skips = max(self._counters.max_skips, passed.skips)
         probe = pick.probes[pick.choice.index]
@@ -246,10 +251,11 @@ class PrefixAffinityQueue(Generic[T]):
             return _Pick(self._front[0], [], [], None)
         if not self._entries:
             raise IndexError("peek from an empty queue")
-        window = self._classes[min(self._classes)][:self.config.lookahead]
+        window = self._classes[min(self._classes)][: self.config.lookahead]
         probes = [self._probe_once(e) for e in window]
-        candidates = [Candidate(e.arrival_time, e.skips, p.cached_blocks, p.next_block_key)
-                      for e, p in zip(window, probes)]
+        candidates = [
+            Candidate(e.arrival_time, e.skips, p.cached_blocks, p.next_block_key) for e, p in zip(window, probes)
+        ]
         choice = choose(candidates, self.config, self._clock())
         return _Pick(window[choice.index].item, window, probes, choice)
 

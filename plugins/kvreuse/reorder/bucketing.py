@@ -18,8 +18,14 @@ Key = str | tuple[int, ...]
 _Entry = tuple[Key, int, T]  # (sort key, arrival number, item): equal keys keep arrival order
 
 
-def bucket_stream(items: Iterable[T], key: Callable[[T], str | Sequence[int]], *, buffer_size: int = 4096,
-                  min_bucket: int = 8, split_fraction: float = 0.5) -> Iterator[list[T]]:
+def bucket_stream(
+    items: Iterable[T],
+    key: Callable[[T], str | Sequence[int]],
+    *,
+    buffer_size: int = 4096,
+    min_bucket: int = 8,
+    split_fraction: float = 0.5,
+) -> Iterator[list[T]]:
     """Yield ``items`` in buckets of shared prefixes, holding at most ``buffer_size`` items at a time.
 
     ``key(item)`` is the item's prompt (a string, or token ids); all keys must be of one kind. When the buffer
@@ -33,8 +39,11 @@ def bucket_stream(items: Iterable[T], key: Callable[[T], str | Sequence[int]], *
         raise ConfigError(f"buffer_size must be a positive integer, got {buffer_size!r}")
     if isinstance(min_bucket, bool) or not isinstance(min_bucket, int) or not 1 <= min_bucket <= buffer_size:
         raise ConfigError(f"min_bucket must be an integer in [1, buffer_size={buffer_size}], got {min_bucket!r}")
-    if isinstance(split_fraction, bool) or not isinstance(split_fraction, (int, float)) \
-            or not 0.0 <= split_fraction <= 1.0:
+    if (
+        isinstance(split_fraction, bool)
+        or not isinstance(split_fraction, (int, float))
+        or not 0.0 <= split_fraction <= 1.0
+    ):
         raise ConfigError(f"split_fraction must be a number in [0, 1], got {split_fraction!r}")
     buffer: list[_Entry] = []
     kind = None
@@ -43,8 +52,10 @@ def bucket_stream(items: Iterable[T], key: Callable[[T], str | Sequence[int]], *
         sort_key = raw if isinstance(raw, str) else tuple(raw)
         kind = kind or type(sort_key)
         if type(sort_key) is not kind:
-            raise TableError(f"item {arrival} has a {type(raw).__name__} key but earlier items have "
-                             f"{kind.__name__} keys; keys must all be strings or all token-id sequences")
+            raise TableError(
+                f"item {arrival} has a {type(raw).__name__} key but earlier items have "
+                f"{kind.__name__} keys; keys must all be strings or all token-id sequences"
+            )
         buffer.append((sort_key, arrival, item))
         if len(buffer) == buffer_size:
             released, buffer = _release(buffer, split_fraction, min_bucket, buffer_size // 2 + buffer_size % 2)
@@ -54,8 +65,9 @@ def bucket_stream(items: Iterable[T], key: Callable[[T], str | Sequence[int]], *
         yield from released
 
 
-def _release(buffer: list[_Entry], split_fraction: float, min_bucket: int,
-             min_freed: int) -> tuple[list[list[T]], list[_Entry]]:
+def _release(
+    buffer: list[_Entry], split_fraction: float, min_bucket: int, min_freed: int
+) -> tuple[list[list[T]], list[_Entry]]:
     """Buckets to yield (items, largest first) and the entries kept, releasing at least ``min_freed`` items."""
     buffer.sort(key=lambda entry: entry[:2])
     buckets = _cut(buffer, split_fraction)

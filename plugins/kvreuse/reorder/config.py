@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from kvreuse import config
 
@@ -19,18 +20,22 @@ class ReorderConfig:
     """
 
     max_skips: int = config.setting(
-        64, "scheduler: most times a waiting request may be passed over by a later one", low=0, high=1_000_000)
+        64, "scheduler: most times a waiting request may be passed over by a later one", low=0, high=1_000_000
+    )
     max_wait_s: float = config.setting(
-        10.0, "scheduler: seconds after arrival past which a request is admitted in arrival order", low=0.0)
+        10.0, "scheduler: seconds after arrival past which a request is admitted in arrival order", low=0.0
+    )
     lookahead: int = config.setting(
-        256, "scheduler: how many waiting requests are scanned for prefix affinity per step", low=1, high=1_000_000)
+        256, "scheduler: how many waiting requests are scanned for prefix affinity per step", low=1, high=1_000_000
+    )
     max_depth: int = config.setting(
-        64, "GGR: recursion depth past which the rest is ordered by the statistics-based fixed order", low=1)
+        64, "GGR: recursion depth past which the rest is ordered by the statistics-based fixed order", low=1
+    )
     min_group_hit: float = config.setting(
-        0.0, "GGR: stop recursing into groups whose best hit value is at most this", low=0.0)
+        0.0, "GGR: stop recursing into groups whose best hit value is at most this", low=0.0
+    )
     discover_fds: bool = config.setting(True, "GGR: discover exact functional dependencies from the data")
 
     @classmethod
-    def load(cls, flags: Mapping[str, Any] | None = None,
-             environ: Mapping[str, str] | None = None) -> "ReorderConfig":
+    def load(cls, flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> ReorderConfig:
         return config.load(cls, "reorder", flags, environ)

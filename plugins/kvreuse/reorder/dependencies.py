@@ -62,12 +62,15 @@ def resolve_fds(given: Mapping[str, Iterable[str]], names: Sequence[str]) -> Dep
     out: Dependencies = {}
     for determinant, dependents in given.items():
         if isinstance(dependents, str):
-            raise TableError(f"dependents of {determinant!r} must be a list of field names, not the string "
-                             f"{dependents!r}")
+            raise TableError(
+                f"dependents of {determinant!r} must be a list of field names, not the string {dependents!r}"
+            )
         for name in (determinant, *dependents):
             if name not in position:
-                raise TableError(f"functional dependency names unknown field {name!r}; the table's fields are "
-                                 f"{', '.join(map(repr, names))}")
+                raise TableError(
+                    f"functional dependency names unknown field {name!r}; the table's fields are "
+                    f"{', '.join(map(repr, names))}"
+                )
         c = position[determinant]
         out[c] = out.get(c, frozenset()) | frozenset(position[d] for d in dependents if position[d] != c)
     return out

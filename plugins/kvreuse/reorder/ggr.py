@@ -68,7 +68,7 @@ class _GreedyGroups:
         cardinality = np.array([len(lengths) for lengths in encoded.lengths], dtype=np.int64)
         self.offset = np.concatenate([[0], np.cumsum(cardinality)[:-1]]).astype(np.int64)
         self.key_column = np.repeat(np.arange(encoded.n_cols), cardinality).tolist()
-        self.key_weight = np.concatenate([lengths ** 2 for lengths in encoded.lengths]).astype(np.int64)
+        self.key_weight = np.concatenate([lengths**2 for lengths in encoded.lengths]).astype(np.int64)
         self.key_card = np.repeat(cardinality, cardinality)
         self.key_neg_len = -np.concatenate(encoded.lengths).astype(np.int64)
         self.rank = {c: i for i, c in enumerate(fixed_field_order(encoded.stats()))}
@@ -128,8 +128,9 @@ class _GreedyGroups:
             cols, prefix = tuple(c for c in cols if c not in lead), prefix + lead
         self.fixed(rows, cols, prefix)
 
-    def groups_by_heap(self, keys: np.ndarray, fd_weight: np.ndarray | None,
-                       alive: np.ndarray) -> Iterator[tuple[np.ndarray, int]]:
+    def groups_by_heap(
+        self, keys: np.ndarray, fd_weight: np.ndarray | None, alive: np.ndarray
+    ) -> Iterator[tuple[np.ndarray, int]]:
         """Yield (member rows, key) of each group in turn, marking its rows not ``alive``; a lazy max-heap."""
         unique, inverse, count = np.unique(keys, return_inverse=True, return_counts=True)
         inverse = inverse.reshape(keys.shape)
@@ -143,8 +144,14 @@ class _GreedyGroups:
         value = (n - 1) * (weight[repeated] * n + fd_sum[repeated]) / n
         keep = value > self.threshold
         repeated = repeated[keep]
-        heap = list(zip((-value[keep]).tolist(), self.key_card[unique[repeated]].tolist(),
-                        self.key_neg_len[unique[repeated]].tolist(), repeated.tolist()))
+        heap = list(
+            zip(
+                (-value[keep]).tolist(),
+                self.key_card[unique[repeated]].tolist(),
+                self.key_neg_len[unique[repeated]].tolist(),
+                repeated.tolist(),
+            )
+        )
         if not heap:
             return
         heapq.heapify(heap)
@@ -162,7 +169,7 @@ class _GreedyGroups:
             if current != -stored:
                 heapq.heappush(heap, (-current, card, neg_len, u))
                 continue
-            members = holders[start[u]:start[u + 1]]
+            members = holders[start[u] : start[u + 1]]
             members = members[alive[members]]
             alive[members] = False
             removed = inverse[members].ravel()
@@ -171,8 +178,9 @@ class _GreedyGroups:
                 np.subtract.at(fd_sum, removed, fd_weight[members].ravel())
             yield members, int(unique[u])
 
-    def groups_by_rescan(self, keys: np.ndarray, fd_weight: np.ndarray | None,
-                         alive: np.ndarray) -> Iterator[tuple[np.ndarray, int]]:
+    def groups_by_rescan(
+        self, keys: np.ndarray, fd_weight: np.ndarray | None, alive: np.ndarray
+    ) -> Iterator[tuple[np.ndarray, int]]:
         """What :meth:`groups_by_heap` yields, found by rescanning the live rows after each group."""
         row_keys = keys.tolist()
         row_fd = fd_weight.tolist() if fd_weight is not None else None

@@ -53,8 +53,9 @@ class BlockHitStats:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def block_hit_stats(token_ids: Sequence[Sequence[int]], block_size: int,
-                    capacity_blocks: int | None = None) -> BlockHitStats:
+def block_hit_stats(
+    token_ids: Sequence[Sequence[int]], block_size: int, capacity_blocks: int | None = None
+) -> BlockHitStats:
     """Replay prompts, in order, through a model of vLLM's automatic prefix caching.
 
     As in vLLM, only full blocks of ``block_size`` tokens are cached, and block ``i`` is known by a hash chained
@@ -67,8 +68,9 @@ def block_hit_stats(token_ids: Sequence[Sequence[int]], block_size: int,
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
-    if capacity_blocks is not None and (isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int)
-                                        or capacity_blocks < 1):
+    if capacity_blocks is not None and (
+        isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks < 1
+    ):
         raise ConfigError(f"capacity_blocks must be a positive integer or None, got {capacity_blocks!r}")
     cache: OrderedDict[int, None] = OrderedDict()
     prompt_tokens = hit_tokens = 0
@@ -77,7 +79,7 @@ def block_hit_stats(token_ids: Sequence[Sequence[int]], block_size: int,
         hashes = []
         parent = None
         for start in range(0, len(tokens) - block_size + 1, block_size):
-            parent = hash((parent, tokens[start:start + block_size]))
+            parent = hash((parent, tokens[start : start + block_size]))
             hashes.append(parent)
         cached = 0
         while cached < len(hashes) and hashes[cached] in cache:
@@ -93,14 +95,19 @@ def block_hit_stats(token_ids: Sequence[Sequence[int]], block_size: int,
     return BlockHitStats(prompt_tokens, hit_tokens, prompt_tokens - hit_tokens)
 
 
-def token_hit_measure(table: pd.DataFrame, instruction: str, fmt: str,
-                      tokenize: Callable[[list[str]], Sequence[Sequence[int]]],
-                      block_size: int) -> Callable[[Ordering], float]:
+def token_hit_measure(
+    table: pd.DataFrame,
+    instruction: str,
+    fmt: str,
+    tokenize: Callable[[list[str]], Sequence[Sequence[int]]],
+    block_size: int,
+) -> Callable[[Ordering], float]:
     """Score an order of ``table`` by the token hit rate the engine would see: its tokenizer, its block size.
 
     ``tokenize`` maps prompts to token ids as the engine does (with special tokens). Pass the result to
     ``solve(..., measure=...)``.
     """
+
     def measure(ordering: Ordering) -> float:
         return block_hit_stats(tokenize(prompts(ordering, table, instruction, fmt)), block_size).hit_rate
 

@@ -36,8 +36,10 @@ def ophr_order(encoded: EncodedTable) -> Ordering:
     """The send order of maximal PHC; :class:`TableError` past ``OPHR_MAX_ROWS`` x ``OPHR_MAX_COLS``."""
     n, m = encoded.codes.shape
     if n > OPHR_MAX_ROWS or m > OPHR_MAX_COLS:
-        raise TableError(f"OPHR is exponential and takes at most {OPHR_MAX_ROWS} rows x {OPHR_MAX_COLS} fields; "
-                         f"this table has {n} x {m}: use method 'ggr'")
+        raise TableError(
+            f"OPHR is exponential and takes at most {OPHR_MAX_ROWS} rows x {OPHR_MAX_COLS} fields; "
+            f"this table has {n} x {m}: use method 'ggr'"
+        )
     plan = _OptimalRuns(encoded).best((1 << n) - 1, (1 << m) - 1)[1]
     return Ordering.from_segments([(np.array([row]), order) for row, order in plan])
 
@@ -57,8 +59,9 @@ class _OptimalRuns:
         self.weight = (encoded.cell_lengths() ** 2).tolist()
         n, m = encoded.codes.shape
         # same[c][r]: the rows whose value in field c equals row r's.
-        self.same = [[sum(1 << s for s in range(n) if self.codes[s][c] == self.codes[r][c]) for r in range(n)]
-                     for c in range(m)]
+        self.same = [
+            [sum(1 << s for s in range(n) if self.codes[s][c] == self.codes[r][c]) for r in range(n)] for c in range(m)
+        ]
         self.memo: dict[tuple[int, int], tuple[int, Plan]] = {}
 
     def best(self, rows: int, fields: int) -> tuple[int, Plan]:

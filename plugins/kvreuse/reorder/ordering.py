@@ -28,23 +28,30 @@ class Ordering:
     def from_segments(cls, segments: Sequence[tuple[np.ndarray, tuple[int, ...]]]) -> Ordering:
         """Concatenate runs of rows, each run sent with one field order (how solvers build their answer)."""
         rows = [np.asarray(run, dtype=np.int64) for run, _ in segments]
-        return cls(np.concatenate(rows) if rows else np.empty(0, dtype=np.int64),
-                   tuple(order for run, order in segments for _ in range(len(run))))
+        return cls(
+            np.concatenate(rows) if rows else np.empty(0, dtype=np.int64),
+            tuple(order for run, order in segments for _ in range(len(run))),
+        )
 
     def validate(self, n_rows: int, n_cols: int) -> None:
         """Raise :class:`TableError` unless this ordering fits a table of ``n_rows`` x ``n_cols``."""
         rows = np.asarray(self.rows)
         if rows.ndim != 1 or len(rows) != n_rows or len(self.fields) != n_rows:
-            raise TableError(f"ordering has {rows.size} row position(s) and {len(self.fields)} field order(s); "
-                             f"the table has {n_rows} rows")
-        if n_rows and (not np.issubdtype(rows.dtype, np.integer)
-                       or not np.array_equal(np.sort(rows), np.arange(n_rows))):
+            raise TableError(
+                f"ordering has {rows.size} row position(s) and {len(self.fields)} field order(s); "
+                f"the table has {n_rows} rows"
+            )
+        if n_rows and (
+            not np.issubdtype(rows.dtype, np.integer) or not np.array_equal(np.sort(rows), np.arange(n_rows))
+        ):
             raise TableError(f"ordering rows are not a permutation of 0..{n_rows - 1}")
         every = tuple(range(n_cols))
         for i, order in enumerate(self.fields):
             if tuple(sorted(order)) != every:
-                raise TableError(f"field order {order!r} at send position {i} is not a permutation of the "
-                                 f"{n_cols} column indices 0..{n_cols - 1}")
+                raise TableError(
+                    f"field order {order!r} at send position {i} is not a permutation of the "
+                    f"{n_cols} column indices 0..{n_cols - 1}"
+                )
 
 
 def prompts(ordering: Ordering, table: pd.DataFrame, instruction: str, fmt: str = "lines") -> list[str]:
@@ -52,5 +59,7 @@ def prompts(ordering: Ordering, table: pd.DataFrame, instruction: str, fmt: str 
     ordering.validate(*table.shape)
     names = [str(c) for c in table.columns]
     cells = table.to_numpy(dtype=object)
-    return [render_prompt(instruction, [names[j] for j in order], [cells[row, j] for j in order], fmt)
-            for row, order in zip(ordering.rows.tolist(), ordering.fields)]
+    return [
+        render_prompt(instruction, [names[j] for j in order], [cells[row, j] for j in order], fmt)
+        for row, order in zip(ordering.rows.tolist(), ordering.fields)
+    ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 
 from kvreuse.errors import ConfigError
 
@@ -233,7 +233,7 @@ def prefix_keys(prompt: str | Sequence[int], block: int, *, limit: int = 16) -> 
     keys: list[bytes] = []
     digest = b""
     for start in range(0, min(len(prompt) // block, limit) * block, block):
-        chunk = prompt[start:start + block]
+        chunk = prompt[start : start + block]
         data = chunk.encode() if isinstance(chunk, str) else repr(tuple(chunk)).encode()
         digest = hashlib.blake2b(digest + data, digest_size=8).digest()
         keys.append(digest)

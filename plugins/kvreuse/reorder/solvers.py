@@ -19,8 +19,14 @@ from kvreuse.reorder.table import prepare_table
 METHODS = ("original", "sorted", "stats", "ggr", "ophr")
 
 
-def solve(table: pd.DataFrame, method: str, *, fds: Mapping[str, Iterable[str]] | None = None,
-          config: ReorderConfig | None = None, measure: Callable[[Ordering], float] | None = None) -> Ordering:
+def solve(
+    table: pd.DataFrame,
+    method: str,
+    *,
+    fds: Mapping[str, Iterable[str]] | None = None,
+    config: ReorderConfig | None = None,
+    measure: Callable[[Ordering], float] | None = None,
+) -> Ordering:
     """The send order of ``table``'s rows, and of each row's fields, by ``method``.
 
     ``"original"``: as given. ``"sorted"``: rows sorted on the table's field order. ``"stats"``: fields in the

@@ -53,8 +53,10 @@ class EncodedTable:
     def stats(self) -> list[ColumnStats]:
         """:class:`ColumnStats` of every column, in column order."""
         cells = self.cell_lengths()
-        return [ColumnStats(name, len(self.lengths[c]), float(cells[:, c].mean()) if self.n_rows else 0.0)
-                for c, name in enumerate(self.names)]
+        return [
+            ColumnStats(name, len(self.lengths[c]), float(cells[:, c].mean()) if self.n_rows else 0.0)
+            for c, name in enumerate(self.names)
+        ]
 
 
 def encode_table(table: pd.DataFrame) -> EncodedTable:

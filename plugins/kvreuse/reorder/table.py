@@ -33,8 +33,10 @@ def prepare_table(df: pd.DataFrame, fields: Sequence[str] | None = None) -> pd.D
     names = [str(c) for c in df.columns]
     repeated = sorted(name for name, count in Counter(names).items() if count > 1)
     if repeated:
-        raise TableError(f"the table has duplicate column name(s) {', '.join(map(repr, repeated))}; "
-                         "rename them so each field is unambiguous")
+        raise TableError(
+            f"the table has duplicate column name(s) {', '.join(map(repr, repeated))}; "
+            "rename them so each field is unambiguous"
+        )
     if fields is None:
         fields = names
     elif isinstance(fields, str):

@@ -32,9 +32,9 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from kvreuse.errors import ConfigError
+from kvreuse.sglang.settings import SPARSE_ATTENTION_BACKEND
 from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.paged import PagedBatch, SparseAttention
-from kvreuse.sglang.settings import SPARSE_ATTENTION_BACKEND
 
 logger = logging.getLogger("sglang.plugins.kvreuse.attention")
 
@@ -45,15 +45,18 @@ def paged_batch(forward_batch: ForwardBatch, req_to_token: torch.Tensor, page_si
     """One forward pass's batch in the kernels' terms (see the module docstring)."""
     bs = forward_batch.batch_size
     seq_lens = forward_batch.seq_lens[:bs]
-    seq_lens_cpu = (forward_batch.seq_lens_cpu[:bs] if forward_batch.seq_lens_cpu is not None
-                    else seq_lens.cpu()).to(torch.int32)
+    seq_lens_cpu = (forward_batch.seq_lens_cpu[:bs] if forward_batch.seq_lens_cpu is not None else seq_lens.cpu()).to(
+        torch.int32
+    )
     mode = forward_batch.forward_mode
     if mode.is_decode():
         query_lens = torch.ones(bs, dtype=torch.int32)
     elif mode.is_extend():
-        query_lens = (torch.tensor(forward_batch.extend_seq_lens_cpu[:bs], dtype=torch.int32)
-                      if forward_batch.extend_seq_lens_cpu is not None
-                      else forward_batch.extend_seq_lens[:bs].cpu().to(torch.int32))
+        query_lens = (
+            torch.tensor(forward_batch.extend_seq_lens_cpu[:bs], dtype=torch.int32)
+            if forward_batch.extend_seq_lens_cpu is not None
+            else forward_batch.extend_seq_lens[:bs].cpu().to(torch.int32)
+        )
     else:
         raise ConfigError(f"the kvreuse sparse attention backend does not run forward mode {mode.name}")
     query_start_loc_cpu = torch.zeros(bs + 1, dtype=torch.int32)
@@ -62,11 +65,16 @@ def paged_batch(forward_batch: ForwardBatch, req_to_token: torch.Tensor, page_si
     pages = -(-max_seq_len // page_size)
     tokens = req_to_token[forward_batch.req_pool_indices[:bs], : pages * page_size]
     device = seq_lens.device
-    return PagedBatch(query_start_loc=query_start_loc_cpu.to(device), query_start_loc_cpu=query_start_loc_cpu,
-                      seq_lens=seq_lens.to(torch.int32), seq_lens_cpu=seq_lens_cpu,
-                      block_table=(tokens[:, ::page_size] // page_size).to(torch.int32),
-                      slot_mapping=forward_batch.out_cache_loc, num_actual_tokens=int(query_start_loc_cpu[-1]),
-                      max_seq_len=max_seq_len)
+    return PagedBatch(
+        query_start_loc=query_start_loc_cpu.to(device),
+        query_start_loc_cpu=query_start_loc_cpu,
+        seq_lens=seq_lens.to(torch.int32),
+        seq_lens_cpu=seq_lens_cpu,
+        block_table=(tokens[:, ::page_size] // page_size).to(torch.int32),
+        slot_mapping=forward_batch.out_cache_loc,
+        num_actual_tokens=int(query_start_loc_cpu[-1]),
+        max_seq_len=max_seq_len,
+    )
 
 
 class SparseAttnBackend(AttentionBackend):
@@ -79,16 +87,27 @@ class SparseAttnBackend(AttentionBackend):
         self.page_size = int(model_runner.page_size)
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
-        problems = [what for what, given in (
-            ("MLA models", getattr(model_runner, "use_mla_backend", False)),
-            (f"KV pool {type(self.token_to_kv_pool).__name__} (sliding-window, hybrid or quantized KV caches)",
-             type(self.token_to_kv_pool) is not MHATokenToKVPool)) if given]
+        problems = [
+            what
+            for what, given in (
+                ("MLA models", getattr(model_runner, "use_mla_backend", False)),
+                (
+                    f"KV pool {type(self.token_to_kv_pool).__name__} (sliding-window, hybrid or quantized KV caches)",
+                    type(self.token_to_kv_pool) is not MHATokenToKVPool,
+                ),
+            )
+            if given
+        ]
         if problems:
-            raise ConfigError(f"the kvreuse sparse attention backend does not support {', '.join(problems)}; "
-                              f"choose another --attention-backend for this model")
+            raise ConfigError(
+                f"the kvreuse sparse attention backend does not support {', '.join(problems)}; "
+                f"choose another --attention-backend for this model"
+            )
         if self.page_size < 2:
-            raise ConfigError(f"{_FLAG} prunes whole pages of the KV cache and needs --page-size 2 or more "
-                              f"(16 or more to read fewer bytes), got {self.page_size}")
+            raise ConfigError(
+                f"{_FLAG} prunes whole pages of the KV cache and needs --page-size 2 or more "
+                f"(16 or more to read fewer bytes), got {self.page_size}"
+            )
         self.config = config or SparseConfig.load()
         self.attention: SparseAttention | None = None
         self.bounds: dict[int, torch.Tensor] = {}
@@ -114,12 +133,28 @@ class SparseAttnBackend(AttentionBackend):
 
     # -- forward ----------------------------------------------------------------------------------------------------
 
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Any,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         return self._forward(q, k, v, layer, save_kv_cache)
 
-    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Any,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         return self._forward(q, k, v, layer, save_kv_cache)
 
     def _forward(self, q, k, v, layer, save_kv_cache: bool) -> torch.Tensor:
@@ -128,27 +163,43 @@ class SparseAttnBackend(AttentionBackend):
         key_cache, value_cache, bounds = self._caches(layer)
         heads, kv_heads, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
         if save_kv_cache and k is not None:
-            attention.write(k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim), key_cache, value_cache, bounds,
-                            batch.slot_mapping)
+            attention.write(
+                k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim), key_cache, value_cache, bounds, batch.slot_mapping
+            )
         out = q.new_empty(q.shape[0], heads * dim)
         n = batch.num_actual_tokens
-        attention.attend(layer.layer_id, q.view(-1, heads, dim)[:n], key_cache, value_cache, bounds, batch,
-                         out.view(-1, heads, dim)[:n])
+        attention.attend(
+            layer.layer_id,
+            q.view(-1, heads, dim)[:n],
+            key_cache,
+            value_cache,
+            bounds,
+            batch,
+            out.view(-1, heads, dim)[:n],
+        )
         return out
 
     def _attention(self, layer: Any) -> SparseAttention:
         if self.attention is None:
-            problems = [what for what, given in (
-                ("cross attention", layer.is_cross_attention),
-                (f"attention type {layer.attn_type}", layer.attn_type != AttentionType.DECODER),
-                ("sliding windows", layer.sliding_window_size is not None and layer.sliding_window_size > -1),
-                ("logit soft-capping", bool(layer.logit_cap)),
-                ("different key and value head sizes", layer.qk_head_dim != layer.v_head_dim)) if given]
+            problems = [
+                what
+                for what, given in (
+                    ("cross attention", layer.is_cross_attention),
+                    (f"attention type {layer.attn_type}", layer.attn_type != AttentionType.DECODER),
+                    ("sliding windows", layer.sliding_window_size is not None and layer.sliding_window_size > -1),
+                    ("logit soft-capping", bool(layer.logit_cap)),
+                    ("different key and value head sizes", layer.qk_head_dim != layer.v_head_dim),
+                )
+                if given
+            ]
             if problems:
-                raise ConfigError(f"the kvreuse sparse attention backend does not support {', '.join(problems)} "
-                                  f"(layer {layer.layer_id}); choose another --attention-backend for this model")
-            self.attention = SparseAttention(layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim,
-                                             self.page_size, layer.scaling, self.config)
+                raise ConfigError(
+                    f"the kvreuse sparse attention backend does not support {', '.join(problems)} "
+                    f"(layer {layer.layer_id}); choose another --attention-backend for this model"
+                )
+            self.attention = SparseAttention(
+                layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, self.page_size, layer.scaling, self.config
+            )
         return self.attention
 
     def _caches(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -156,12 +207,14 @@ class SparseAttnBackend(AttentionBackend):
         keys = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         values = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         if keys.shape[0] % self.page_size:
-            raise ConfigError(f"SGLang's KV buffer has {keys.shape[0]} slots, not a multiple of --page-size "
-                              f"{self.page_size}")
+            raise ConfigError(
+                f"SGLang's KV buffer has {keys.shape[0]} slots, not a multiple of --page-size {self.page_size}"
+            )
         key_cache = keys.view(-1, self.page_size, *keys.shape[1:])
         value_cache = values.view(-1, self.page_size, *values.shape[1:])
         bounds = self.bounds.get(layer.layer_id)
         if bounds is None or bounds.shape[0] != key_cache.shape[0] or bounds.device != key_cache.device:
             bounds = self.bounds[layer.layer_id] = self.attention.allocate_bounds(
-                key_cache.shape[0], key_cache.dtype, key_cache.device)
+                key_cache.shape[0], key_cache.dtype, key_cache.device
+            )
         return key_cache, value_cache, bounds

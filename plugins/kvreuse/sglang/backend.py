@@ -45,8 +45,11 @@ class SGLangBackend:
         tokenizer = getattr(getattr(engine, "tokenizer_manager", None), "tokenizer", None)
         # SGLang's radix cache shares prefixes at page granularity (--page-size, 1 by default).
         page_size = int(getattr(engine.server_args, "page_size", None) or 1)
-        self.cache_model = None if tokenizer is None else PrefixCacheModel(
-            tokenize=lambda prompts: tokenizer(list(prompts))["input_ids"], block_size=page_size)
+        self.cache_model = (
+            None
+            if tokenizer is None
+            else PrefixCacheModel(tokenize=lambda prompts: tokenizer(list(prompts))["input_ids"], block_size=page_size)
+        )
 
     def generate(self, prompts: Sequence[str], *, max_tokens: int, progress: bool = False) -> list[Completion]:
         """Completions of ``prompts`` in their order (see :class:`kvreuse.batch.Backend`); SGLang shows no

@@ -50,8 +50,14 @@ logger = logging.getLogger("sglang.plugins.kvreuse.module_cache")
 class ModuleRadixCache(RadixCache):
     """SGLang's ``RadixCache`` that learns registered modules and splices them after a prefix hit."""
 
-    def __init__(self, params: CacheInitParams, *, store: ModuleStore, rope: RopeSpec,
-                 modules: Sequence[tuple[Hashable, Sequence[int]]] = ()) -> None:
+    def __init__(
+        self,
+        params: CacheInitParams,
+        *,
+        store: ModuleStore,
+        rope: RopeSpec,
+        modules: Sequence[tuple[Hashable, Sequence[int]]] = (),
+    ) -> None:
         super().__init__(params)
         self.store = store
         self.rope = rope
@@ -79,9 +85,17 @@ class ModuleRadixCache(RadixCache):
             module_key = self.store.key(match.name, self._module_tokens[match.name])
             if module_key in self.store:
                 continue
-            kv = self._read_kv(slots[match.start:match.end])
-            self.store.put(EncodedModule(match.name, self.store.model_id, self.store.tokenizer_id,
-                                         self._module_tokens[match.name], match.start, kv))
+            kv = self._read_kv(slots[match.start : match.end])
+            self.store.put(
+                EncodedModule(
+                    match.name,
+                    self.store.model_id,
+                    self.store.tokenizer_id,
+                    self._module_tokens[match.name],
+                    match.start,
+                    kv,
+                )
+            )
             self.learnt_modules += 1
 
     def _pool(self) -> Any:
@@ -90,8 +104,12 @@ class ModuleRadixCache(RadixCache):
     def _read_kv(self, slots: torch.Tensor) -> torch.Tensor:
         pool = self._pool()
         slots = slots.to(pool.get_key_buffer(pool.start_layer).device)
-        return torch.stack([torch.stack([pool.get_key_buffer(layer)[slots], pool.get_value_buffer(layer)[slots]])
-                            for layer in range(pool.start_layer, pool.start_layer + pool.layer_num)]).clone()
+        return torch.stack(
+            [
+                torch.stack([pool.get_key_buffer(layer)[slots], pool.get_value_buffer(layer)[slots]])
+                for layer in range(pool.start_layer, pool.start_layer + pool.layer_num)
+            ]
+        ).clone()
 
     # -- splicing --------------------------------------------------------------------------------------------------
 
@@ -130,16 +148,19 @@ class ModuleRadixCache(RadixCache):
                 break
             layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
             device = pool.get_key_buffer(pool.start_layer).device
-            part = slots[at:at + length].to(device)
+            part = slots[at : at + length].to(device)
             for layer, (keys, values) in zip(layers, piece_kv(modules[piece.name], piece, self.rope, device, length)):
                 key_buffer, value_buffer = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
                 key_buffer[part] = keys.to(key_buffer.dtype)
                 value_buffer[part] = values.to(value_buffer.dtype)
             at += length
         prefix = self.path_device_indices(result.last_device_node).to(slots.device)
-        inserted = super().insert(InsertParams(
-            key=RadixKey(key.token_ids[:end], key.extra_key, cache_salt=key.cache_salt),
-            value=torch.cat([prefix[:hit], slots])))
+        inserted = super().insert(
+            InsertParams(
+                key=RadixKey(key.token_ids[:end], key.extra_key, cache_salt=key.cache_salt),
+                value=torch.cat([prefix[:hit], slots]),
+            )
+        )
         if inserted.prefix_len > hit:  # another request inserted part of it meanwhile: ours are duplicates
             self.token_to_kv_pool_allocator.free(slots[: inserted.prefix_len - hit])
         self.spliced_tokens += end - hit
@@ -150,22 +171,32 @@ def create_module_radix_cache(ctx: Any) -> ModuleRadixCache:
     """SGLang's radix-cache factory (``TreeCacheBuildContext`` -> cache) for ``--radix-cache-backend
     kvreuse_modules``; refuses the configurations it cannot serve, naming the flag."""
     args = ctx.server_args
-    problems = [what for what, given in (
-        ("--disable-radix-cache", ctx.disable_radix_cache),
-        ("hierarchical caching (--enable-hierarchical-cache)", ctx.enable_hierarchical_cache),
-        ("hybrid sliding-window or state-space models", ctx.is_hybrid_swa or ctx.is_hybrid_ssm),
-        (f"--attention-backend {SPARSE_ATTENTION_BACKEND} (spliced slots would have no page bounds)",
-         SPARSE_ATTENTION_BACKEND in (getattr(args, "attention_backend", None),
-                                      getattr(args, "decode_attention_backend", None))),
-        ("speculative decoding with EAGLE (bigram keys)", ctx.params.is_eagle),
-        ("tensor parallelism (each rank would need the same splice)", ctx.tp_size > 1)) if given]
+    problems = [
+        what
+        for what, given in (
+            ("--disable-radix-cache", ctx.disable_radix_cache),
+            ("hierarchical caching (--enable-hierarchical-cache)", ctx.enable_hierarchical_cache),
+            ("hybrid sliding-window or state-space models", ctx.is_hybrid_swa or ctx.is_hybrid_ssm),
+            (
+                f"--attention-backend {SPARSE_ATTENTION_BACKEND} (spliced slots would have no page bounds)",
+                SPARSE_ATTENTION_BACKEND
+                in (getattr(args, "attention_backend", None), getattr(args, "decode_attention_backend", None)),
+            ),
+            ("speculative decoding with EAGLE (bigram keys)", ctx.params.is_eagle),
+            ("tensor parallelism (each rank would need the same splice)", ctx.tp_size > 1),
+        )
+        if given
+    ]
     if problems:
         raise ConfigError(f"--radix-cache-backend {MODULE_CACHE_BACKEND} does not support {', '.join(problems)}")
     hf_config = ctx.model_config.hf_config
     rope = check_rerotation(rope_spec_from_hf_config(hf_config.to_dict()))
     settings = SGLangConfig.load()
     modules = read_modules_file(settings.modules_file) if settings.modules_file else []
-    store = ModuleStore(ModulesConfig.load(), model_id=str(args.model_path),
-                        tokenizer_id=str(getattr(args, "tokenizer_path", None) or args.model_path))
+    store = ModuleStore(
+        ModulesConfig.load(),
+        model_id=str(args.model_path),
+        tokenizer_id=str(getattr(args, "tokenizer_path", None) or args.model_path),
+    )
     logger.info("kvreuse module cache: %d modules registered, store tiers %s", len(modules), store.tiers)
     return ModuleRadixCache(ctx.params, store=store, rope=rope, modules=modules)

@@ -36,9 +36,11 @@ def register() -> None:
         return
     _REGISTERED_PIDS.add(os.getpid())
     # Each name on its own: an SGLang version that moved one extension point still gets the others.
-    for what, step in (("schedule policy", _register_schedule_policy),
-                       (f"attention backend {SPARSE_ATTENTION_BACKEND}", _register_sparse_backend),
-                       (f"radix cache backend {MODULE_CACHE_BACKEND}", _register_module_cache)):
+    for what, step in (
+        ("schedule policy", _register_schedule_policy),
+        (f"attention backend {SPARSE_ATTENTION_BACKEND}", _register_sparse_backend),
+        (f"radix cache backend {MODULE_CACHE_BACKEND}", _register_module_cache),
+    ):
         try:
             step()
         except Exception:
@@ -72,8 +74,11 @@ def _register_sparse_backend() -> None:
 
     existing = ATTENTION_BACKENDS.get(SPARSE_ATTENTION_BACKEND)
     if existing is not None and existing is not create_sparse_backend:
-        logger.warning("kvreuse: attention backend %s is already registered as %r; not replaced",
-                       SPARSE_ATTENTION_BACKEND, existing)
+        logger.warning(
+            "kvreuse: attention backend %s is already registered as %r; not replaced",
+            SPARSE_ATTENTION_BACKEND,
+            existing,
+        )
     else:
         register_attention_backend(SPARSE_ATTENTION_BACKEND)(create_sparse_backend)
     if SPARSE_ATTENTION_BACKEND not in ATTENTION_BACKEND_CHOICES:

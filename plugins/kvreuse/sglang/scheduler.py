@@ -34,7 +34,7 @@ from kvreuse.modules.trie import ModuleTrie
 from kvreuse.reorder.affinity import PrefixAffinityQueue, PrefixProbe, ReorderCounters
 from kvreuse.reorder.config import ReorderConfig
 from kvreuse.reorder.rerank import rerank_by_module_sets
-from kvreuse.sglang.settings import AFFINITY_POLICY, MODULES_POLICY, SGLangConfig, read_modules_file
+from kvreuse.sglang.settings import AFFINITY_POLICY, SGLangConfig, read_modules_file
 
 logger = logging.getLogger("sglang.plugins.kvreuse.scheduler")
 
@@ -60,8 +60,14 @@ class AffinityOrder(Generic[T]):
     A request's identity is the object (SGLang's ``Req`` hashes by identity).
     """
 
-    def __init__(self, config: ReorderConfig, probe: Callable[[T], PrefixProbe], arrival_time: Callable[[T], float],
-                 priority: Callable[[T], int] | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        config: ReorderConfig,
+        probe: Callable[[T], PrefixProbe],
+        arrival_time: Callable[[T], float],
+        priority: Callable[[T], int] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.config = config
         self._live_probe = probe
         self._clock = clock
@@ -72,8 +78,12 @@ class AffinityOrder(Generic[T]):
         # The queue gets plain functions (and methods of this object): planning deep-copies the queue with this
         # object and the requests memoised, and a bound method of anything else would copy its owner.
         self.queue: PrefixAffinityQueue[T] = PrefixAffinityQueue(
-            config, self._probe, lambda request: arrival_time(request),
-            None if priority is None else (lambda request: priority(request)), clock=self._plan_time)
+            config,
+            self._probe,
+            lambda request: arrival_time(request),
+            None if priority is None else (lambda request: priority(request)),
+            clock=self._plan_time,
+        )
 
     @property
     def counters(self) -> ReorderCounters:
@@ -138,15 +148,28 @@ class KVReuseSchedulePolicy(SchedulePolicy):
     # Seconds clock of the bounded wait, the one SGLang stamps ``wait_queue_entry_time`` with.
     clock: Callable[[], float] = staticmethod(time.perf_counter)
 
-    def __init__(self, policy: str, tree_cache: Any, enable_hierarchical_cache: bool,
-                 enable_priority_scheduling: bool, schedule_low_priority_values_first: bool,
-                 *, settings: SGLangConfig | None = None, reorder: ReorderConfig | None = None) -> None:
+    def __init__(
+        self,
+        policy: str,
+        tree_cache: Any,
+        enable_hierarchical_cache: bool,
+        enable_priority_scheduling: bool,
+        schedule_low_priority_values_first: bool,
+        *,
+        settings: SGLangConfig | None = None,
+        reorder: ReorderConfig | None = None,
+    ) -> None:
         self.settings = settings or SGLangConfig.load()
         self.kvreuse_policy = self.settings.schedule_policy or None
         # SGLang's own policy state is built for fcfs when kvreuse orders the queue: the rest of SGLang asks the
         # policy object only for the chunk limit of shortest-prefill-first and whether the queue was matched.
-        super().__init__("fcfs" if self.kvreuse_policy else policy, tree_cache, enable_hierarchical_cache,
-                         enable_priority_scheduling, schedule_low_priority_values_first)
+        super().__init__(
+            "fcfs" if self.kvreuse_policy else policy,
+            tree_cache,
+            enable_hierarchical_cache,
+            enable_priority_scheduling,
+            schedule_low_priority_values_first,
+        )
         self.order: AffinityOrder[Req] | None = None
         if self.kvreuse_policy is None:
             return
@@ -154,22 +177,31 @@ class KVReuseSchedulePolicy(SchedulePolicy):
         self._priority = self._signed_priority if enable_priority_scheduling else None
         self._next_log_at = LOG_EVERY_ADMISSIONS
         if getattr(tree_cache, "disable", True):
-            logger.warning("kvreuse %s without the radix cache (--disable-radix-cache) orders requests as they "
-                           "arrived", self.kvreuse_policy)
+            logger.warning(
+                "kvreuse %s without the radix cache (--disable-radix-cache) orders requests as they arrived",
+                self.kvreuse_policy,
+            )
         if self.kvreuse_policy == AFFINITY_POLICY:
             self.order = AffinityOrder(
-                self.reorder_config, self._probe_prefix, _arrival_time, self._priority, clock=type(self).clock)
+                self.reorder_config, self._probe_prefix, _arrival_time, self._priority, clock=type(self).clock
+            )
             page = getattr(tree_cache, "page_size", 1) or 1
             self.block_tokens = -(-self.settings.affinity_block // page) * page
         else:
             self.module_trie = self._module_trie(tree_cache)
             self._module_ids: dict[Hashable, int] = {}
-        logger.info("kvreuse schedule policy %s (in place of --schedule-policy %s): lookahead %d, max_skips %d, "
-                    "max_wait_s %g", self.kvreuse_policy, policy, self.reorder_config.lookahead,
-                    self.reorder_config.max_skips, self.reorder_config.max_wait_s)
+        logger.info(
+            "kvreuse schedule policy %s (in place of --schedule-policy %s): lookahead %d, max_skips %d, max_wait_s %g",
+            self.kvreuse_policy,
+            policy,
+            self.reorder_config.lookahead,
+            self.reorder_config.max_skips,
+            self.reorder_config.max_wait_s,
+        )
 
-    def calc_priority(self, waiting_queue: list[Req], running_batch: ScheduleBatch | None = None,
-                      processed_tokens: int = 0) -> None:
+    def calc_priority(
+        self, waiting_queue: list[Req], running_batch: ScheduleBatch | None = None, processed_tokens: int = 0
+    ) -> None:
         if self.kvreuse_policy is None:
             return super().calc_priority(waiting_queue, running_batch, processed_tokens)
         if self.order is not None:
@@ -222,14 +254,15 @@ class KVReuseSchedulePolicy(SchedulePolicy):
             for name, ids in read_modules_file(self.settings.modules_file):
                 trie.add(name, ids)
         if not len(trie) and getattr(tree_cache, "module_trie", None) is None:
-            raise ConfigError("KVREUSE_SGLANG_SCHEDULE_POLICY=module-sets needs modules to compare: set "
-                              "KVREUSE_SGLANG_MODULES_FILE, or use --radix-cache-backend kvreuse_modules")
+            raise ConfigError(
+                "KVREUSE_SGLANG_SCHEDULE_POLICY=module-sets needs modules to compare: set "
+                "KVREUSE_SGLANG_MODULES_FILE, or use --radix-cache-backend kvreuse_modules"
+            )
         return trie
 
     def _module_set(self, req: Req) -> list[int]:
         ids = req.origin_input_ids
-        return [self._module_ids.setdefault(match.name, len(self._module_ids))
-                for match in self.module_trie.find(ids)]
+        return [self._module_ids.setdefault(match.name, len(self._module_ids)) for match in self.module_trie.find(ids)]
 
     def _rerank_by_modules(self, waiting: list[Req]) -> list[Req]:
         """Per priority class (best first), the oldest request then its nearest neighbours by module set, for the
@@ -237,7 +270,7 @@ class KVReuseSchedulePolicy(SchedulePolicy):
         priority always comes first, so no request waits behind more than the requests older than it."""
         key = (lambda r: (self._priority(r), _arrival_time(r))) if self._priority else _arrival_time
         ordered = sorted(waiting, key=key)
-        head, rest = ordered[: self.reorder_config.lookahead], ordered[self.reorder_config.lookahead:]
+        head, rest = ordered[: self.reorder_config.lookahead], ordered[self.reorder_config.lookahead :]
         out: list[Req] = []
         start = 0
         while start < len(head):
@@ -255,6 +288,13 @@ class KVReuseSchedulePolicy(SchedulePolicy):
 
 
 def log_counters(c: ReorderCounters) -> None:
-    logger.info("kvreuse reorder: %d admissions, %d out of arrival order, %d with a cached prefix "
-                "(%d cached pages), %d forced by bounded waiting, at most %d skips of one request",
-                c.admissions, c.out_of_order, c.cached_prefix, c.cached_blocks, c.forced, c.max_skips)
+    logger.info(
+        "kvreuse reorder: %d admissions, %d out of arrival order, %d with a cached prefix "
+        "(%d cached pages), %d forced by bounded waiting, at most %d skips of one request",
+        c.admissions,
+        c.out_of_order,
+        c.cached_prefix,
+        c.cached_blocks,
+        c.forced,
+        c.max_skips,
+    )

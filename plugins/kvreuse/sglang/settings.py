@@ -17,9 +17,10 @@ accepts it only with ``--schedule-policy fcfs`` or ``lof``.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from kvreuse import config
 from kvreuse.errors import ConfigError
@@ -39,19 +40,26 @@ class SGLangConfig:
     """What the SGLang adapter needs beyond the plugins' own settings (``KVREUSE_SGLANG_*``)."""
 
     schedule_policy: str = config.setting(
-        "", "waiting-queue order in place of --schedule-policy: prefix-affinity (cached prefixes first, shared "
-            "prefixes together, bounded waiting) or module-sets (neighbours share modules); empty = SGLang's own",
-        choices=("",) + SCHEDULE_POLICIES)
+        "",
+        "waiting-queue order in place of --schedule-policy: prefix-affinity (cached prefixes first, shared "
+        "prefixes together, bounded waiting) or module-sets (neighbours share modules); empty = SGLang's own",
+        choices=("",) + SCHEDULE_POLICIES,
+    )
     affinity_block: int = config.setting(
-        16, "prefix-affinity: tokens that form the 'next block' two waiting requests must share to be grouped "
-            "(rounded up to a multiple of --page-size)", low=1, high=1_000_000)
+        16,
+        "prefix-affinity: tokens that form the 'next block' two waiting requests must share to be grouped "
+        "(rounded up to a multiple of --page-size)",
+        low=1,
+        high=1_000_000,
+    )
     modules_file: str = config.setting(
-        "", "module-sets and the module cache: a JSON file {name: [token ids]} of the prompt modules to "
-            "recognise in requests (empty = none, or only those the module cache learns)")
+        "",
+        "module-sets and the module cache: a JSON file {name: [token ids]} of the prompt modules to "
+        "recognise in requests (empty = none, or only those the module cache learns)",
+    )
 
     @classmethod
-    def load(cls, flags: Mapping[str, Any] | None = None,
-             environ: Mapping[str, str] | None = None) -> "SGLangConfig":
+    def load(cls, flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> SGLangConfig:
         return config.load(cls, "sglang", flags, environ)
 
 
@@ -70,8 +78,11 @@ def read_modules_file(path: str | Path) -> list[tuple[str, list[int]]]:
         raise ConfigError(f"{where}: must hold a JSON object {{name: [token ids]}}, got {type(data).__name__}")
     modules = []
     for name, ids in data.items():
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                           for t in ids):
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+        ):
             raise ConfigError(f"{where}: module {name!r} must be a non-empty list of token ids (integers >= 0)")
         modules.append((name, ids))
     return modules

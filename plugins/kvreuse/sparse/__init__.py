@@ -6,8 +6,7 @@ them with its own metadata and asks ``RuleBasedPolicy`` for each layer's betas.
 """
 
 from kvreuse.sparse.config import SparseConfig, parse_layer_betas
-from kvreuse.sparse.figures import (AttendedFractions, FigureIncrements, recovery_ratio, sample_recovery,
-                                    should_sample)
+from kvreuse.sparse.figures import AttendedFractions, FigureIncrements, recovery_ratio, sample_recovery, should_sample
 from kvreuse.sparse.policy import RuleBasedPolicy, layer_beta, sequence_betas, uses_dipr
 
 __all__ = [

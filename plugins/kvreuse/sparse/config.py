@@ -16,8 +16,9 @@ model and task: measure it with ``sample_recovery``, set it per layer with ``lay
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from kvreuse import config
 from kvreuse.errors import ConfigError
@@ -40,8 +41,9 @@ def parse_layer_betas(text: str) -> dict[int, float]:
         except ValueError:
             span, beta = range(0), float("nan")
         if not sep or not span or span.start < 0 or math.isnan(beta) or beta < 0:
-            raise ConfigError(f"{where}: {entry!r} is not LAYER:BETA or FIRST-LAST:BETA with layers >= 0 and "
-                              f"beta in [0, inf]")
+            raise ConfigError(
+                f"{where}: {entry!r} is not LAYER:BETA or FIRST-LAST:BETA with layers >= 0 and beta in [0, inf]"
+            )
         for layer in span:
             if layer in out:
                 raise ConfigError(f"{where}: layer {layer} is given twice")
@@ -57,30 +59,37 @@ class SparseConfig:
     """
 
     beta: float = config.setting(
-        8.0, "DIPR: keep tokens whose softmax logit is within beta of the largest (weight >= e^-beta of the "
-              "strongest); inf = dense", low=0.0)
+        8.0,
+        "DIPR: keep tokens whose softmax logit is within beta of the largest (weight >= e^-beta of the "
+        "strongest); inf = dense",
+        low=0.0,
+    )
     layer_betas: str = config.setting(
-        "", "per-layer beta overrides, e.g. \"0:inf,8-11:6.0\" (a layer listed here ignores dense_layers)")
+        "", 'per-layer beta overrides, e.g. "0:inf,8-11:6.0" (a layer listed here ignores dense_layers)'
+    )
     dense_layers: int = config.setting(
-        2, "the first this many layers always use dense attention", low=0, high=1_000_000)
-    min_context: int = config.setting(
-        2048, "sequences shorter than this many tokens use dense attention", low=0)
+        2, "the first this many layers always use dense attention", low=0, high=1_000_000
+    )
+    min_context: int = config.setting(2048, "sequences shorter than this many tokens use dense attention", low=0)
     sink: int = config.setting(
-        16, "always-kept first tokens; their scores give DIPR's lower bound on the largest score", low=0,
-        high=1_000_000)
+        16, "always-kept first tokens; their scores give DIPR's lower bound on the largest score", low=0, high=1_000_000
+    )
     local: int = config.setting(
-        64, "always-kept last tokens (with sink; at least one window token in all)", low=0, high=1_000_000)
+        64, "always-kept last tokens (with sink; at least one window token in all)", low=0, high=1_000_000
+    )
     sample_recovery: int = config.setting(
-        0, "every this many decode steps, measure the share of dense attention mass kept (0 = never)", low=0)
+        0, "every this many decode steps, measure the share of dense attention mass kept (0 = never)", low=0
+    )
 
     def __post_init__(self) -> None:
         parse_layer_betas(self.layer_betas)
         if self.sink + self.local < 1:
-            raise ConfigError(f"sparse.sink ({config.env_name('sparse', 'sink')}) and sparse.local "
-                              f"({config.env_name('sparse', 'local')}): at least one must be >= 1, the window gives "
-                              f"DIPR its lower bound on the largest score")
+            raise ConfigError(
+                f"sparse.sink ({config.env_name('sparse', 'sink')}) and sparse.local "
+                f"({config.env_name('sparse', 'local')}): at least one must be >= 1, the window gives "
+                f"DIPR its lower bound on the largest score"
+            )
 
     @classmethod
-    def load(cls, flags: Mapping[str, Any] | None = None,
-             environ: Mapping[str, str] | None = None) -> "SparseConfig":
+    def load(cls, flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> SparseConfig:
         return config.load(cls, "sparse", flags, environ)

@@ -32,9 +32,17 @@ def recovery_ratio(logits: torch.Tensor, attended: torch.Tensor) -> torch.Tensor
     return (weights * attended).sum(-1)
 
 
-def sample_recovery(query: torch.Tensor, key_cache: torch.Tensor, bounds: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, beta: float | torch.Tensor, scale: float, sink: int,
-                    local: int) -> torch.Tensor:
+def sample_recovery(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    bounds: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    beta: float | torch.Tensor,
+    scale: float,
+    sink: int,
+    local: int,
+) -> torch.Tensor:
     """Recovery ratio ``[num_seqs, num_q_heads]`` of the set the DIPR kernel attends, by the reference."""
     from kvreuse.kernels.dipr_decode import dipr_selection_reference
 
@@ -77,10 +85,14 @@ class AttendedFractions:
     def add(self, layer: int, counters: DIPRCounters) -> None:
         sums = self._layers.setdefault(layer, _LayerSums())
         kv_heads, q_heads = counters.blocks_read.shape[1], counters.tokens_attended.shape[1]
-        step = torch.stack((counters.blocks_read.sum(dtype=torch.int64),
-                            counters.blocks_total.sum(dtype=torch.int64) * kv_heads,
-                            counters.tokens_attended.sum(dtype=torch.int64),
-                            counters.tokens_total.sum(dtype=torch.int64) * q_heads))
+        step = torch.stack(
+            (
+                counters.blocks_read.sum(dtype=torch.int64),
+                counters.blocks_total.sum(dtype=torch.int64) * kv_heads,
+                counters.tokens_attended.sum(dtype=torch.int64),
+                counters.tokens_total.sum(dtype=torch.int64) * q_heads,
+            )
+        )
         sums.counts = step if sums.counts is None else sums.counts + step
 
     def add_dense(self, layer: int, blocks: int, tokens: int) -> None:
@@ -108,13 +120,19 @@ class AttendedFractions:
 
     def dense_totals(self) -> dict[int, tuple[int, int, int, int]]:
         """Per layer with dense decodes: their cumulative ``COUNTERS`` (host values)."""
-        return {layer: sums.dense_counts()
-                for layer, sums in sorted(self._layers.items()) if sums.dense_blocks or sums.dense_tokens}
+        return {
+            layer: sums.dense_counts()
+            for layer, sums in sorted(self._layers.items())
+            if sums.dense_blocks or sums.dense_tokens
+        }
 
     def recovery_totals(self) -> dict[int, tuple[float, int]]:
         """Per layer with samples: the sum of the sampled recovery ratios and their number (host values)."""
-        return {layer: (sums.recovery_kept, sums.recovery_samples)
-                for layer, sums in sorted(self._layers.items()) if sums.recovery_samples}
+        return {
+            layer: (sums.recovery_kept, sums.recovery_samples)
+            for layer, sums in sorted(self._layers.items())
+            if sums.recovery_samples
+        }
 
     def rows(self) -> list[dict[str, float | int | None]]:
         """One row per layer: ``layer, block_fraction, token_fraction, recovery_mean, recovery_min, samples``."""
@@ -123,16 +141,19 @@ class AttendedFractions:
             sums = self._layers[layer]
             counts = [0] * len(COUNTERS) if sums.counts is None else sums.counts.tolist()
             blocks_read, blocks_total, tokens_attended, tokens_total = (
-                a + b for a, b in zip(counts, sums.dense_counts()))
+                a + b for a, b in zip(counts, sums.dense_counts())
+            )
             sampled = sums.recovery_samples > 0
-            rows.append({
-                "layer": layer,
-                "block_fraction": blocks_read / blocks_total if blocks_total else None,
-                "token_fraction": tokens_attended / tokens_total if tokens_total else None,
-                "recovery_mean": sums.recovery_kept / sums.recovery_samples if sampled else None,
-                "recovery_min": sums.recovery_min if sampled else None,
-                "samples": sums.recovery_samples,
-            })
+            rows.append(
+                {
+                    "layer": layer,
+                    "block_fraction": blocks_read / blocks_total if blocks_total else None,
+                    "token_fraction": tokens_attended / tokens_total if tokens_total else None,
+                    "recovery_mean": sums.recovery_kept / sums.recovery_samples if sampled else None,
+                    "recovery_min": sums.recovery_min if sampled else None,
+                    "samples": sums.recovery_samples,
+                }
+            )
         return rows
 
 

@@ -96,13 +96,14 @@ def gather(batch: PagedBatch, reqs: list[int], max_query_len: int) -> SubBatch:
     if device.type == "cuda":
         index = index.pin_memory()
     index = index.to(device, non_blocking=True)
-    return SubBatch(reqs=tuple(reqs),
-                    query_starts=batch.query_start_loc[:-1].index_select(0, index).to(torch.int32),
-                    query_ends=batch.query_start_loc[1:].index_select(0, index).to(torch.int32),
-                    seq_lens=batch.seq_lens.index_select(0, index).to(torch.int32),
-                    block_table=batch.block_table.index_select(0, index.to(batch.block_table.device))
-                    .to(torch.int32).contiguous(),
-                    max_query_len=max_query_len)
+    return SubBatch(
+        reqs=tuple(reqs),
+        query_starts=batch.query_start_loc[:-1].index_select(0, index).to(torch.int32),
+        query_ends=batch.query_start_loc[1:].index_select(0, index).to(torch.int32),
+        seq_lens=batch.seq_lens.index_select(0, index).to(torch.int32),
+        block_table=batch.block_table.index_select(0, index.to(batch.block_table.device)).to(torch.int32).contiguous(),
+        max_query_len=max_query_len,
+    )
 
 
 def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_size: int) -> StepPlan:
@@ -126,9 +127,11 @@ def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_si
             dense_blocks += -(-lens[req] // block_size)
             dense_tokens += lens[req]
     max_query_len = max((starts[req + 1] - starts[req] for req in dense_reqs), default=0)
-    return StepPlan(dense=gather(batch, dense_reqs, max_query_len) if dense_reqs else None,
-                    dipr=gather(batch, dipr_reqs, 1) if dipr_reqs else None,
-                    dense_decodes=(dense_blocks, dense_tokens))
+    return StepPlan(
+        dense=gather(batch, dense_reqs, max_query_len) if dense_reqs else None,
+        dipr=gather(batch, dipr_reqs, 1) if dipr_reqs else None,
+        dense_decodes=(dense_blocks, dense_tokens),
+    )
 
 
 def merge_bounds(bounds: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
@@ -161,12 +164,27 @@ class SparseAttention:
     attended fractions per layer. ``kernels``: run the Triton kernels (``None``: on CUDA tensors only).
     """
 
-    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
-                 config: SparseConfig | None = None, *, kernels: bool | None = None):
-        _check(num_kv_heads >= 1 and num_q_heads % num_kv_heads == 0,
-               f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    def __init__(
+        self,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        scale: float,
+        config: SparseConfig | None = None,
+        *,
+        kernels: bool | None = None,
+    ):
+        _check(
+            num_kv_heads >= 1 and num_q_heads % num_kv_heads == 0,
+            f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})",
+        )
         self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size = (
-            num_q_heads, num_kv_heads, head_dim, block_size)
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+        )
         self.scale = float(scale)
         self.kernels = kernels
         self.figures = AttendedFractions()
@@ -195,15 +213,23 @@ class SparseAttention:
 
     # -- write ----------------------------------------------------------------------------------------------------
 
-    def write(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-              bounds: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        bounds: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         """Store a step's keys and values and bring the bounds of the blocks written up to date."""
         if self._use_kernels(key_cache):
             from kvreuse.kernels.block_bounds import BlockBounds
             from kvreuse.kernels.paged_write import PagedKVWrite
 
-            PagedKVWrite(self.block_size, self.num_kv_heads, self.head_dim).run(key, value, key_cache, value_cache,
-                                                                               slot_mapping)
+            PagedKVWrite(self.block_size, self.num_kv_heads, self.head_dim).run(
+                key, value, key_cache, value_cache, slot_mapping
+            )
             launcher = BlockBounds(self.block_size, self.num_kv_heads, self.head_dim)
             launcher.plan(slot_mapping[: len(key)])
             launcher.run(key_cache, bounds)
@@ -215,8 +241,16 @@ class SparseAttention:
 
     # -- attention ------------------------------------------------------------------------------------------------
 
-    def attend(self, layer: int, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               bounds: torch.Tensor, batch: PagedBatch, out: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        bounds: torch.Tensor,
+        batch: PagedBatch,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
         """Attention of every real token of ``batch`` in ``layer``, written into ``out[num_tokens, hq, d]``."""
         plan = self._plan(batch, self.dense_layer(layer))
         if plan.dense_decodes != (0, 0):
@@ -228,7 +262,7 @@ class SparseAttention:
             self._dipr_decode(layer, query, key_cache, value_cache, bounds, plan.dipr, batch.max_seq_len, out)
         return out
 
-    def _plan(self, batch: PagedBatch, dense_layer: bool) -> "StepPlan":
+    def _plan(self, batch: PagedBatch, dense_layer: bool) -> StepPlan:
         """The step's split of ``batch`` for a dense layer or a sparse one, made by the first layer of each kind
         and reused by the others (a step has at most these two splits)."""
         if self._plans is None or self._plans[0] is not batch:
@@ -238,21 +272,30 @@ class SparseAttention:
             plans[dense_layer] = split_batch(batch, dense_layer, self.config.min_context, self.block_size)
         return plans[dense_layer]
 
-    def _dense(self, query, key_cache, value_cache, sub: "SubBatch", out) -> None:
+    def _dense(self, query, key_cache, value_cache, sub: SubBatch, out) -> None:
         """Dense causal attention of a sub-batch (prefill, chunked prefill, dense decode) into its rows."""
         from kvreuse.kernels.paged_causal import PagedCausalAttention, paged_causal_reference
 
         if self._use_kernels(query):
-            launcher = PagedCausalAttention(self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size,
-                                            scale=self.scale)
+            launcher = PagedCausalAttention(
+                self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size, scale=self.scale
+            )
             launcher.plan(sub.query_starts, sub.query_ends, sub.seq_lens, sub.block_table, sub.max_query_len)
             launcher.run(query, key_cache, value_cache, out)
         else:
-            paged_causal_reference(query, key_cache, value_cache, sub.query_starts, sub.query_ends, sub.seq_lens,
-                                   sub.block_table, self.scale, out)
+            paged_causal_reference(
+                query,
+                key_cache,
+                value_cache,
+                sub.query_starts,
+                sub.query_ends,
+                sub.seq_lens,
+                sub.block_table,
+                self.scale,
+                out,
+            )
 
-    def _dipr_decode(self, layer, query, key_cache, value_cache, bounds, sub: "SubBatch", max_seq_len: int,
-                     out) -> None:
+    def _dipr_decode(self, layer, query, key_cache, value_cache, bounds, sub: SubBatch, max_seq_len: int, out) -> None:
         from kvreuse.kernels.dipr_decode import DIPRCounters
 
         rows, seq_lens, block_table = sub.query_starts.long(), sub.seq_lens, sub.block_table
@@ -265,28 +308,38 @@ class SparseAttention:
         if self._use_kernels(query):
             from kvreuse.kernels.dipr_decode import DIPRDecode
 
-            launcher = DIPRDecode(self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size,
-                                  scale=self.scale, sink=sink, local=local)
+            launcher = DIPRDecode(
+                self.num_q_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.block_size,
+                scale=self.scale,
+                sink=sink,
+                local=local,
+            )
             launcher.plan(seq_lens, block_table, max_seq_len=max_seq_len)
-            result, counters = launcher.run(q.contiguous(), key_cache, value_cache, bounds, betas,
-                                            return_counters=True)
+            result, counters = launcher.run(q.contiguous(), key_cache, value_cache, bounds, betas, return_counters=True)
             if sampled:
-                self.figures.add_recovery(layer, sample_recovery(q, key_cache, bounds, block_table, seq_lens, betas,
-                                                                 self.scale, sink, local))
+                self.figures.add_recovery(
+                    layer, sample_recovery(q, key_cache, bounds, block_table, seq_lens, betas, self.scale, sink, local)
+                )
         else:
             from kvreuse.kernels.dipr_decode import dipr_selection_reference, masked_decode_reference
 
             seq_lens_cpu = seq_lens.cpu()
-            sel = dipr_selection_reference(q, key_cache, bounds, block_table, seq_lens_cpu, betas, self.scale,
-                                           sink, local)
+            sel = dipr_selection_reference(
+                q, key_cache, bounds, block_table, seq_lens_cpu, betas, self.scale, sink, local
+            )
             result = masked_decode_reference(value_cache, block_table, seq_lens_cpu, sel.logits, sel.attended)
             counters = DIPRCounters(
                 torch.stack([read.sum(-1, dtype=torch.int32) for read in sel.blocks_read]),
                 (seq_lens_cpu + self.block_size - 1) // self.block_size,
                 torch.stack([att.sum(-1, dtype=torch.int32) for att in sel.attended]),
-                seq_lens_cpu.clone())
+                seq_lens_cpu.clone(),
+            )
             if sampled:
-                self.figures.add_recovery(layer, torch.stack([recovery_ratio(lg, at)
-                                                              for lg, at in zip(sel.logits, sel.attended)]))
+                self.figures.add_recovery(
+                    layer, torch.stack([recovery_ratio(lg, at) for lg, at in zip(sel.logits, sel.attended)])
+                )
         out.index_copy_(0, rows, result.to(out.dtype))
         self.figures.add(layer, counters)

@@ -35,8 +35,9 @@ def uses_dipr(config: SparseConfig, layer: int, context_len: int) -> bool:
     return context_len >= config.min_context and layer_beta(config, layer) < INF
 
 
-def sequence_betas(config: SparseConfig, layer: int, seq_lens: torch.Tensor | Sequence[int],
-                   overrides: dict[int, float] | None = None) -> torch.Tensor:
+def sequence_betas(
+    config: SparseConfig, layer: int, seq_lens: torch.Tensor | Sequence[int], overrides: dict[int, float] | None = None
+) -> torch.Tensor:
     """Per-sequence betas for one decode batch in ``layer`` (rule 3 applied), fp32 on ``seq_lens``' device.
 
     Computed on the device without reading ``seq_lens`` back, so a backend can call it inside a CUDA graph.

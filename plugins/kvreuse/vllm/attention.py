@@ -27,9 +27,15 @@ from typing import ClassVar
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder, AttentionType,
-                                       CommonAttentionMetadata, MultipleOf)
 from vllm.utils.torch_utils import get_dtype_size
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvreuse.errors import ConfigError
@@ -76,11 +82,21 @@ def configure_sparse(flags: dict) -> SparseConfig:
 @atexit.register
 def log_sparse_figures() -> None:
     for row in sparse_figures():
-        recovery = "" if not row["samples"] else (
-            f", kept {row['recovery_mean']:.4f} of the attention mass (min {row['recovery_min']:.4f}, "
-            f"{row['samples']} samples)")
-        logger.info("kvreuse sparse: layer %d attended %.3f of blocks, %.3f of tokens%s", row["layer"],
-                    row["block_fraction"] or 0.0, row["token_fraction"] or 0.0, recovery)
+        recovery = (
+            ""
+            if not row["samples"]
+            else (
+                f", kept {row['recovery_mean']:.4f} of the attention mass (min {row['recovery_min']:.4f}, "
+                f"{row['samples']} samples)"
+            )
+        )
+        logger.info(
+            "kvreuse sparse: layer %d attended %.3f of blocks, %.3f of tokens%s",
+            row["layer"],
+            row["block_fraction"] or 0.0,
+            row["token_fraction"] or 0.0,
+            recovery,
+        )
 
 
 def _shared_attention(num_heads: int, num_kv_heads: int, head_size: int, scale: float) -> SparseAttention:
@@ -108,11 +124,11 @@ class SparseAttentionBackend(AttentionBackend):
         return "CUSTOM"
 
     @staticmethod
-    def get_impl_cls() -> type["SparseAttentionImpl"]:
+    def get_impl_cls() -> type[SparseAttentionImpl]:
         return SparseAttentionImpl
 
     @staticmethod
-    def get_builder_cls() -> type["SparseAttentionMetadataBuilder"]:
+    def get_builder_cls() -> type[SparseAttentionMetadataBuilder]:
         return SparseAttentionMetadataBuilder
 
     @staticmethod
@@ -127,8 +143,10 @@ class SparseAttentionBackend(AttentionBackend):
         if spec.page_size_padded is None:
             return replace(spec, page_size_padded=needed)
         if spec.page_size_padded < needed:
-            raise ConfigError(f"the kvreuse sparse attention backend needs {needed} bytes per KV page (the block "
-                              f"plus its bounds) but vLLM padded the page to {spec.page_size_padded}")
+            raise ConfigError(
+                f"the kvreuse sparse attention backend needs {needed} bytes per KV page (the block "
+                f"plus its bounds) but vLLM padded the page to {spec.page_size_padded}"
+            )
         return spec
 
     @classmethod
@@ -153,14 +171,23 @@ def page_bounds(kv_cache: torch.Tensor, head_size: int) -> torch.Tensor:
     """
     num_blocks, num_kv_heads, block_size, width = kv_cache.shape
     block_stride, head_stride, token_stride, channel_stride = kv_cache.stride()
-    if (width != 2 * head_size or channel_stride != 1 or head_stride != width
-            or token_stride != num_kv_heads * width or block_stride < (block_size + 1) * token_stride):
+    if (
+        width != 2 * head_size
+        or channel_stride != 1
+        or head_stride != width
+        or token_stride != num_kv_heads * width
+        or block_stride < (block_size + 1) * token_stride
+    ):
         raise ConfigError(
             f"the kvreuse sparse attention backend keeps its block bounds in one padding row after each KV page, "
             f"but this KV cache view (shape {list(kv_cache.shape)}, strides {list(kv_cache.stride())}) has no such "
-            f"row: vLLM did not use the backend's page size (a hybrid model, or another layout than LBNHC)")
-    return kv_cache.as_strided((num_blocks, num_kv_heads, 2, head_size), (block_stride, head_stride, head_size, 1),
-                               kv_cache.storage_offset() + block_size * token_stride)
+            f"row: vLLM did not use the backend's page size (a hybrid model, or another layout than LBNHC)"
+        )
+    return kv_cache.as_strided(
+        (num_blocks, num_kv_heads, 2, head_size),
+        (block_stride, head_stride, head_size, 1),
+        kv_cache.storage_offset() + block_size * token_stride,
+    )
 
 
 @dataclass
@@ -169,43 +196,74 @@ class SparseAttentionMetadata:
 
 
 class SparseAttentionMetadataBuilder(AttentionMetadataBuilder[SparseAttentionMetadata]):
-    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
-                 device: torch.device) -> None:
+    def __init__(
+        self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device
+    ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> SparseAttentionMetadata:
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> SparseAttentionMetadata:
         m = common_attn_metadata
         # vLLM's host copy of the lengths, so that building a step does not wait for the device. It is exact except
         # for decode rows under asynchronous speculative decoding (an upper bound there); the host lengths only
         # choose dense or DIPR per request and count the figures of dense decodes, and the kernels read the device
         # lengths.
-        seq_lens_cpu = (m.seq_lens[: m.num_reqs].cpu() if m.seq_lens_cpu_upper_bound is None
-                        else m.seq_lens_cpu_upper_bound[: m.num_reqs])
-        return SparseAttentionMetadata(PagedBatch(
-            query_start_loc=m.query_start_loc[: m.num_reqs + 1],
-            query_start_loc_cpu=m.query_start_loc_cpu[: m.num_reqs + 1],
-            seq_lens=m.seq_lens[: m.num_reqs], seq_lens_cpu=seq_lens_cpu,
-            block_table=m.block_table_tensor[: m.num_reqs], slot_mapping=m.slot_mapping,
-            num_actual_tokens=m.num_actual_tokens, max_seq_len=m.max_seq_len))
+        seq_lens_cpu = (
+            m.seq_lens[: m.num_reqs].cpu()
+            if m.seq_lens_cpu_upper_bound is None
+            else m.seq_lens_cpu_upper_bound[: m.num_reqs]
+        )
+        return SparseAttentionMetadata(
+            PagedBatch(
+                query_start_loc=m.query_start_loc[: m.num_reqs + 1],
+                query_start_loc_cpu=m.query_start_loc_cpu[: m.num_reqs + 1],
+                seq_lens=m.seq_lens[: m.num_reqs],
+                seq_lens_cpu=seq_lens_cpu,
+                block_table=m.block_table_tensor[: m.num_reqs],
+                slot_mapping=m.slot_mapping,
+                num_actual_tokens=m.num_actual_tokens,
+                max_seq_len=m.max_seq_len,
+            )
+        )
 
 
 class SparseAttentionImpl(AttentionImpl[SparseAttentionMetadata]):
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
-                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
-                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
-                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
-                 **unsupported) -> None:
-        problems = [name for name, given in (
-            ("ALiBi", alibi_slopes is not None), ("sliding window", sliding_window is not None),
-            ("logits soft cap", bool(logits_soft_cap)),
-            (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
-            (f"kv_cache_dtype {kv_cache_dtype}", kv_cache_dtype != "auto"),
-            ("KV cache sharing between layers (the bounds are per layer)", kv_sharing_target_layer_name is not None),
-            ("attention sinks", unsupported.get("sinks") is not None)) if given]
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **unsupported,
+    ) -> None:
+        problems = [
+            name
+            for name, given in (
+                ("ALiBi", alibi_slopes is not None),
+                ("sliding window", sliding_window is not None),
+                ("logits soft cap", bool(logits_soft_cap)),
+                (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
+                (f"kv_cache_dtype {kv_cache_dtype}", kv_cache_dtype != "auto"),
+                (
+                    "KV cache sharing between layers (the bounds are per layer)",
+                    kv_sharing_target_layer_name is not None,
+                ),
+                ("attention sinks", unsupported.get("sinks") is not None),
+            )
+            if given
+        ]
         if problems:
-            raise ConfigError(f"the kvreuse sparse attention backend does not support {', '.join(problems)}; "
-                              f"unset {SPARSE_CPU_SWITCH} / --attention-backend CUSTOM for this model")
+            raise ConfigError(
+                f"the kvreuse sparse attention backend does not support {', '.join(problems)}; "
+                f"unset {SPARSE_CPU_SWITCH} / --attention-backend CUSTOM for this model"
+            )
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
@@ -234,15 +292,29 @@ class SparseAttentionImpl(AttentionImpl[SparseAttentionMetadata]):
             self._layer = extract_layer_index(layer.layer_name)
         return self._layer
 
-    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
-                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         key_cache, value_cache, bounds = self._caches(kv_cache)
         self.attention.write(key, value, key_cache, value_cache, bounds, slot_mapping)
 
-    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: SparseAttentionMetadata | None, output: torch.Tensor,
-                output_scale: torch.Tensor | None = None,
-                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: SparseAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by the kvreuse sparse backend")
         if attn_metadata is None:  # profiling run

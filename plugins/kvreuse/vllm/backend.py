@@ -20,8 +20,10 @@ class VLLMBackend:
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         tokenizer = llm.get_tokenizer()
-        self.cache_model = PrefixCacheModel(tokenize=lambda prompts: tokenizer(prompts)["input_ids"],
-                                            block_size=llm.llm_engine.vllm_config.cache_config.block_size)
+        self.cache_model = PrefixCacheModel(
+            tokenize=lambda prompts: tokenizer(prompts)["input_ids"],
+            block_size=llm.llm_engine.vllm_config.cache_config.block_size,
+        )
 
     def generate(self, prompts: Sequence[str], *, max_tokens: int, progress: bool = False) -> list[Completion]:
         """Completions of ``prompts`` in their order (see :class:`kvreuse.batch.Backend`)."""
@@ -31,8 +33,7 @@ class VLLMBackend:
             return []
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         outputs = self.llm.generate(list(prompts), params, use_tqdm=progress)
-        return [Completion(out.outputs[0].text, len(out.prompt_token_ids), out.num_cached_tokens)
-                for out in outputs]
+        return [Completion(out.outputs[0].text, len(out.prompt_token_ids), out.num_cached_tokens) for out in outputs]
 
 
 @contextmanager

@@ -47,13 +47,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                KVConnectorRole, KVConnectorWorkerMetadata)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
 
 from kvreuse.modules.splice import Piece
 from kvreuse.modules.store import ModuleKey
 from kvreuse.vllm.connector_metrics import KVReuseMetrics
-from kvreuse.vllm.registration import MODULE_CONNECTOR
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -110,10 +113,12 @@ class ModuleCacheWorkerMeta(KVConnectorWorkerMetadata):
     dropped: set[ModuleKey] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)  # module name -> why its encoding was not stored
 
-    def aggregate(self, other: "ModuleCacheWorkerMeta") -> "ModuleCacheWorkerMeta":
+    def aggregate(self, other: ModuleCacheWorkerMeta) -> ModuleCacheWorkerMeta:
         return ModuleCacheWorkerMeta(
             stored={key: ids for key, ids in self.stored.items() if key in other.stored},
-            dropped=self.dropped | other.dropped, failed={**self.failed, **other.failed})
+            dropped=self.dropped | other.dropped,
+            failed={**self.failed, **other.failed},
+        )
 
 
 class KVReuseModuleCache(KVReuseMetrics, KVConnectorBase_V1):
@@ -123,7 +128,7 @@ class KVReuseModuleCache(KVReuseMetrics, KVConnectorBase_V1):
     :class:`~kvreuse.vllm.module_worker.ModuleWorker`.
     """
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             from kvreuse.vllm.module_scheduler import ModuleScheduler
@@ -135,21 +140,21 @@ class KVReuseModuleCache(KVReuseMetrics, KVConnectorBase_V1):
             self._worker = ModuleWorker(vllm_config)
 
     # ------------------------------------------------------------------------------------------- scheduler side
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         return self._scheduler.matched_tokens(request, num_computed_tokens), False
 
-    def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
         self._scheduler.allocated(request, blocks.get_block_ids()[0], num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> ModuleCacheMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ModuleCacheMetadata:
         return self._scheduler.build_metadata(scheduler_output, self._kv_cache_manager)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, ModuleCacheWorkerMeta):
             self._scheduler.worker_reported(meta)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler.finished(request.request_id)
         return False, None
 
@@ -157,7 +162,7 @@ class KVReuseModuleCache(KVReuseMetrics, KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register(kv_caches)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, ModuleCacheMetadata)
         self._worker.load(meta, forward_context)

@@ -34,7 +34,7 @@ class KVReuseStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {}
 
-    def aggregate(self, other: KVConnectorStats) -> "KVReuseStats":
+    def aggregate(self, other: KVConnectorStats) -> KVReuseStats:
         merged = dict(self.data)
         for key, value in other.data.items():
             merged[key] = merged.get(key, 0) + value
@@ -67,9 +67,11 @@ class KVReusePromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         _unregister_previous()
         self._counters = {
-            name: self._counter_cls(name=prom, documentation=doc,
-                                    labelnames=list(labelnames) + ([label] if label else []))
-            for name, (prom, doc, label) in COUNTERS.items()}
+            name: self._counter_cls(
+                name=prom, documentation=doc, labelnames=list(labelnames) + ([label] if label else [])
+            )
+            for name, (prom, doc, label) in COUNTERS.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = list(self.per_engine_labelvalues.get(engine_idx, []))

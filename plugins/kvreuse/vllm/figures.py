@@ -13,7 +13,7 @@ class PrefixCacheCounters:
     queries: int
     hits: int
 
-    def __sub__(self, other: "PrefixCacheCounters") -> "PrefixCacheCounters":
+    def __sub__(self, other: PrefixCacheCounters) -> PrefixCacheCounters:
         return PrefixCacheCounters(self.queries - other.queries, self.hits - other.hits)
 
     @property

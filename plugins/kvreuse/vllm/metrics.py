@@ -54,15 +54,24 @@ class ReorderStatLogger(AggregateStatLoggerBase):
                 REGISTRY.unregister(collector)
         labels = ["model_name", "engine"]
         self._metrics = {
-            name: (Gauge(PREFIX + name, _doc(name), labels, multiprocess_mode="max") if name in _GAUGES
-                   else Counter(PREFIX + name, _doc(name), labels))
-            for name in _FIELDS}
+            name: (
+                Gauge(PREFIX + name, _doc(name), labels, multiprocess_mode="max")
+                if name in _GAUGES
+                else Counter(PREFIX + name, _doc(name), labels)
+            )
+            for name in _FIELDS
+        }
         model = vllm_config.model_config.served_model_name
         self._labels = {idx: (model, str(idx)) for idx in engine_indexes}
         self._last = {idx: ReorderCounters() for idx in engine_indexes}
 
-    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
-               mm_cache_stats: MultiModalCacheStats | None = None, engine_idx: int = 0) -> None:
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        mm_cache_stats: MultiModalCacheStats | None = None,
+        engine_idx: int = 0,
+    ) -> None:
         counters = read_reorder_counters(scheduler_stats) if scheduler_stats is not None else None
         if counters is None:
             return

@@ -24,11 +24,17 @@ from kvreuse.modules.store import StoreFigures
 MODULE_COUNTERS = {
     "hits": ("kvreuse:module_hits_total", "Module look-ups answered, by the tier that held the module", "tier"),
     "misses": ("kvreuse:module_misses_total", "Module look-ups of modules the store did not hold", None),
-    "tokens_loaded": ("kvreuse:module_tokens_loaded_total", "Prompt tokens whose KV was written from cached modules",
-                      None),
+    "tokens_loaded": (
+        "kvreuse:module_tokens_loaded_total",
+        "Prompt tokens whose KV was written from cached modules",
+        None,
+    ),
     "pieces_loaded": ("kvreuse:module_pieces_loaded_total", "Module pieces written into requests", None),
-    "load_failures": ("kvreuse:module_load_failures_total", "Module pieces that could not be loaded (recomputed)",
-                      None),
+    "load_failures": (
+        "kvreuse:module_load_failures_total",
+        "Module pieces that could not be loaded (recomputed)",
+        None,
+    ),
     "modules_encoded": ("kvreuse:module_encoded_total", "Modules encoded and stored", None),
     "encode_failures": ("kvreuse:module_encode_failures_total", "Encoded modules the store refused", None),
     "bytes_moved": ("kvreuse:module_bytes_moved_total", "Bytes of module KV moved between tiers", "move"),

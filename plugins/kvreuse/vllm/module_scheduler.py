@@ -17,8 +17,14 @@ from kvreuse.kernels.rerotate import rope_spec_from_hf_config
 from kvreuse.modules.splice import Piece, plan_splice, token_slots
 from kvreuse.modules.store import ModuleKey
 from kvreuse.modules.trie import ModuleMatch, ModuleTrie
-from kvreuse.vllm.connector import (ENCODE_CONTEXT, ENCODE_MODULE, LoadSpec, ModuleCacheMetadata,
-                                    ModuleCacheWorkerMeta, SaveSpec)
+from kvreuse.vllm.connector import (
+    ENCODE_CONTEXT,
+    ENCODE_MODULE,
+    LoadSpec,
+    ModuleCacheMetadata,
+    ModuleCacheWorkerMeta,
+    SaveSpec,
+)
 from kvreuse.vllm.registration import MODULE_CONNECTOR
 
 if TYPE_CHECKING:
@@ -46,19 +52,22 @@ def encode_request(params: dict | None, num_prompt_tokens: int) -> tuple[Hashabl
     if not isinstance(name, str) or not name:
         raise ModuleRegistrationError(f"{ENCODE_MODULE} must be a non-empty string, got {name!r}")
     if isinstance(context, bool) or not isinstance(context, int) or not 0 <= context < num_prompt_tokens:
-        raise ModuleRegistrationError(f"{ENCODE_CONTEXT} of module {name!r} must be an integer in "
-                                      f"0..{num_prompt_tokens - 1} (the prompt has {num_prompt_tokens} tokens), "
-                                      f"got {context!r}")
+        raise ModuleRegistrationError(
+            f"{ENCODE_CONTEXT} of module {name!r} must be an integer in "
+            f"0..{num_prompt_tokens - 1} (the prompt has {num_prompt_tokens} tokens), "
+            f"got {context!r}"
+        )
     return name, context
 
 
 class ModuleScheduler:
-    def __init__(self, vllm_config: "VllmConfig"):
+    def __init__(self, vllm_config: VllmConfig):
         transfer = vllm_config.kv_transfer_config
         if transfer.kv_load_failure_policy != "recompute":
             raise ConfigError(
                 f'{MODULE_CONNECTOR} needs "kv_load_failure_policy": "recompute" in --kv-transfer-config, so that a '
-                f"module that cannot be loaded is computed instead (got {transfer.kv_load_failure_policy!r})")
+                f"module that cannot be loaded is computed instead (got {transfer.kv_load_failure_policy!r})"
+            )
         self.block_size = vllm_config.cache_config.block_size
         self.enabled = True
         try:
@@ -74,7 +83,7 @@ class ModuleScheduler:
         self._encodes: dict[str, tuple[Hashable, int, tuple[int, ...]]] = {}  # req id -> name, context, prompt
 
     # -- vLLM's calls ---------------------------------------------------------------------------------------------
-    def matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Prompt tokens after ``num_computed_tokens`` that cached modules cover (side-effect free for vLLM)."""
         if not self.enabled or not self.available or marks_encode(request.kv_transfer_params):
             self._plans.pop(request.request_id, None)
@@ -88,7 +97,7 @@ class ModuleScheduler:
         self._plans[request.request_id] = pieces
         return sum(piece.length for piece in pieces)
 
-    def allocated(self, request: "Request", block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def allocated(self, request: Request, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM gave the request its blocks and took ``num_external_tokens`` of the planned tokens."""
         rid = request.request_id
         pieces = self._plans.pop(rid, [])
@@ -103,14 +112,17 @@ class ModuleScheduler:
             kept.append(Piece(piece.name, piece.offset, piece.prompt_start, take))
             left -= take
         if left:
-            raise RuntimeError(f"{MODULE_CONNECTOR}: vLLM took {num_external_tokens} tokens of request {rid}, more "
-                               f"than the {num_external_tokens - left} planned")
+            raise RuntimeError(
+                f"{MODULE_CONNECTOR}: vLLM took {num_external_tokens} tokens of request {rid}, more "
+                f"than the {num_external_tokens - left} planned"
+            )
         slots = tuple(tuple(token_slots(block_ids, self.block_size, p.prompt_start, p.prompt_end)) for p in kept)
         blocks = tuple(tuple(sorted({s // self.block_size for s in piece_slots})) for piece_slots in slots)
         self._loads.append(LoadSpec(rid, tuple(kept), slots, blocks))
 
-    def build_metadata(self, scheduler_output: "SchedulerOutput",
-                       kv_cache_manager: "KVCacheManager") -> ModuleCacheMetadata:
+    def build_metadata(
+        self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager
+    ) -> ModuleCacheMetadata:
         meta = ModuleCacheMetadata(loads=self._loads, saves=self._saves(scheduler_output, kv_cache_manager))
         self._loads = []
         seen: set[ModuleKey] = set()
@@ -121,7 +133,7 @@ class ModuleScheduler:
                     meta.prefetch.append(piece.name)
         return meta
 
-    def _saves(self, scheduler_output: "SchedulerOutput", kv_cache_manager: "KVCacheManager") -> list[SaveSpec]:
+    def _saves(self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> list[SaveSpec]:
         """The encode requests whose prompt is complete after this step."""
         saves: list[SaveSpec] = []
         if not self._encodes:
@@ -138,8 +150,15 @@ class ModuleScheduler:
                 continue  # chunked prefill: the module is complete in a later step
             del self._encodes[rid]
             block_ids = kv_cache_manager.get_block_ids(rid)[0]
-            saves.append(SaveSpec(rid, name, prompt[context:], context,
-                                  tuple(token_slots(block_ids, self.block_size, context, len(prompt)))))
+            saves.append(
+                SaveSpec(
+                    rid,
+                    name,
+                    prompt[context:],
+                    context,
+                    tuple(token_slots(block_ids, self.block_size, context, len(prompt))),
+                )
+            )
         return saves
 
     def worker_reported(self, report: ModuleCacheWorkerMeta) -> None:
@@ -160,7 +179,7 @@ class ModuleScheduler:
             state.pop(request_id, None)
 
     # -- helpers ----------------------------------------------------------------------------------------------------
-    def _remember_encode(self, request: "Request") -> None:
+    def _remember_encode(self, request: Request) -> None:
         if not self.enabled or request.request_id in self._encodes or not marks_encode(request.kv_transfer_params):
             return
         prompt = tuple(request.prompt_token_ids or ())

@@ -19,8 +19,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.model_executor.models.utils import extract_layer_index
 
-from kvreuse.errors import (ConfigError, ModuleRegistrationError, ModuleTooLarge, RerotationMismatch,
-                            UnsupportedPositionalEncoding)
+from kvreuse.errors import (
+    ConfigError,
+    ModuleRegistrationError,
+    ModuleTooLarge,
+    RerotationMismatch,
+    UnsupportedPositionalEncoding,
+)
 from kvreuse.kernels.rerotate import RopeSpec, check_rerotation
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.splice import Piece, piece_kv
@@ -40,14 +45,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.plugins.kvreuse")
 
 # Backends whose per-layer view is not the plain [blocks, kv_heads, block_size, 2 * head_dim] layout.
-PACKED_LAYOUT_BACKENDS = {"CPU_ATTN": f"it packs KV in an ISA-specific layout; set {SPARSE_CPU_SWITCH}=1 to run "
-                                      "kvreuse's attention backend over the plain layout instead (dense with "
-                                      '--additional-config \'{"kvreuse": {"sparse": {"beta": "inf"}}}\')'}
+PACKED_LAYOUT_BACKENDS = {
+    "CPU_ATTN": f"it packs KV in an ISA-specific layout; set {SPARSE_CPU_SWITCH}=1 to run "
+    "kvreuse's attention backend over the plain layout instead (dense with "
+    '--additional-config \'{"kvreuse": {"sparse": {"beta": "inf"}}}\')'
+}
 
-_WORKER: "ModuleWorker | None" = None  # this process's, for module_figures()
+_WORKER: ModuleWorker | None = None  # this process's, for module_figures()
 
 
-def model_identity(vllm_config: "VllmConfig") -> tuple[str, str]:
+def model_identity(vllm_config: VllmConfig) -> tuple[str, str]:
     """The (model id, tokenizer id) modules are fingerprinted with."""
     model = vllm_config.model_config
     return (f"{model.model}@{model.revision or ''}", f"{model.tokenizer}@{model.tokenizer_revision or ''}")
@@ -78,19 +85,27 @@ def module_figures() -> dict[str, Any]:
         return {}
     store = _WORKER.store
     figures = store.figures
-    return {**asdict(_WORKER.figures), "modules": len(store), "used_bytes": store.used_bytes(),
-            "hits": dict(figures.hits), "misses": figures.misses, "bytes_moved": dict(figures.bytes_moved),
-            "evictions": dict(figures.evictions), "drops": figures.drops,
-            "store_load_failures": figures.load_failures, "prefetched": figures.prefetched}
+    return {
+        **asdict(_WORKER.figures),
+        "modules": len(store),
+        "used_bytes": store.used_bytes(),
+        "hits": dict(figures.hits),
+        "misses": figures.misses,
+        "bytes_moved": dict(figures.bytes_moved),
+        "evictions": dict(figures.evictions),
+        "drops": figures.drops,
+        "store_load_failures": figures.load_failures,
+        "prefetched": figures.prefetched,
+    }
 
 
-def module_worker() -> "ModuleWorker | None":
+def module_worker() -> ModuleWorker | None:
     """This process's worker side (its ``store``, ``layers`` and ``last_loads``), ``None`` if there is none."""
     return _WORKER
 
 
 class ModuleWorker:
-    def __init__(self, vllm_config: "VllmConfig"):
+    def __init__(self, vllm_config: VllmConfig):
         global _WORKER
         self.vllm_config = vllm_config
         self.config = ModulesConfig.load(kvreuse_flags(vllm_config.additional_config, "modules"))
@@ -117,20 +132,28 @@ class ModuleWorker:
         for name in self.layers:
             backend = layers[name].attn_backend.get_name() if name in layers else "?"
             if backend in PACKED_LAYOUT_BACKENDS:
-                raise ConfigError(f"{MODULE_CONNECTOR} cannot use attention backend {backend} (layer {name}): "
-                                  f"{PACKED_LAYOUT_BACKENDS[backend]}")
+                raise ConfigError(
+                    f"{MODULE_CONNECTOR} cannot use attention backend {backend} (layer {name}): "
+                    f"{PACKED_LAYOUT_BACKENDS[backend]}"
+                )
             if kv_caches[name].dim() != 4:
-                raise ConfigError(f"{MODULE_CONNECTOR} needs per-layer KV caches [blocks, kv_heads, block_size, "
-                                  f"2 * head_dim]; layer {name} ({backend}) has {tuple(kv_caches[name].shape)}")
+                raise ConfigError(
+                    f"{MODULE_CONNECTOR} needs per-layer KV caches [blocks, kv_heads, block_size, "
+                    f"2 * head_dim]; layer {name} ({backend}) has {tuple(kv_caches[name].shape)}"
+                )
         first = kv_caches[self.layers[0]]
         try:
-            self.spec = check_rerotation(self.vllm_config.model_config.hf_config.to_dict(), device=first.device,
-                                         dtype=first.dtype, num_kv_heads=first.shape[1])
+            self.spec = check_rerotation(
+                self.vllm_config.model_config.hf_config.to_dict(),
+                device=first.device,
+                dtype=first.dtype,
+                num_kv_heads=first.shape[1],
+            )
         except (UnsupportedPositionalEncoding, RerotationMismatch) as why:
             logger.error("kvreuse module cache is off for this model: %s", why)
 
     # -- loads --------------------------------------------------------------------------------------------------
-    def load(self, meta: ModuleCacheMetadata, forward_context: "ForwardContext") -> None:
+    def load(self, meta: ModuleCacheMetadata, forward_context: ForwardContext) -> None:
         if meta.prefetch and self.config.prefetch_depth:
             self.store.prefetch(meta.prefetch)
         if not meta.loads:
@@ -141,22 +164,27 @@ class ModuleWorker:
             self._load_request(spec, forward_context)
         self.figures.load_s += time.perf_counter() - started
 
-    def _load_request(self, spec: LoadSpec, forward_context: "ForwardContext") -> None:
+    def _load_request(self, spec: LoadSpec, forward_context: ForwardContext) -> None:
         for piece, slots, blocks in zip(spec.pieces, spec.slots, spec.blocks):
             module = self.store.get(piece.name) if self.spec is not None else None
             if module is None or module.num_layers != len(self.layers):
                 self._errors.update(blocks)
                 self.figures.load_failures += 1
-                logger.warning("kvreuse module %r could not be loaded for request %s; vLLM recomputes its %d "
-                               "tokens", getattr(piece.name, "name", piece.name), spec.req_id, piece.length)
+                logger.warning(
+                    "kvreuse module %r could not be loaded for request %s; vLLM recomputes its %d tokens",
+                    getattr(piece.name, "name", piece.name),
+                    spec.req_id,
+                    piece.length,
+                )
                 continue
             self._write(module, piece, slots, forward_context)
             self.last_loads.append((spec.req_id, piece, slots))
             self.figures.pieces_loaded += 1
             self.figures.tokens_loaded += piece.length
 
-    def _write(self, module: EncodedModule, piece: Piece, slots: tuple[int, ...],
-               forward_context: "ForwardContext") -> None:
+    def _write(
+        self, module: EncodedModule, piece: Piece, slots: tuple[int, ...], forward_context: ForwardContext
+    ) -> None:
         assert self.spec is not None
         layers = [forward_context.no_compile_layers[name] for name in self.layers]
         device = layers[0].kv_cache.device
@@ -179,7 +207,8 @@ class ModuleWorker:
             slots = torch.tensor(save.slots, dtype=torch.int64, device=kv_layer.device)
             rows = kv_layer[slots // block_size, :, slots % block_size]  # [tokens, kv_heads, 2 * head_dim]
             self._copies.setdefault(save.req_id, []).append(
-                (rows[..., :head_dim].clone(), rows[..., head_dim:].clone()))
+                (rows[..., :head_dim].clone(), rows[..., head_dim:].clone())
+            )
 
     def store_saved(self, meta: ModuleCacheMetadata) -> None:
         """Put the modules copied this step into the store (called once per step, after the forward)."""
@@ -189,8 +218,9 @@ class ModuleWorker:
                 continue  # no forward ran for it this step (vLLM sends metadata to empty steps too)
             kv = torch.stack([torch.stack(pair) for pair in copies])  # [layers, 2, tokens, kv_heads, head_dim]
             try:
-                module = EncodedModule(save.name, self.store.model_id, self.store.tokenizer_id, save.token_ids,
-                                       save.start, kv)
+                module = EncodedModule(
+                    save.name, self.store.model_id, self.store.tokenizer_id, save.token_ids, save.start, kv
+                )
                 tier = self.store.put(module)
             except (ModuleRegistrationError, ModuleTooLarge) as why:
                 self._report.failed[str(save.name)] = str(why)
@@ -199,8 +229,14 @@ class ModuleWorker:
             self._report.stored[module.key] = module.token_ids
             self._known.add(module.key)
             self.figures.modules_encoded += 1
-            logger.info("kvreuse module %r: %d tokens at position %d, %d bytes, stored in %s", save.name,
-                        len(save.token_ids), save.start, module.nbytes, tier)
+            logger.info(
+                "kvreuse module %r: %d tokens at position %d, %d bytes, stored in %s",
+                save.name,
+                len(save.token_ids),
+                save.start,
+                module.nbytes,
+                tier,
+            )
 
     # -- reports --------------------------------------------------------------------------------------------------
     def take_report(self) -> ModuleCacheWorkerMeta | None:

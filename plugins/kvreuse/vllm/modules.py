@@ -37,7 +37,7 @@ def special_prefix(tokenizer) -> list[int]:
     """The token ids the tokenizer adds before every text (e.g. ``[BOS]``; empty for most chat-less tokenizers)."""
     plain = tokenizer.encode("a", add_special_tokens=False)
     full = tokenizer.encode("a")
-    return list(full[: len(full) - len(plain)]) if full[len(full) - len(plain):] == plain else []
+    return list(full[: len(full) - len(plain)]) if full[len(full) - len(plain) :] == plain else []
 
 
 def module_token_ids(tokenizer, text: str) -> list[int]:
@@ -45,8 +45,9 @@ def module_token_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(module_text(text), add_special_tokens=False))
 
 
-def encode_modules(llm, modules: Mapping[str, str | Sequence[int]],
-                   contexts: Mapping[str, Sequence[int]] | None = None) -> dict[str, list[int]]:
+def encode_modules(
+    llm, modules: Mapping[str, str | Sequence[int]], contexts: Mapping[str, Sequence[int]] | None = None
+) -> dict[str, list[int]]:
     """Encode each module (text, or token ids taken as they are) after its context's token ids (default none).
 
     Returns the module token ids by name; prompts must contain exactly these ids for the module to be found.
@@ -61,15 +62,23 @@ def encode_modules(llm, modules: Mapping[str, str | Sequence[int]],
 
     tokenizer = llm.get_tokenizer()
     contexts = contexts or {}
-    ids = {name: list(value) if not isinstance(value, str) else module_token_ids(tokenizer, value)
-           for name, value in modules.items()}
+    ids = {
+        name: list(value) if not isinstance(value, str) else module_token_ids(tokenizer, value)
+        for name, value in modules.items()
+    }
     prefix = special_prefix(tokenizer)
     prompts, params = [], []
     for name, module_ids in ({SPECIAL_PREFIX: prefix, **ids} if prefix else ids).items():
         context = list(contexts.get(name, ()))
         prompts.append(TokensPrompt(prompt_token_ids=context + module_ids))
-        params.append(SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=True,
-                                     extra_args={"kv_transfer_params": encode_params(name, len(context))}))
+        params.append(
+            SamplingParams(
+                max_tokens=1,
+                temperature=0.0,
+                skip_reading_prefix_cache=True,
+                extra_args={"kv_transfer_params": encode_params(name, len(context))},
+            )
+        )
     if prompts:
         llm.generate(prompts, params, use_tqdm=False)
     return ids
@@ -113,6 +122,7 @@ def encode_schema(llm, schema_pml: str) -> SchemaLayout:
 def pml_prompt(llm, prompt_pml: str, layout: SchemaLayout) -> list[int]:
     """Token ids of a PML prompt against an encoded schema; :class:`PMLError` names what is wrong and where."""
     tokenizer = llm.get_tokenizer()
-    resolution = resolve_prompt(parse_prompt(prompt_pml), layout,
-                                lambda text: tokenizer.encode(text, add_special_tokens=False))
+    resolution = resolve_prompt(
+        parse_prompt(prompt_pml), layout, lambda text: tokenizer.encode(text, add_special_tokens=False)
+    )
     return prompt_token_ids(resolution, layout)

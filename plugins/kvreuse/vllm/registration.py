@@ -55,21 +55,29 @@ def _register_sparse_backend() -> None:
 
     custom = AttentionBackendEnum.CUSTOM
     if custom.is_overridden() and custom.get_path() != SPARSE_BACKEND:
-        logger.warning("kvreuse: attention backend CUSTOM is already registered as %s; the sparse backend is not "
-                       "registered under that name", custom.get_path())
+        logger.warning(
+            "kvreuse: attention backend CUSTOM is already registered as %s; the sparse backend is not "
+            "registered under that name",
+            custom.get_path(),
+        )
     else:
         register_backend(custom, SPARSE_BACKEND)
     if os.environ.get(SPARSE_CPU_SWITCH, "").lower() in TRUE_WORDS:
         register_backend(AttentionBackendEnum.CPU_ATTN, SPARSE_BACKEND)
-        logger.info("kvreuse: %s is set, the sparse attention backend replaces CPU_ATTN in pid %d",
-                    SPARSE_CPU_SWITCH, os.getpid())
+        logger.info(
+            "kvreuse: %s is set, the sparse attention backend replaces CPU_ATTN in pid %d",
+            SPARSE_CPU_SWITCH,
+            os.getpid(),
+        )
 
 
 def _register_connectors() -> None:
     """Name kvreuse's KV connectors for ``--kv-transfer-config '{"kv_connector": NAME, ...}'``."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    for name, module in ((MODULE_CONNECTOR, "kvreuse.vllm.connector"),
-                         (SPARSE_FIGURES_CONNECTOR, "kvreuse.vllm.sparse_connector")):
+    for name, module in (
+        (MODULE_CONNECTOR, "kvreuse.vllm.connector"),
+        (SPARSE_FIGURES_CONNECTOR, "kvreuse.vllm.sparse_connector"),
+    ):
         if name not in KVConnectorFactory._registry:  # vLLM has no public "is registered" query
             KVConnectorFactory.register_connector(name, module, name)

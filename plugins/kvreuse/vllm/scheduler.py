@@ -36,10 +36,15 @@ LOG_EVERY_ADMISSIONS = 1000
 class AffinityRequestQueue(PrefixAffinityQueue[Request], RequestQueue):
     """vLLM's ``RequestQueue`` interface over :class:`PrefixAffinityQueue`; ``priority`` only under that policy."""
 
-    def __init__(self, config: ReorderConfig, policy: SchedulingPolicy,
-                 probe: Callable[[Request], PrefixProbe]) -> None:
-        super().__init__(config, probe, arrival_time=attrgetter("arrival_time"),
-                         priority=attrgetter("priority") if policy == SchedulingPolicy.PRIORITY else None)
+    def __init__(
+        self, config: ReorderConfig, policy: SchedulingPolicy, probe: Callable[[Request], PrefixProbe]
+    ) -> None:
+        super().__init__(
+            config,
+            probe,
+            arrival_time=attrgetter("arrival_time"),
+            priority=attrgetter("priority") if policy == SchedulingPolicy.PRIORITY else None,
+        )
 
 
 def _is_running(request: Request) -> bool:
@@ -54,7 +59,7 @@ class PrefixAffinityScheduler(Scheduler):
     scheduler is a different base.
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "PrefixAffinityScheduler":
+    def __new__(cls, *args: Any, **kwargs: Any) -> PrefixAffinityScheduler:
         vllm_config: VllmConfig = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
         if cls is PrefixAffinityScheduler and vllm_config.scheduler_config.async_scheduling:
             cls = AsyncPrefixAffinityScheduler
@@ -63,15 +68,20 @@ class PrefixAffinityScheduler(Scheduler):
     def __init__(self, vllm_config: VllmConfig, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         self.reorder_config = ReorderConfig.load(kvreuse_flags(vllm_config.additional_config, "reorder"))
-        self.waiting: AffinityRequestQueue = AffinityRequestQueue(self.reorder_config, self.policy,
-                                                                  self._probe_prefix)
+        self.waiting: AffinityRequestQueue = AffinityRequestQueue(self.reorder_config, self.policy, self._probe_prefix)
         self._next_log_at = LOG_EVERY_ADMISSIONS
         if not self.kv_cache_manager.enable_caching:
-            logger.warning("PrefixAffinityScheduler without prefix caching admits in arrival order: "
-                           "enable prefix caching for it to reorder anything")
-        logger.info("%s: lookahead %d, max_skips %d, max_wait_s %g",
-                    type(self).__name__, self.reorder_config.lookahead, self.reorder_config.max_skips,
-                    self.reorder_config.max_wait_s)
+            logger.warning(
+                "PrefixAffinityScheduler without prefix caching admits in arrival order: "
+                "enable prefix caching for it to reorder anything"
+            )
+        logger.info(
+            "%s: lookahead %d, max_skips %d, max_wait_s %g",
+            type(self).__name__,
+            self.reorder_config.lookahead,
+            self.reorder_config.max_skips,
+            self.reorder_config.max_wait_s,
+        )
 
     def reorder_counters(self) -> ReorderCounters:
         """What the waiting queue has done so far (cumulative)."""
@@ -119,6 +129,13 @@ class AsyncPrefixAffinityScheduler(PrefixAffinityScheduler, AsyncScheduler):
 
 
 def _log_counters(c: ReorderCounters) -> None:
-    logger.info("kvreuse reorder: %d admissions, %d out of arrival order, %d with a cached prefix "
-                "(%d cached blocks), %d forced by bounded waiting, at most %d skips of one request",
-                c.admissions, c.out_of_order, c.cached_prefix, c.cached_blocks, c.forced, c.max_skips)
+    logger.info(
+        "kvreuse reorder: %d admissions, %d out of arrival order, %d with a cached prefix "
+        "(%d cached blocks), %d forced by bounded waiting, at most %d skips of one request",
+        c.admissions,
+        c.out_of_order,
+        c.cached_prefix,
+        c.cached_blocks,
+        c.forced,
+        c.max_skips,
+    )

@@ -57,7 +57,7 @@ def read_serve_config(path: Path) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_TOP))}")
     if "model" not in config:
-        raise ConfigError(f"{path}: name the model to serve (model = \"...\")")
+        raise ConfigError(f'{path}: name the model to serve (model = "...")')
     if config.get("scheduler") is not None and config["scheduler"] not in SCHEDULERS:
         raise ConfigError(f"{path}: scheduler {config['scheduler']!r} is not one of {', '.join(SCHEDULERS)}")
     _check_plugins(config.get("kvreuse", {}))

@@ -6,7 +6,8 @@ Users pass them with vLLM's own ``--additional-config '{"kvreuse": {"reorder": {
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from kvreuse.errors import ConfigError
 

@@ -16,8 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
 from kvreuse.errors import ConfigError
 from kvreuse.sparse.figures import FigureIncrements
@@ -36,18 +35,18 @@ if TYPE_CHECKING:
 class KVReuseSparseFigures(KVReuseMetrics, KVConnectorBase_V1):
     """A connector with no KV transfers; its worker side reports the figures of this process's sparse backend."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         self._increments = FigureIncrements()
 
     # ------------------------------------------------------------------------------------------- scheduler side
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         return 0, False
 
-    def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
         return
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return KVConnectorMetadata()
 
     # ---------------------------------------------------------------------------------------------- worker side
@@ -60,12 +59,15 @@ class KVReuseSparseFigures(KVReuseMetrics, KVConnectorBase_V1):
             raise ConfigError(
                 f"{SPARSE_FIGURES_CONNECTOR} reports the figures of kvreuse's sparse attention backend, which this "
                 f"engine does not run: select it with --attention-backend CUSTOM (GPU) or {SPARSE_CPU_SWITCH}=1 "
-                f"(CPU), or drop the connector")
+                f"(CPU), or drop the connector"
+            )
         if module_worker() is not None:
-            raise ConfigError(f"{MODULE_CONNECTOR} already reports the sparse figures; drop "
-                              f"{SPARSE_FIGURES_CONNECTOR} from the MultiConnector")
+            raise ConfigError(
+                f"{MODULE_CONNECTOR} already reports the sparse figures; drop "
+                f"{SPARSE_FIGURES_CONNECTOR} from the MultiConnector"
+            )
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -24,18 +24,32 @@ from kvreuse.sparse.figures import FIGURES, FigureIncrements
 PREFIX = "sparse_"
 # Stats name -> (Prometheus name, documentation, label name); stats keys are "<name>:<layer>".
 SPARSE_COUNTERS = {
-    "sparse_blocks_read": ("kvreuse:sparse_blocks_read_total",
-                           "KV blocks (x KV heads) whose keys and values decodes read", "layer"),
-    "sparse_blocks_total": ("kvreuse:sparse_blocks_total",
-                            "KV blocks (x KV heads) in the contexts of decodes", "layer"),
-    "sparse_tokens_attended": ("kvreuse:sparse_tokens_attended_total",
-                               "Context tokens (x query heads) decodes attended", "layer"),
-    "sparse_tokens_total": ("kvreuse:sparse_tokens_total",
-                            "Context tokens (x query heads) of decodes", "layer"),
-    "sparse_recovery_kept": ("kvreuse:sparse_recovery_kept_total",
-                             "Sum of the sampled recovery ratios (dense attention mass kept, per query head)", "layer"),
-    "sparse_recovery_samples": ("kvreuse:sparse_recovery_samples_total",
-                                "Query heads whose recovery ratio was sampled", "layer"),
+    "sparse_blocks_read": (
+        "kvreuse:sparse_blocks_read_total",
+        "KV blocks (x KV heads) whose keys and values decodes read",
+        "layer",
+    ),
+    "sparse_blocks_total": (
+        "kvreuse:sparse_blocks_total",
+        "KV blocks (x KV heads) in the contexts of decodes",
+        "layer",
+    ),
+    "sparse_tokens_attended": (
+        "kvreuse:sparse_tokens_attended_total",
+        "Context tokens (x query heads) decodes attended",
+        "layer",
+    ),
+    "sparse_tokens_total": ("kvreuse:sparse_tokens_total", "Context tokens (x query heads) of decodes", "layer"),
+    "sparse_recovery_kept": (
+        "kvreuse:sparse_recovery_kept_total",
+        "Sum of the sampled recovery ratios (dense attention mass kept, per query head)",
+        "layer",
+    ),
+    "sparse_recovery_samples": (
+        "kvreuse:sparse_recovery_samples_total",
+        "Query heads whose recovery ratio was sampled",
+        "layer",
+    ),
 }
 
 
@@ -58,9 +72,11 @@ def summarise(data: dict[str, float]) -> dict[str, float]:
         if key.startswith(PREFIX) and name in total:
             total[name] += value
     out = {}
-    for label, part, whole in (("block_fraction", "blocks_read", "blocks_total"),
-                               ("token_fraction", "tokens_attended", "tokens_total"),
-                               ("recovery", "recovery_kept", "recovery_samples")):
+    for label, part, whole in (
+        ("block_fraction", "blocks_read", "blocks_total"),
+        ("token_fraction", "tokens_attended", "tokens_total"),
+        ("recovery", "recovery_kept", "recovery_samples"),
+    ):
         if total[whole]:
             out[PREFIX + label] = round(total[part] / total[whole], 4)
     return out
