@@ -67,9 +67,7 @@ def prompt():
 
 def spliced(model, header, modules, anchored=False):
     head = model.encode(header)
-    stored = [
-        as_module(f"m{i}", model.encode(ids, head if anchored else None)) for i, ids in enumerate(modules)
-    ]
+    stored = [as_module(f"m{i}", model.encode(ids, head if anchored else None)) for i, ids in enumerate(modules)]
     return splice(head, stored, model.spec)
 
 
