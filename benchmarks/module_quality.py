@@ -120,13 +120,40 @@ Select = Callable[[Prepared], Recompute]
 
 
 @dataclass(frozen=True)
-class Arm:
-    """One way of serving a case: which cache, what is recomputed, how new tokens attend to module keys.
+class Probe:
+    """A first pass of the question (the arm's cache and bias, ``layers`` first layers only, all when ``None``)
+    measures its attention mass on each module token, summed over those layers, heads and question tokens; the
+    second pass recomputes what the mass points at:
 
-    ``probe``: a first pass of the question (same cache and bias) measures its attention mass on each module
-    token (summed over layers, heads and question tokens); the top ``probe`` share of module tokens is then
-    recomputed (a float), or the ``probe`` modules with the most mass (an int). Both passes are counted.
+    * ``"tokens"``: the top ``amount`` share of module tokens;
+    * ``"modules"``: the ``amount`` modules with the most mass, whole;
+    * ``"prefix"``: the module with the most mass, from its start to ``amount`` tokens past its token with the
+      most mass (what the answer's line needs: the tokens before it, not those after).
     """
+
+    kind: str
+    amount: float
+    layers: int | None = None
+
+    def choose(self, prep: Prepared, mass: torch.Tensor) -> torch.Tensor:
+        index = prep.module_index
+        if self.kind == "tokens":
+            count = max(1, round(self.amount * len(index)))
+            return index[torch.topk(mass[index], count).indices].sort().values
+        per_module = torch.tensor([float(mass[s:e].sum()) for s, e in prep.spans])
+        if self.kind == "modules":
+            top = torch.topk(per_module, min(int(self.amount), len(prep.spans))).indices.tolist()
+            return torch.cat([torch.arange(*prep.spans[i]) for i in sorted(top)])
+        if self.kind == "prefix":
+            start, end = prep.spans[int(per_module.argmax())]
+            peak = start + int(mass[start:end].argmax())
+            return torch.arange(start, min(end, peak + int(self.amount) + 1))
+        raise ValueError(f"unknown probe kind {self.kind!r} (tokens, modules, prefix)")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way of serving a case: which cache, what is recomputed, how new tokens attend to module keys."""
 
     name: str
     family: str
@@ -134,7 +161,7 @@ class Arm:
     select: Select | None = None
     ape: tuple[float, float] | None = None  # (temperature, scale) on module keys
     hide_sinks: int = 0  # new tokens do not attend to each module's first tokens
-    probe: float | int | None = None
+    probe: Probe | None = None  # a first pass of the question picks what to recompute (both passes counted)
     note: str = ""
 
     def prefill(self, model: ReferenceLlama, prep: Prepared) -> tuple[PassResult, ApeBias | None, float]:
@@ -146,9 +173,12 @@ class Arm:
         spent = 0.0
         recompute = self.select(prep) if self.select is not None else None
         if self.probe is not None:
-            first = model.prefill(cache, question, recompute=recompute, ape=bias, probe=True)
+            first = model.prefill(cache, question, recompute=recompute, ape=bias, probe=True, layers=self.probe.layers)
             spent += first.compute.token_layers()
-            recompute = FixedTokens(self._probed(prep, first.attention_mass.sum(0)))
+            chosen = self.probe.choose(prep, first.attention_mass.sum(0))
+            if recompute is not None:  # a fixed choice (e.g. LegoLink's) and the probe's together
+                chosen = torch.cat([recompute.start(cache), chosen])
+            recompute = FixedTokens(chosen)
         result = model.prefill(cache, question, recompute=recompute, ape=bias)
         return result, bias, spent + result.compute.token_layers()
 
@@ -162,15 +192,6 @@ class Arm:
             else torch.empty(0, dtype=torch.int64)
         )
         return ApeBias(prep.module_index, temperature, scale, hidden)
-
-    def _probed(self, prep: Prepared, mass: torch.Tensor) -> torch.Tensor:
-        index = prep.module_index
-        if isinstance(self.probe, int):
-            per_module = torch.tensor([float(mass[s:e].sum()) for s, e in prep.spans])
-            top = torch.topk(per_module, min(self.probe, len(prep.spans))).indices.tolist()
-            return torch.cat([torch.arange(*prep.spans[i]) for i in sorted(top)])
-        count = max(1, round(float(self.probe) * len(index)))
-        return index[torch.topk(mass[index], count).indices].sort().values
 
 
 def first_tokens(k: int) -> Select:
@@ -193,8 +214,9 @@ def other_modules(prep: Prepared) -> Recompute:
 
 
 def arms(which: str) -> list[Arm]:
-    """The arms of a run: ``main`` (each family's representative settings), ``sweep`` (their parameter grids),
-    ``all`` (both)."""
+    """The arms of a run: ``main`` (each family's representative settings and the combinations), ``sweep``
+    (parameter grids), ``all`` (both)."""
+    ape = (0.8, 1.0)
     main = [
         Arm("naive", "naive"),
         Arm("anchored", "anchored", cache="anchored"),
@@ -203,10 +225,18 @@ def arms(which: str) -> list[Arm]:
         Arm("cacheblend-10%", "cacheblend", select=deviation({1: 0.10})),
         Arm("cacheblend-15%", "cacheblend", select=deviation({1: 0.15})),
         Arm("ape-parallel", "ape", cache="parallel"),
-        Arm("ape-T0.8", "ape", cache="anchored", ape=(0.8, 1.0)),
+        Arm("ape-anchored-T0.8", "ape", cache="anchored", ape=ape),
+        Arm("ape-alone-T0.8", "ape", ape=ape),
         Arm("sinks-1", "sinks", hide_sinks=1),
-        Arm("probe-10%", "probe", probe=0.10),
-        Arm("probe-module", "probe", probe=1),
+        Arm("probe-10%", "probe", probe=Probe("tokens", 0.10)),
+        Arm("probe-module", "probe", probe=Probe("modules", 1)),
+        Arm("probe-prefix", "probe", probe=Probe("prefix", 16)),
+        Arm("probe8-module", "probe", probe=Probe("modules", 1, layers=8), note="first pass: 8 layers"),
+        Arm("ape+probe-module", "combo", cache="anchored", ape=ape, probe=Probe("modules", 1)),
+        Arm("ape+probe-prefix", "combo", cache="anchored", ape=ape, probe=Probe("prefix", 16)),
+        Arm("ape+legolink-16", "combo", cache="anchored", ape=ape, select=first_tokens(16)),
+        Arm("ape+cacheblend-10%", "combo", cache="anchored", ape=ape, select=deviation({1: 0.10})),
+        Arm("legolink-16+probe-prefix", "combo", select=first_tokens(16), probe=Probe("prefix", 16)),
         Arm("oracle-gold", "oracle", select=gold_module, note="the answer's module recomputed"),
         Arm("oracle-others", "oracle", select=other_modules, note="every module but the answer's recomputed"),
     ]
@@ -219,12 +249,15 @@ def arms(which: str) -> list[Arm]:
         *[
             Arm(f"ape-{c}-T{t}-S{s}", "ape", cache=c, ape=(t, s))
             for c in ("alone", "anchored")
-            for t, s in ((0.9, 1.0), (0.7, 1.0), (1.0, 0.5), (1.0, 2.0), (0.8, 0.5))
+            for t, s in ((0.9, 1.0), (0.7, 1.0), (0.6, 1.0), (1.0, 0.5), (1.0, 2.0), (0.8, 0.5), (0.8, 2.0))
         ],
-        Arm("ape-parallel-T0.8", "ape", cache="parallel", ape=(0.8, 1.0)),
+        Arm("ape-parallel-T0.8", "ape", cache="parallel", ape=ape),
         Arm("sinks-4", "sinks", hide_sinks=4),
-        Arm("probe-5%", "probe", probe=0.05),
-        Arm("probe-20%", "probe", probe=0.20),
+        Arm("probe-5%", "probe", probe=Probe("tokens", 0.05)),
+        Arm("probe-20%", "probe", probe=Probe("tokens", 0.20)),
+        Arm("probe-2modules", "probe", probe=Probe("modules", 2)),
+        Arm("probe-prefix-4", "probe", probe=Probe("prefix", 4)),
+        Arm("probe4-prefix", "probe", probe=Probe("prefix", 16, layers=4), note="first pass: 4 layers"),
     ]
     return {"main": main, "sweep": sweep, "all": main + sweep}[which]
 

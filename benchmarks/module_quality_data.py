@@ -1,13 +1,14 @@
 """A multi-document QA set for measuring answers over spliced modules: deterministic, made up, no network.
 
 Each case is a chat prompt: a short shared header (system turn, then the user turn's opening), several modules
-(documents), then a question about one field of one module and the assistant turn's opening. Every module holds
-the same fields as its neighbours with different values, so an answer is right only if the model read the right
-module: extraction of one field value from one document among several.
+(documents), then a question about one field of one module and the assistant turn's opening: extraction of one
+field value from one document among several. Modules of the asked kind besides the answer's (``same_kind`` of
+them) hold the same fields with other values, so an answer is right only if the model read the right module; the
+others are of other kinds, as in a retrieval-augmented prompt.
 
-Three kinds of module, one kind per prompt, each stating its facts next to the entity's name (a 135M model
-copies a value it finds next to the name; it does not look a column up in a Markdown table, nor a key under a
-section heading: 0 of 36 and 1 of 10 right in trials):
+Three kinds of module, each stating its facts next to the entity's name (a 135M model copies a value it finds
+next to the name; it does not look a column up in a Markdown table, nor a key under a section heading: 0 of 36
+and 1 of 10 right in trials; with every module of the asked kind, full prefill answered 14 of 30):
 
 * ``profile``: prose about a made-up person (town, job, pet, access code, favourite colour, birth year) among
   filler sentences;
@@ -17,7 +18,7 @@ section heading: 0 of 36 and 1 of 10 right in trials):
   per line: owner, region, port, backup window, rack, among other settings.
 
 Modules come from a pool per kind and recur across cases, as they would in a module cache. A case draws its
-modules, in random order, so that no other module holds the asked value.
+modules and their order at random; no other module holds the asked value.
 
 Values are short and distinctive (made-up words, codes like ``KX-4172``), so a right answer cannot be guessed.
 The question ends with the opening of the answer ("The access code of Zorvik Tallen is"): the model's job is to
@@ -286,31 +287,26 @@ def _table(names: _Names, rng: random.Random, tokenize: Tokenize, target: int) -
 
 def _config(names: _Names, rng: random.Random, tokenize: Tokenize, target: int) -> Module:
     """A server's section of an inventory, the way a PML schema would hold one module per server."""
-    server = f"server {names.word(2)}-{rng.randint(2, 99)}"
+    server = f"server {names.word(2)} {names.word(1)}"
     values = {
         "owner": f"{names.word(2)} {names.word(2)}",
-        "region": f"{names.word(1).lower()}-{rng.randint(1, 9)}",
+        "region": names.word(2),
         "port": str(rng.randint(2000, 9999)),
         "backup window": f"{rng.randint(0, 23):02d}:{rng.choice(('00', '15', '30', '45'))}",
         "rack": names.code(),
     }
     extra = {
         "operating system": rng.choice(("debian 12", "alpine 3.19", "ubuntu 22.04", "rocky 9")),
-        "memory": f"{rng.choice((8, 16, 32, 64, 128))} GB",
-        "disk count": str(rng.randint(1, 8)),
         "status": rng.choice(("active", "standby", "draining")),
         "monitoring level": rng.choice(("basic", "full", "none")),
         "cluster": f"{names.word(2).lower()} pool",
-        "kernel": f"6.{rng.randint(1, 9)}.{rng.randint(0, 30)}",
-        "core count": str(rng.choice((4, 8, 16, 32))),
-        "vlan": str(rng.randint(10, 400)),
         "contact": f"{names.word(2).lower()}@{names.word(2).lower()}.example",
-        "last audit": f"{rng.randint(2019, 2024)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}",
         "power feed": f"{rng.choice('AB')}{rng.randint(1, 4)}",
-        "firmware": f"{rng.randint(1, 9)}.{rng.randint(0, 9)}.{rng.randint(0, 99)}",
-        "hall": str(rng.randint(1, 6)),
         "service": names.word(2).lower(),
         "ticket queue": f"{names.word(1).lower()}-ops",
+        "hardware vendor": rng.choice(("Velmora", "Tarnic", "Osbel", "Quenta")),
+        "backup target": f"{names.word(2).lower()} vault",
+        "environment": rng.choice(("production", "staging", "testing")),
     }
     title = f"Inventory section: {server}."
     return Module(server, _facts(server, values, extra, _SERVER_NOTES, tokenize, target, title, rng), values)
@@ -359,18 +355,25 @@ def make_pool(
     return [build(names, rng, tokenize, rng.randint(*module_tokens)) for _ in range(size)]
 
 
-def make_case(key: str, kind: str, pool: Sequence[Module], num_modules: int, rng: random.Random) -> Case:
-    """One case: ``num_modules`` modules of ``pool`` in random order, a question about a field of one of them.
-    The others never hold the asked value, so only the right module gives the answer."""
-    target_module = rng.choice(pool)
+def make_case(
+    key: str, kind: str, pools: dict[str, Sequence[Module]], num_modules: int, same_kind: int, rng: random.Random
+) -> Case:
+    """One case: a question about a field of one module of ``kind``, among ``num_modules`` modules in random
+    order: ``same_kind`` more of that kind (which never hold the asked value, so only the right module gives the
+    answer), the rest of the other kinds."""
+    target_module = rng.choice(pools[kind])
     fld = rng.choice(tuple(_QUESTIONS[kind]))
     answer = target_module.fields[fld]
-    others = rng.sample([m for m in pool if m is not target_module and m.fields[fld] != answer], num_modules - 1)
+    same = min(same_kind, num_modules - 1)
+    alike = rng.sample([m for m in pools[kind] if m is not target_module and m.fields[fld] != answer], same)
+    unlike = [m for other in KINDS if other != kind for m in pools[other]]
+    others = alike + rng.sample(unlike, num_modules - 1 - same)
+    rng.shuffle(others)
     target = rng.randrange(num_modules)
     modules = (*others[:target], target_module, *others[target:])
     question, opening = _QUESTIONS[kind][fld]
     text = question_text(question.format(e=target_module.name), opening.format(e=target_module.name))
-    return Case(key, kind, modules, target, fld, text, answer, tuple(m.fields[fld] for m in others))
+    return Case(key, kind, modules, target, fld, text, answer, tuple(m.fields[fld] for m in alike))
 
 
 @dataclass(frozen=True)
@@ -383,13 +386,14 @@ class QASet:
     num_modules: tuple[int, ...]
     module_tokens: tuple[int, int]
     pool_size: int
+    same_kind: int  # modules of the asked kind besides the answer's (the rest are of the other kinds)
 
 
 QA_SETS = {
     # The study's set: 3-6 modules of 100-200 tokens.
-    "mixed": QASet("mixed", 300, (3, 4, 5, 6), (100, 200), 48),
+    "mixed": QASet("mixed", 300, (3, 4, 5, 6), (100, 200), 48, 1),
     # The issue's TTFT size: 8 modules of about 256 tokens.
-    "long": QASet("long", 96, (8,), (240, 256), 32),
+    "long": QASet("long", 96, (8,), (240, 256), 32, 2),
 }
 
 
@@ -399,7 +403,7 @@ def make_cases(qa_set: QASet, tokenize: Tokenize, seed: int = 0) -> list[Case]:
     rng = random.Random(f"{qa_set.name}-{seed}")
     pools = {kind: make_pool(kind, qa_set.pool_size, qa_set.module_tokens, rng, tokenize) for kind in KINDS}
     return [
-        make_case(f"{qa_set.name}-{i}", kind, pools[kind], rng.choice(qa_set.num_modules), rng)
+        make_case(f"{qa_set.name}-{i}", kind, pools, rng.choice(qa_set.num_modules), qa_set.same_kind, rng)
         for i, kind in ((i, KINDS[i % len(KINDS)]) for i in range(qa_set.num_cases))
     ]
 

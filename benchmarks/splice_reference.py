@@ -266,9 +266,13 @@ class ReferenceLlama:
         recompute: Recompute | None = None,
         ape: ApeBias | None = None,
         probe: bool = False,
+        layers: int | None = None,
     ) -> PassResult:
         """Compute ``new_ids`` at ``new_positions`` after ``cache`` (which is not modified), recomputing the cached
-        tokens ``recompute`` chooses; new tokens see every cache entry and the new tokens before them."""
+        tokens ``recompute`` chooses; new tokens see every cache entry and the new tokens before them.
+
+        ``probe``: record the new tokens' attention mass (:attr:`PassResult.attention_mass`); ``layers``: stop after
+        that many layers (a probe that looks at the first layers only; the logits are then meaningless)."""
         n_old, n_new = len(cache), len(new_ids)
         total = n_old + n_new
         positions = torch.cat([cache.positions, torch.as_tensor(new_positions, dtype=torch.int64)])
@@ -286,7 +290,7 @@ class ReferenceLlama:
             ape_keys[ape.columns] = 1.0 / ape.temperature
         compute = Compute()
         mass = torch.zeros(self.num_layers, total) if probe else None
-        for layer_no, w in enumerate(self.layers):
+        for layer_no, w in enumerate(self.layers[:layers]):
             rows = torch.cat([active, new_index])
             cos, sin = self._angles(positions[rows])
             x = self._rms(hidden, w.ln_in)
@@ -369,11 +373,12 @@ class ReferenceLlama:
         recompute: Recompute | None = None,
         ape: ApeBias | None = None,
         probe: bool = False,
+        layers: int | None = None,
     ) -> PassResult:
         """:meth:`forward` with ``new_ids`` at the positions after the cache's highest."""
         start = int(cache.positions.max()) + 1 if len(cache) else 0
         positions = torch.arange(start, start + len(new_ids))
-        return self.forward(cache, new_ids, positions, recompute=recompute, ape=ape, probe=probe)
+        return self.forward(cache, new_ids, positions, recompute=recompute, ape=ape, probe=probe, layers=layers)
 
     def generate(
         self,
