@@ -142,6 +142,7 @@ class Probe:
     kind: str
     amount: float
     layers: int | None = None
+    resume: int | None = None  # recompute the chosen tokens from this layer on (from their own hidden states)
 
     def choose(self, prep: Prepared, mass: torch.Tensor) -> torch.Tensor:
         index = prep.module_index
@@ -191,9 +192,12 @@ class Arm:
             first = model.prefill(cache, question, recompute=recompute, ape=bias, probe=True, layers=self.probe.layers)
             spent += first.compute.token_layers()
             chosen = self.probe.choose(prep, first.attention_mass.sum(0))
-            if recompute is not None:  # a fixed choice (e.g. LegoLink's) and the probe's together
-                chosen = torch.cat([recompute.start(cache), chosen])
-            recompute = FixedTokens(chosen)
+            if self.probe.resume is not None:
+                recompute = resumed(prep, chosen, self.probe.resume)
+            else:
+                if recompute is not None:  # a fixed choice (e.g. LegoLink's) and the probe's together
+                    chosen = torch.cat([recompute.start(cache), chosen])
+                recompute = FixedTokens(chosen)
         result = model.prefill(cache, question, recompute=recompute, ape=bias)
         return result, bias, spent + result.compute.token_layers()
 
@@ -224,11 +228,20 @@ def recent(k: int) -> Select:
     return lambda prep: FixedTokens(prep.module_index[-k:])
 
 
+def resumed(prep: Prepared, index: torch.Tensor, layer: int) -> Recompute:
+    """Module tokens ``index`` (cache indices) recomputed from ``layer`` on, starting from their hidden states of
+    encoding their module alone: the late layers (whose KV matters most, see the ``oracle-exact`` arms) with full
+    attention, the early ones not."""
+    return ResumedTokens(index, layer, prep.hidden[layer][index - prep.spans[0][0]])
+
+
 def resume(layer: int) -> Select:
-    """Every module token from ``layer`` on, starting from its hidden state of encoding the module alone: the late
-    layers (whose KV matters most, see the ``oracle-exact`` arms) recomputed with full attention, the early ones
-    not."""
-    return lambda prep: ResumedTokens(prep.module_index, layer, prep.hidden[layer])
+    """Every module token, resumed at ``layer``."""
+    return lambda prep: resumed(prep, prep.module_index, layer)
+
+
+def gold_resumed(layer: int) -> Select:
+    return lambda prep: resumed(prep, torch.arange(*prep.spans[prep.case.case.target]), layer)
 
 
 def last_module(prep: Prepared) -> Recompute:
@@ -292,6 +305,8 @@ def arms(which: str) -> list[Arm]:
         Arm("recent-64", "recent", select=recent(64), note="the 64 module tokens before the question"),
         Arm("last-module", "recent", select=last_module, note="the module before the question"),
         *[Arm(f"resume-{layer}", "resume", select=resume(layer)) for layer in RESUME_LAYERS],
+        Arm("probe-module@15", "resume", probe=Probe("modules", 1, resume=15), note="layers 15-29 of it"),
+        Arm("oracle-gold@15", "oracle", select=gold_resumed(15), note="the answer's module, layers 15-29"),
         *[
             Arm(f"oracle-exact-{a}-{b}", "oracle", exact_layers=(a, b), note=f"layers {a}-{b - 1} of full prefill")
             for a, b in ((0, 10), (10, 20), (20, 30), (0, 20), (10, 30), (15, 30), (25, 30))
@@ -519,28 +534,58 @@ def report(name: str, summaries: Sequence[Summary], meta: dict) -> None:
     print(f"wrote {RESULTS / (name + '.json')} and {RESULTS / (name + '.png')}")
 
 
+def frontier(summaries: Sequence[Summary]) -> list[Summary]:
+    """The deployable arms no other deployable arm beats on both accuracy and compute (oracles left out)."""
+    arms = [s for s in summaries if s.family != "oracle"]
+    return sorted(
+        (
+            s
+            for s in arms
+            if not any(
+                o.compute_share <= s.compute_share
+                and o.accuracy >= s.accuracy
+                and (o.compute_share, o.accuracy) != (s.compute_share, s.accuracy)
+                for o in arms
+            )
+        ),
+        key=lambda s: s.compute_share,
+    )
+
+
 def plot(name: str, summaries: Sequence[Summary], path: Path) -> None:
-    """Accuracy (as a share of full prefill's) against compute share, one colour per family; the goal's corner."""
+    """Accuracy (as a share of full prefill's) against compute share, one colour per family (oracles hollow);
+    the frontier's arms labelled; the goal's corner shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 6))
+    fig, ax = plt.subplots(figsize=(10, 6.5))
     families = sorted({s.family for s in summaries})
     colours = plt.get_cmap("tab10")
     for i, family in enumerate(families):
-        points = sorted((s.compute_share, s.accuracy_vs_full, s.arm) for s in summaries if s.family == family)
-        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color=colours(i), label=family, alpha=0.8)
-        for x, y, label in points:
-            ax.annotate(label, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    ax.axvspan(0, 0.2, ymin=0, ymax=1, color="#cccccc", alpha=0.2)
-    ax.axhline(0.95, color="#999999", linestyle="--", linewidth=1)
-    ax.fill_between([0, 0.2], 0.95, 1.3, color="#1b9e77", alpha=0.15, label="goal: >= 95% at <= 20%")
+        points = sorted((s.compute_share, s.accuracy_vs_full) for s in summaries if s.family == family)
+        hollow = family == "oracle"
+        ax.scatter(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            s=36,
+            facecolors="none" if hollow else colours(i % 10),
+            edgecolors=colours(i % 10),
+            label=f"{family} (not deployable)" if hollow else family,
+        )
+    best = frontier(summaries)
+    ax.plot([s.compute_share for s in best], [s.accuracy_vs_full for s in best], "k--", linewidth=0.8)
+    for s in best:
+        ax.annotate(
+            s.arm, (s.compute_share, s.accuracy_vs_full), fontsize=7, xytext=(4, -10), textcoords="offset points"
+        )
+    ax.fill_between([0, 0.2], 0.95, 1.25, color="#1b9e77", alpha=0.15, label="goal: >= 95% of full at <= 20%")
     ax.set_xscale("symlog", linthresh=0.05)
+    ax.set_xlim(0, 1.1)
     ax.set_xlabel("compute: token-layers as a share of full prefill")
     ax.set_ylabel("accuracy as a share of full prefill's")
-    ax.set_title(name)
+    ax.set_title(f"{name}: every arm (dashed: the frontier of deployable arms)")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
