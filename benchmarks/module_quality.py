@@ -64,6 +64,16 @@ MAX_NEW_TOKENS = 16
 RESUME_LAYERS = (15, 20)  # layers the resume arms start at (their hidden states are kept per module)
 DECODE_BATCH = 12  # arms decoded together (memory: one cache copy each)
 EOS_TEXT = "<|im_end|>"
+KEY_ARMS = (
+    "naive",
+    "anchored",
+    "legolink-16",
+    "legolink-32",
+    "cacheblend-10%",
+    "cacheblend-15%",
+    "ape-anchored-T0.8",
+    "ape+cacheblend-10%",
+)
 
 
 # ---------------------------------------------------------------------------------------------- a prepared case
@@ -259,7 +269,8 @@ def other_modules(prep: Prepared) -> Recompute:
 
 def arms(which: str) -> list[Arm]:
     """The arms of a run: ``main`` (each family's representative settings and the combinations), ``sweep``
-    (parameter grids), ``all`` (both)."""
+    (parameter grids), ``all`` (both), ``key`` (the README's arms: the published methods at the goal's compute,
+    the best APE setting and combination at the goal's compute; for a short run over more cases)."""
     ape = (0.8, 1.0)
     main = [
         Arm("naive", "naive"),
@@ -312,6 +323,8 @@ def arms(which: str) -> list[Arm]:
             for a, b in ((0, 10), (10, 20), (20, 30), (0, 20), (10, 30), (15, 30), (25, 30))
         ],
     ]
+    if which == "key":
+        return [a for a in main + sweep if a.name in KEY_ARMS]
     return {"main": main, "sweep": sweep, "all": main + sweep}[which]
 
 
@@ -596,7 +609,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", default="mixed", choices=sorted(QA_SETS))
     parser.add_argument("--cases", type=int, default=None, help="the first N cases (default: all)")
-    parser.add_argument("--arms", default="main", choices=("main", "sweep", "all"))
+    parser.add_argument("--arms", default="main", choices=("main", "sweep", "all", "key"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--report-only", action="store_true", help="summarise the kept results, compute nothing")
     args = parser.parse_args(argv)
