@@ -45,6 +45,12 @@ class ModulesConfig:
     gpu_device: str = config.setting(
         "cuda", "store: torch device of the fastest tier; a cuda device falls back to cpu when CUDA is absent"
     )
+    index_bytes: int = config.setting(
+        256 * 1024**2,
+        "index: bytes the token index that finds modules in prompts may use (24 per registered token); "
+        "a module past it is refused",
+        low=0,
+    )
 
     @classmethod
     def load(cls, flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> ModulesConfig:

@@ -1,0 +1,184 @@
+"""Aho-Corasick automaton over token ids, compiled with numba: the longest pattern starting at every prompt position.
+
+Why Aho-Corasick, and why reversed. Splicing (``kvreuse.modules.splice.plan_splice``) needs the modules at
+*any* token position: a module follows free text of any length, and the next module starts where the previous one
+ends, not on a block boundary. Hashes of block-aligned chunks find only modules that start on a chunk boundary of
+the prompt (a prefix-cache question), or, with rolling hashes of every window, need a verification per candidate
+that an adversary can multiply (many modules sharing a first chunk, a prompt repeating it). An automaton reads
+each prompt token once, whatever the modules are.
+
+:class:`~kvreuse.modules.trie.ModuleTrie` wants, at each start position, the *longest* module starting there
+(leftmost-longest, as before). Aho-Corasick reports matches by their end. So the automaton is built over the
+*reversed* modules and reads the prompt backwards: a match that ends at reversed position ``j`` is a module that
+starts at prompt position ``j``, and the longest of them is the state's own module or, through its output link,
+the longest module among its suffixes; one array read per position. :func:`longest_at` is therefore O(n) steps of
+the automaton (amortised: each failure link taken was paid for by an earlier step) plus O(n) output reads,
+independent of how many modules nest inside each other, and :func:`select` turns the per-position longest matches
+into the leftmost-longest non-overlapping ones in O(n). Per-position results of two automata merge by taking the
+longer at each position, so an index may split its modules into several automata (segments, namespaces) and still
+give exactly the matches of one automaton over all of them.
+
+Layout (all ``int32``; nodes numbered breadth-first, so a node's children are contiguous and sorted by token):
+``first[v]..first[v+1]-1`` are node ``v``'s children, ``labels[c]`` the token on the edge into ``c``, ``fail[c]``
+its failure link, ``term[c]`` the module (local id) ending at ``c`` or -1, and ``out[c]`` the longest live module
+among ``c`` and its failure chain, or -1. 20 bytes per node; a module adds at most one node per token.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+NODE_BYTES = 20  # first, labels, fail, term, out: one int32 each per node
+MAX_TOKEN_ID = 2**31 - 1
+
+
+@numba.njit(inline="always")
+def _child(first, labels, node, token):
+    lo, hi = first[node], first[node + 1]
+    end = hi
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if labels[mid] < token:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo < end and labels[lo] == token:
+        return lo
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def build(flat, offsets):
+    """Automaton of ``len(offsets) - 1`` patterns, ``flat[offsets[k]:offsets[k + 1]]``, sorted lexicographically.
+
+    Returns ``(first, labels, fail, term, term_node)``; ``term_node[k]`` is the node where pattern ``k`` ends.
+    Patterns must be distinct and non-empty (the caller checks).
+    """
+    count = offsets.shape[0] - 1
+    longest = 0
+    for k in range(count):
+        longest = max(longest, offsets[k + 1] - offsets[k])
+    total = offsets[count]
+    # 1. the trie in depth-first order: sorted patterns share their common prefix with the previous one
+    parent = np.empty(total + 1, np.int32)
+    depth = np.zeros(total + 1, np.int32)
+    label = np.empty(total + 1, np.int32)
+    ends = np.full(total + 1, -1, np.int32)
+    path = np.zeros(longest + 1, np.int32)
+    parent[0] = -1
+    label[0] = -1
+    nodes = 1
+    prev_start, prev_end = 0, 0
+    for k in range(count):
+        start, end = offsets[k], offsets[k + 1]
+        length = end - start
+        common = 0
+        while common < length and common < prev_end - prev_start and flat[start + common] == flat[prev_start + common]:
+            common += 1
+        for d in range(common, length):
+            parent[nodes] = path[d]
+            depth[nodes] = d + 1
+            label[nodes] = flat[start + d]
+            path[d + 1] = nodes
+            nodes += 1
+        ends[path[length]] = k
+        prev_start, prev_end = start, end
+    # 2. breadth-first numbering: a stable counting sort of the depth-first order by depth keeps each node's
+    #    children together and in token order
+    at = np.zeros(longest + 2, np.int64)
+    for v in range(nodes):
+        at[depth[v] + 1] += 1
+    for d in range(1, longest + 2):
+        at[d] += at[d - 1]
+    renumber = np.empty(nodes, np.int32)
+    for v in range(nodes):
+        renumber[v] = at[depth[v]]
+        at[depth[v]] += 1
+    labels = np.empty(nodes, np.int32)
+    parents = np.empty(nodes, np.int32)
+    term = np.empty(nodes, np.int32)
+    term_node = np.empty(count, np.int32)
+    for v in range(nodes):
+        w = renumber[v]
+        labels[w] = label[v]
+        term[w] = ends[v]
+        parents[w] = renumber[parent[v]] if v > 0 else -1
+        if ends[v] >= 0:
+            term_node[ends[v]] = w
+    first = np.zeros(nodes + 1, np.int32)
+    for w in range(1, nodes):
+        first[parents[w] + 1] += 1
+    for w in range(nodes):
+        first[w + 1] += first[w]
+    first += 1  # node 0 is the root: children start at 1
+    # 3. failure links, parents before children
+    fail = np.zeros(nodes, np.int32)
+    for w in range(1, nodes):
+        p = parents[w]
+        if p == 0:
+            continue
+        token, f = labels[w], fail[p]
+        while True:
+            c = _child(first, labels, f, token)
+            if c >= 0:
+                fail[w] = c
+                break
+            if f == 0:
+                break
+            f = fail[f]
+    return first, labels, fail, term, term_node
+
+
+@numba.njit(cache=True, nogil=True)
+def outputs(fail, term):
+    """``out[v]``: the longest module among ``term`` at ``v`` and along its failure chain.
+
+    A node's own module is longer than any on its failure chain (those are proper suffixes), so the own module
+    wins when it is live; recomputing this after a module is marked dead (``term = -1``) is one pass.
+    """
+    nodes = fail.shape[0]
+    out = np.full(nodes, -1, np.int32)
+    for v in range(1, nodes):  # breadth-first: fail[v] comes before v
+        out[v] = term[v] if term[v] >= 0 else out[fail[v]]
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def longest_at(first, labels, fail, out, lengths, slots, prompt, best_len, best_slot):
+    """For every position ``j`` of ``prompt``, raise ``best_len[j]``/``best_slot[j]`` to the longest module of
+    this automaton starting at ``j`` when it is strictly longer (so the automaton scanned first wins ties)."""
+    state = 0
+    for j in range(prompt.shape[0] - 1, -1, -1):
+        token = prompt[j]
+        while True:
+            c = _child(first, labels, state, token)
+            if c >= 0:
+                state = c
+                break
+            if state == 0:
+                break
+            state = fail[state]
+        o = out[state]
+        if o >= 0 and lengths[o] > best_len[j]:
+            best_len[j] = lengths[o]
+            best_slot[j] = slots[o]
+
+
+@numba.njit(cache=True, nogil=True)
+def select(best_len, best_slot):
+    """Leftmost-longest non-overlapping matches: ``(starts, lengths, slots)``, left to right."""
+    n = best_len.shape[0]
+    starts = np.empty(n, np.int64)
+    lengths = np.empty(n, np.int32)
+    slots = np.empty(n, np.int32)
+    found, i = 0, 0
+    while i < n:
+        length = best_len[i]
+        if length > 0:
+            starts[found], lengths[found], slots[found] = i, length, best_slot[i]
+            found += 1
+            i += length
+        else:
+            i += 1
+    return starts[:found], lengths[:found], slots[:found]
