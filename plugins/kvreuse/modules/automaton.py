@@ -21,7 +21,9 @@ give exactly the matches of one automaton over all of them.
 Layout (all ``int32``; nodes numbered breadth-first, so a node's children are contiguous and sorted by token):
 ``first[v]..first[v+1]-1`` are node ``v``'s children, ``labels[c]`` the token on the edge into ``c``, ``fail[c]``
 its failure link, ``term[c]`` the module (local id) ending at ``c`` or -1, and ``out[c]`` the longest live module
-among ``c`` and its failure chain, or -1. 20 bytes per node; a module adds at most one node per token.
+among ``c`` and its failure chain, or -1: 20 bytes per node, and a module adds at most one node per token. The
+root, where every mismatch returns, is also a direct table ``root[token]`` (child or -1) when that table is no
+longer than the automaton has nodes (at most 4 bytes per node more); other nodes' children are binary-searched.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-NODE_BYTES = 20  # first, labels, fail, term, out: one int32 each per node
+NODE_BYTES = 24  # first, labels, fail, term, out: one int32 each per node; the root table at most one more
 MAX_TOKEN_ID = 2**31 - 1
 
 
@@ -52,7 +54,8 @@ def _child(first, labels, node, token):
 def build(flat, offsets):
     """Automaton of ``len(offsets) - 1`` patterns, ``flat[offsets[k]:offsets[k + 1]]``, sorted lexicographically.
 
-    Returns ``(first, labels, fail, term, term_node)``; ``term_node[k]`` is the node where pattern ``k`` ends.
+    Returns ``(first, labels, fail, term, term_node, root)``; ``term_node[k]`` is the node where pattern ``k``
+    ends, ``root`` the root's direct table (empty when it would be longer than the automaton has nodes).
     Patterns must be distinct and non-empty (the caller checks).
     """
     count = offsets.shape[0] - 1
@@ -127,7 +130,12 @@ def build(flat, offsets):
             if f == 0:
                 break
             f = fail[f]
-    return first, labels, fail, term, term_node
+    width = labels[first[1] - 1] + 1 if first[1] > 1 else 0  # children are sorted: the last is the largest
+    root = np.full(width if width <= nodes else 0, -1, np.int32)
+    for c in range(first[0], first[1]):
+        if root.shape[0]:
+            root[labels[c]] = c
+    return first, labels, fail, term, term_node, root
 
 
 @numba.njit(cache=True, nogil=True)
@@ -145,14 +153,17 @@ def outputs(fail, term):
 
 
 @numba.njit(cache=True, nogil=True)
-def longest_at(first, labels, fail, out, lengths, slots, prompt, best_len, best_slot):
+def longest_at(first, labels, fail, out, root, lengths, slots, prompt, best_len, best_slot):
     """For every position ``j`` of ``prompt``, raise ``best_len[j]``/``best_slot[j]`` to the longest module of
     this automaton starting at ``j`` when it is strictly longer (so the automaton scanned first wins ties)."""
     state = 0
     for j in range(prompt.shape[0] - 1, -1, -1):
         token = prompt[j]
         while True:
-            c = _child(first, labels, state, token)
+            if state == 0 and root.shape[0]:
+                c = root[token] if 0 <= token < root.shape[0] else -1
+            else:
+                c = _child(first, labels, state, token)
             if c >= 0:
                 state = c
                 break

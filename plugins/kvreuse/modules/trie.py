@@ -9,9 +9,10 @@ Bounded and linear. Matching is an Aho-Corasick automaton over the reversed modu
 in the prompt's length whatever the modules are (the previous trie walk was O(n * L) on a prompt of ``7 7 7 ...``
 against a module ``7 ... 7 8``). Modules leave the index with :meth:`ModuleTrie.remove` (when their module leaves
 the store or is replaced); a removed module's tokens may be registered again at once, under any name. The index
-keeps within ``budget_bytes`` (``modules.index_bytes``): 24 bytes per registered token (20 for the automaton's
-arrays, 4 for the module's token ids kept to rebuild it) plus :data:`MODULE_BYTES` per module, counted until the
-automaton holding a removed module is rebuilt; an :meth:`add` past the budget raises :class:`ModuleIndexFull`.
+keeps within ``budget_bytes`` (``modules.index_bytes``): 28 bytes per registered token (at most 24 for the
+automaton's arrays, 4 for the module's token ids kept to rebuild it) plus :data:`MODULE_BYTES` per module,
+counted until the automaton holding a removed module is rebuilt; an :meth:`add` past the budget raises
+:class:`ModuleIndexFull`.
 
 Changes are cheap. A namespace's modules live in a few immutable automata (segments). Added modules wait in a
 list and become a new segment at the next :meth:`find`; the newest segment is merged into the one before while
@@ -91,6 +92,7 @@ class _Segment:
     fail: np.ndarray
     term: np.ndarray
     term_node: np.ndarray
+    root: np.ndarray
     lengths: np.ndarray
     slots: np.ndarray  # local module id -> the entry's slot
     out: np.ndarray = field(init=False)
@@ -104,8 +106,8 @@ class _Segment:
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.first, self.labels, self.fail, self.term, self.out, self.term_node, self.lengths, self.slots)
-        return sum(a.nbytes for a in arrays)
+        arrays = (self.first, self.labels, self.fail, self.term, self.out, self.root, self.term_node, self.lengths)
+        return sum(a.nbytes for a in arrays) + self.slots.nbytes
 
 
 @dataclass
@@ -235,6 +237,7 @@ class ModuleTrie:
                     segment.labels,
                     segment.fail,
                     segment.out,
+                    segment.root,
                     segment.lengths,
                     segment.slots,
                     prompt,
@@ -289,14 +292,9 @@ class ModuleTrie:
         reversed_ids = [e.ids[::-1] for e in entries]
         offsets = np.zeros(len(entries) + 1, np.int64)
         np.cumsum([len(r) for r in reversed_ids], out=offsets[1:])
-        first, labels, fail, term, term_node = automaton.build(np.concatenate(reversed_ids), offsets)
         segment = _Segment(
             entries,
-            first,
-            labels,
-            fail,
-            term,
-            term_node,
+            *automaton.build(np.concatenate(reversed_ids), offsets),
             lengths=np.diff(offsets).astype(np.int32),
             slots=np.array([e.slot for e in entries], np.int32),
         )
