@@ -19,12 +19,15 @@ from kvreuse.modules.trie import (
 )
 
 
-def reference_find(modules: dict, prompt: list[int]) -> list[ModuleMatch]:
-    """The specification, by brute force: at each position the longest module starting there, then jump past it."""
+def reference_find(modules: dict, prompt: list[int], preferred: dict | None = None) -> list[ModuleMatch]:
+    """The specification, by brute force: at each position the longest module starting there, then jump past it;
+    between equally long ones, a module of ``preferred`` (a tenant's) wins."""
+    preferred = preferred or {}
+    candidates = [*preferred.items(), *modules.items()]
     found, i = [], 0
     while i < len(prompt):
-        best = max(
-            ((len(ids), name) for name, ids in modules.items() if prompt[i : i + len(ids)] == list(ids)),
+        best = max(  # max keeps the first of equals: the preferred ones come first
+            ((len(ids), name) for name, ids in candidates if prompt[i : i + len(ids)] == list(ids)),
             default=None,
             key=lambda pair: pair[0],
         )
@@ -110,6 +113,25 @@ def test_matches_are_the_leftmost_longest_of_a_brute_force_scan_after_adds_and_r
         assert trie.remove(name) == (name in unique)
         unique.pop(name, None)
     assert trie.find(prompt) == reference_find(unique, prompt)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    shared=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=4), max_size=6, unique_by=tuple),
+    own=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=4), max_size=6, unique_by=tuple),
+    prompt=st.lists(st.integers(0, 2), max_size=40),
+)
+def test_a_tenants_lookup_is_the_brute_force_scan_of_the_global_and_its_own_modules(shared, own, prompt):
+    trie = ModuleTrie()
+    glob = {f"g{k}": ids for k, ids in enumerate(shared)}
+    mine = {f"t{k}": ids for k, ids in enumerate(own)}
+    for name, ids in glob.items():
+        trie.add(name, ids)
+    for name, ids in mine.items():
+        trie.add(name, ids, namespace="salt")
+        trie.add(name + "-other", ids + [0], namespace="other-salt")  # never seen by these look-ups
+    assert trie.find(prompt, namespace="salt") == reference_find(glob, prompt, preferred=mine)
+    assert trie.find(prompt) == reference_find(glob, prompt)
 
 
 def test_a_removed_module_is_not_found_and_its_tokens_register_under_another_name_at_once():

@@ -193,3 +193,21 @@ def select(best_len, best_slot):
         else:
             i += 1
     return starts[:found], lengths[:found], slots[:found]
+
+
+_warm = False
+
+
+def warm_up() -> None:
+    """Compile every function now (or load numba's cache), so that an engine pays for it at start, not on the
+    first request it looks up; once per process."""
+    global _warm
+    if _warm:
+        return
+    offsets = np.array([0, 2], np.int64)
+    first, labels, fail, term, _, root = build(np.array([2, 1], np.int32), offsets)
+    best_len, best_slot = np.zeros(2, np.int32), np.full(2, -1, np.int32)
+    lengths, slots = np.array([2], np.int32), np.array([0], np.int32)
+    longest_at(first, labels, fail, outputs(fail, term), root, lengths, slots, np.array([1, 2]), best_len, best_slot)
+    select(best_len, best_slot)
+    _warm = True

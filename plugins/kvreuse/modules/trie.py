@@ -19,6 +19,7 @@ list and become a new segment at the next :meth:`find`; the newest segment is me
 it is at least half its size, so a namespace of N tokens has at most log2(N) segments and each token is rebuilt
 O(log N) times in all. A removal marks the module dead in its segment (one pass over the segment's nodes); a
 segment with more dead tokens than live ones is rebuilt without them. Not thread-safe: one engine thread uses it.
+The first index of a process compiles the automaton's functions (numba; about 1 s from its on-disk cache).
 
 Token boundaries. A byte-level BPE tokenizer (the GPT-2 pre-tokenizer, as in the local model and Llama 3)
 splits text into pieces before merging, and merges never cross a piece boundary. A newline followed by a
@@ -127,6 +128,7 @@ class ModuleTrie:
         *,
         budget_bytes: int = ModulesConfig.index_bytes,
     ):
+        automaton.warm_up()
         self.budget_bytes = int(budget_bytes)
         self._spaces: dict[str, _Namespace] = {}
         self._entries: dict[int, _Entry] = {}  # slot -> live entry, for the automata's results
