@@ -352,6 +352,7 @@ def test_an_explicit_replace_swaps_atomically_under_a_version_never_used_before(
         new = module("t", seed=2, context=context_fingerprint([4]))
         s.put(new, replace=True)
         assert s.current("t") == new.key and new.key.version > old.key.version and len(s) == 1
+        assert new.key.identity != old.key.identity and len(new.key.identity) == 32
         assert old.key not in s and s.get(old.key) is None and torch.equal(s.get(new.key).kv, new.kv)
         s.evict(new.key)  # gone, then the first content again: still a new version, never an old one
         back = module("t", seed=1)

@@ -109,6 +109,13 @@ class ModuleKey:
     namespace: str = GLOBAL
     version: int = 0
 
+    @property
+    def identity(self) -> str:
+        """Hex digest of the whole key, for what must differ whenever the entry does (e.g. the extra keys of the
+        prefix-cache blocks a splice produces, so a replaced entry's blocks never match again)."""
+        what = json.dumps([self.namespace, repr(self.name), self.fingerprint, self.version])
+        return hashlib.sha256(what.encode()).hexdigest()[:32]
+
 
 @dataclass
 class EncodedModule:
