@@ -18,12 +18,14 @@ into the leftmost-longest non-overlapping ones in O(n). Per-position results of 
 longer at each position, so an index may split its modules into several automata (segments, namespaces) and still
 give exactly the matches of one automaton over all of them.
 
-Layout (all ``int32``; nodes numbered breadth-first, so a node's children are contiguous and sorted by token):
-``first[v]..first[v+1]-1`` are node ``v``'s children, ``labels[c]`` the token on the edge into ``c``, ``fail[c]``
-its failure link, ``term[c]`` the module (local id) ending at ``c`` or -1, and ``out[c]`` the longest live module
-among ``c`` and its failure chain, or -1: 20 bytes per node, and a module adds at most one node per token. The
-root, where every mismatch returns, is also a direct table ``root[token]`` (child or -1) when that table is no
-longer than the automaton has nodes (at most 4 bytes per node more); other nodes' children are binary-searched.
+Layout (all ``int32``; nodes numbered depth-first, so the prompt's walk along one module's path reads
+consecutive nodes, and a node's first child, the one with the smallest token, is the next node): ``labels[v]``
+the token on the edge into ``v``, ``children[first[v]:first[v + 1]]`` ``v``'s children sorted by token,
+``fail[v]`` its failure link, ``term[v]`` the module (local id) ending at ``v`` or -1, and ``out[v]`` the longest
+live module among ``v`` and its failure chain, or -1: 24 bytes per node, and a module adds at most one node per
+token. The root, where every mismatch returns, is also a direct table ``root[token]`` (child or -1) when that table
+is no longer than the automaton has nodes (at most 4 bytes per node more); other nodes try their first child, then
+binary-search the rest.
 """
 
 from __future__ import annotations
@@ -31,22 +33,27 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-NODE_BYTES = 24  # first, labels, fail, term, out: one int32 each per node; the root table at most one more
+NODE_BYTES = 28  # first, labels, children, fail, term, out: one int32 each per node; the root table at most one more
 MAX_TOKEN_ID = 2**31 - 1
 
 
 @numba.njit(inline="always")
-def _child(first, labels, node, token):
+def _child(first, children, labels, node, token):
     lo, hi = first[node], first[node + 1]
+    if lo == hi:
+        return -1
+    if labels[node + 1] == token:  # the first child, next in depth-first order: the common case, no search
+        return node + 1
+    lo += 1
     end = hi
     while lo < hi:
         mid = (lo + hi) >> 1
-        if labels[mid] < token:
+        if labels[children[mid]] < token:
             lo = mid + 1
         else:
             hi = mid
-    if lo < end and labels[lo] == token:
-        return lo
+    if lo < end and labels[children[lo]] == token:
+        return children[lo]
     return -1
 
 
@@ -54,8 +61,8 @@ def _child(first, labels, node, token):
 def build(flat, offsets):
     """Automaton of ``len(offsets) - 1`` patterns, ``flat[offsets[k]:offsets[k + 1]]``, sorted lexicographically.
 
-    Returns ``(first, labels, fail, term, term_node, root)``; ``term_node[k]`` is the node where pattern ``k``
-    ends, ``root`` the root's direct table (empty when it would be longer than the automaton has nodes).
+    Returns ``(first, labels, children, fail, term, term_node, root)``; ``term_node[k]`` is the node where pattern
+    ``k`` ends, ``root`` the root's direct table (empty when it would be longer than the automaton has nodes).
     Patterns must be distinct and non-empty (the caller checks).
     """
     count = offsets.shape[0] - 1
@@ -63,14 +70,16 @@ def build(flat, offsets):
     for k in range(count):
         longest = max(longest, offsets[k + 1] - offsets[k])
     total = offsets[count]
-    # 1. the trie in depth-first order: sorted patterns share their common prefix with the previous one
+    # 1. the trie in depth-first order: sorted patterns share their common prefix with the previous one, so new
+    #    nodes are created in depth-first order and each node's children in token order
     parent = np.empty(total + 1, np.int32)
     depth = np.zeros(total + 1, np.int32)
-    label = np.empty(total + 1, np.int32)
-    ends = np.full(total + 1, -1, np.int32)
+    labels = np.empty(total + 1, np.int32)
+    term = np.full(total + 1, -1, np.int32)
+    term_node = np.empty(count, np.int32)
     path = np.zeros(longest + 1, np.int32)
     parent[0] = -1
-    label[0] = -1
+    labels[0] = -1
     nodes = 1
     prev_start, prev_end = 0, 0
     for k in range(count):
@@ -82,60 +91,56 @@ def build(flat, offsets):
         for d in range(common, length):
             parent[nodes] = path[d]
             depth[nodes] = d + 1
-            label[nodes] = flat[start + d]
+            labels[nodes] = flat[start + d]
             path[d + 1] = nodes
             nodes += 1
-        ends[path[length]] = k
+        term[path[length]] = k
+        term_node[k] = path[length]
         prev_start, prev_end = start, end
-    # 2. breadth-first numbering: a stable counting sort of the depth-first order by depth keeps each node's
-    #    children together and in token order
+    labels = labels[:nodes].copy()
+    term = term[:nodes].copy()
+    # 2. children lists, in creation (token) order
+    first = np.zeros(nodes + 1, np.int32)
+    for v in range(1, nodes):
+        first[parent[v] + 1] += 1
+    for v in range(nodes):
+        first[v + 1] += first[v]
+    children = np.empty(max(nodes - 1, 1), np.int32)
+    filled = first[:nodes].copy()
+    for v in range(1, nodes):
+        children[filled[parent[v]]] = v
+        filled[parent[v]] += 1
+    # 3. failure links, shallower nodes first (a stable counting sort by depth)
     at = np.zeros(longest + 2, np.int64)
     for v in range(nodes):
         at[depth[v] + 1] += 1
     for d in range(1, longest + 2):
         at[d] += at[d - 1]
-    renumber = np.empty(nodes, np.int32)
+    order = np.empty(nodes, np.int32)
     for v in range(nodes):
-        renumber[v] = at[depth[v]]
+        order[at[depth[v]]] = v
         at[depth[v]] += 1
-    labels = np.empty(nodes, np.int32)
-    parents = np.empty(nodes, np.int32)
-    term = np.empty(nodes, np.int32)
-    term_node = np.empty(count, np.int32)
-    for v in range(nodes):
-        w = renumber[v]
-        labels[w] = label[v]
-        term[w] = ends[v]
-        parents[w] = renumber[parent[v]] if v > 0 else -1
-        if ends[v] >= 0:
-            term_node[ends[v]] = w
-    first = np.zeros(nodes + 1, np.int32)
-    for w in range(1, nodes):
-        first[parents[w] + 1] += 1
-    for w in range(nodes):
-        first[w + 1] += first[w]
-    first += 1  # node 0 is the root: children start at 1
-    # 3. failure links, parents before children
     fail = np.zeros(nodes, np.int32)
-    for w in range(1, nodes):
-        p = parents[w]
+    for i in range(1, nodes):
+        w = order[i]
+        p = parent[w]
         if p == 0:
             continue
         token, f = labels[w], fail[p]
         while True:
-            c = _child(first, labels, f, token)
+            c = _child(first, children, labels, f, token)
             if c >= 0:
                 fail[w] = c
                 break
             if f == 0:
                 break
             f = fail[f]
-    width = labels[first[1] - 1] + 1 if first[1] > 1 else 0  # children are sorted: the last is the largest
+    width = labels[children[first[1] - 1]] + 1 if first[1] > 0 else 0  # the root's largest child token, plus one
     root = np.full(width if width <= nodes else 0, -1, np.int32)
-    for c in range(first[0], first[1]):
-        if root.shape[0]:
-            root[labels[c]] = c
-    return first, labels, fail, term, term_node, root
+    if root.shape[0]:
+        for i in range(first[0], first[1]):
+            root[labels[children[i]]] = children[i]
+    return first, labels, children, fail, term, term_node, root
 
 
 @numba.njit(cache=True, nogil=True)
@@ -143,17 +148,29 @@ def outputs(fail, term):
     """``out[v]``: the longest module among ``term`` at ``v`` and along its failure chain.
 
     A node's own module is longer than any on its failure chain (those are proper suffixes), so the own module
-    wins when it is live; recomputing this after a module is marked dead (``term = -1``) is one pass.
+    wins when it is live. Each chain is followed until a node whose answer is known, then the answer is written
+    along it: one pass in all, also after a module is marked dead (``term = -1``).
     """
     nodes = fail.shape[0]
-    out = np.full(nodes, -1, np.int32)
-    for v in range(1, nodes):  # breadth-first: fail[v] comes before v
-        out[v] = term[v] if term[v] >= 0 else out[fail[v]]
+    out = np.full(nodes, -2, np.int32)  # -2: not known yet
+    out[0] = -1
+    chain = np.empty(nodes, np.int32)
+    for v in range(1, nodes):
+        top, u = 0, v
+        while out[u] == -2:
+            if term[u] >= 0:
+                out[u] = term[u]
+                break
+            chain[top] = u
+            top += 1
+            u = fail[u]
+        for i in range(top):
+            out[chain[i]] = out[u]
     return out
 
 
 @numba.njit(cache=True, nogil=True)
-def longest_at(first, labels, fail, out, root, lengths, slots, prompt, best_len, best_slot):
+def longest_at(first, labels, children, fail, out, root, lengths, slots, prompt, best_len, best_slot):
     """For every position ``j`` of ``prompt``, raise ``best_len[j]``/``best_slot[j]`` to the longest module of
     this automaton starting at ``j`` when it is strictly longer (so the automaton scanned first wins ties)."""
     state = 0
@@ -163,7 +180,7 @@ def longest_at(first, labels, fail, out, root, lengths, slots, prompt, best_len,
             if state == 0 and root.shape[0]:
                 c = root[token] if 0 <= token < root.shape[0] else -1
             else:
-                c = _child(first, labels, state, token)
+                c = _child(first, children, labels, state, token)
             if c >= 0:
                 state = c
                 break
@@ -205,9 +222,9 @@ def warm_up() -> None:
     if _warm:
         return
     offsets = np.array([0, 2], np.int64)
-    first, labels, fail, term, _, root = build(np.array([2, 1], np.int32), offsets)
+    first, labels, children, fail, term, _, root = build(np.array([2, 1], np.int32), offsets)
     best_len, best_slot = np.zeros(2, np.int32), np.full(2, -1, np.int32)
-    lengths, slots = np.array([2], np.int32), np.array([0], np.int32)
-    longest_at(first, labels, fail, outputs(fail, term), root, lengths, slots, np.array([1, 2]), best_len, best_slot)
+    lengths, slots, prompt = np.array([2], np.int32), np.array([0], np.int32), np.array([1, 2])
+    longest_at(first, labels, children, fail, outputs(fail, term), root, lengths, slots, prompt, best_len, best_slot)
     select(best_len, best_slot)
     _warm = True

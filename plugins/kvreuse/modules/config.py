@@ -54,7 +54,7 @@ class ModulesConfig:
     )
     index_bytes: int = config.setting(
         256 * 1024**2,
-        "index: bytes the token index that finds modules in prompts may use (28 per registered token); "
+        "index: bytes the token index that finds modules in prompts may use (32 per registered token); "
         "a module past it is refused",
         low=0,
     )

@@ -9,7 +9,7 @@ Bounded and linear. Matching is an Aho-Corasick automaton over the reversed modu
 in the prompt's length whatever the modules are (the previous trie walk was O(n * L) on a prompt of ``7 7 7 ...``
 against a module ``7 ... 7 8``). Modules leave the index with :meth:`ModuleTrie.remove` (when their module leaves
 the store or is replaced); a removed module's tokens may be registered again at once, under any name. The index
-keeps within ``budget_bytes`` (``modules.index_bytes``): 28 bytes per registered token (at most 24 for the
+keeps within ``budget_bytes`` (``modules.index_bytes``): 32 bytes per registered token (at most 28 for the
 automaton's arrays, 4 for the module's token ids kept to rebuild it) plus :data:`MODULE_BYTES` per module,
 counted until the automaton holding a removed module is rebuilt; an :meth:`add` past the budget raises
 :class:`ModuleIndexFull`.
@@ -90,6 +90,7 @@ class _Segment:
     entries: list[_Entry]
     first: np.ndarray
     labels: np.ndarray
+    children: np.ndarray
     fail: np.ndarray
     term: np.ndarray
     term_node: np.ndarray
@@ -107,8 +108,8 @@ class _Segment:
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.first, self.labels, self.fail, self.term, self.out, self.root, self.term_node, self.lengths)
-        return sum(a.nbytes for a in arrays) + self.slots.nbytes
+        arrays = (self.first, self.labels, self.children, self.fail, self.term, self.out, self.root, self.term_node)
+        return sum(a.nbytes for a in arrays) + self.lengths.nbytes + self.slots.nbytes
 
 
 @dataclass
@@ -237,6 +238,7 @@ class ModuleTrie:
                 automaton.longest_at(
                     segment.first,
                     segment.labels,
+                    segment.children,
                     segment.fail,
                     segment.out,
                     segment.root,
