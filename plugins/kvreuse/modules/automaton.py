@@ -57,6 +57,14 @@ def _child(first, children, labels, node, token):
     return -1
 
 
+@numba.njit(inline="always")
+def _step(first, children, labels, root, node, token):
+    """The child of ``node`` on ``token``, or -1; the root through its direct table when it has one."""
+    if node == 0 and root.shape[0]:
+        return root[token] if 0 <= token < root.shape[0] else -1
+    return _child(first, children, labels, node, token)
+
+
 @numba.njit(cache=True, nogil=True)
 def build(flat, offsets):
     """Automaton of ``len(offsets) - 1`` patterns, ``flat[offsets[k]:offsets[k + 1]]``, sorted lexicographically.
@@ -110,6 +118,11 @@ def build(flat, offsets):
     for v in range(1, nodes):
         children[filled[parent[v]]] = v
         filled[parent[v]] += 1
+    width = labels[children[first[1] - 1]] + 1 if first[1] > 0 else 0  # the root's largest child token, plus one
+    root = np.full(width if width <= nodes else 0, -1, np.int32)
+    if root.shape[0]:
+        for i in range(first[0], first[1]):
+            root[labels[children[i]]] = children[i]
     # 3. failure links, shallower nodes first (a stable counting sort by depth)
     at = np.zeros(longest + 2, np.int64)
     for v in range(nodes):
@@ -128,18 +141,13 @@ def build(flat, offsets):
             continue
         token, f = labels[w], fail[p]
         while True:
-            c = _child(first, children, labels, f, token)
+            c = _step(first, children, labels, root, f, token)
             if c >= 0:
                 fail[w] = c
                 break
             if f == 0:
                 break
             f = fail[f]
-    width = labels[children[first[1] - 1]] + 1 if first[1] > 0 else 0  # the root's largest child token, plus one
-    root = np.full(width if width <= nodes else 0, -1, np.int32)
-    if root.shape[0]:
-        for i in range(first[0], first[1]):
-            root[labels[children[i]]] = children[i]
     return first, labels, children, fail, term, term_node, root
 
 
@@ -177,10 +185,7 @@ def longest_at(first, labels, children, fail, out, root, lengths, slots, prompt,
     for j in range(prompt.shape[0] - 1, -1, -1):
         token = prompt[j]
         while True:
-            if state == 0 and root.shape[0]:
-                c = root[token] if 0 <= token < root.shape[0] else -1
-            else:
-                c = _child(first, children, labels, state, token)
+            c = _step(first, children, labels, root, state, token)
             if c >= 0:
                 state = c
                 break
