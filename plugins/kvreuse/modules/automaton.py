@@ -155,9 +155,8 @@ def build(flat, offsets):
 def outputs(fail, term):
     """``out[v]``: the longest module among ``term`` at ``v`` and along its failure chain.
 
-    A node's own module is longer than any on its failure chain (those are proper suffixes), so the own module
-    wins when it is live. Each chain is followed until a node whose answer is known, then the answer is written
-    along it: one pass in all, also after a module is marked dead (``term = -1``).
+    A node's own module is longer than any on its failure chain (those are proper suffixes), so it wins. Each
+    chain is followed until a node whose answer is known, then the answer is written along it: one pass in all.
     """
     nodes = fail.shape[0]
     out = np.full(nodes, -2, np.int32)  # -2: not known yet
@@ -178,9 +177,12 @@ def outputs(fail, term):
 
 
 @numba.njit(cache=True, nogil=True)
-def longest_at(first, labels, children, fail, out, root, lengths, slots, prompt, best_len, best_slot):
-    """For every position ``j`` of ``prompt``, raise ``best_len[j]``/``best_slot[j]`` to the longest module of
-    this automaton starting at ``j`` when it is strictly longer (so the automaton scanned first wins ties)."""
+def longest_at(first, labels, children, fail, term, term_node, out, root, lengths, slots, prompt, best_len, best_slot):
+    """For every position ``j`` of ``prompt``, raise ``best_len[j]``/``best_slot[j]`` to the longest live module
+    of this automaton starting at ``j`` when it is strictly longer (so the automaton scanned first wins ties).
+
+    ``out`` was computed when every module was live; a module removed since (``term`` -1 at its node) is skipped
+    for the next longest on its failure chain, so a removal costs nothing here until the automaton is rebuilt."""
     state = 0
     for j in range(prompt.shape[0] - 1, -1, -1):
         token = prompt[j]
@@ -193,6 +195,8 @@ def longest_at(first, labels, children, fail, out, root, lengths, slots, prompt,
                 break
             state = fail[state]
         o = out[state]
+        while o >= 0 and term[term_node[o]] < 0:
+            o = out[fail[term_node[o]]]
         if o >= 0 and lengths[o] > best_len[j]:
             best_len[j] = lengths[o]
             best_slot[j] = slots[o]
@@ -227,9 +231,10 @@ def warm_up() -> None:
     if _warm:
         return
     offsets = np.array([0, 2], np.int64)
-    first, labels, children, fail, term, _, root = build(np.array([2, 1], np.int32), offsets)
+    first, labels, children, fail, term, term_node, root = build(np.array([2, 1], np.int32), offsets)
     best_len, best_slot = np.zeros(2, np.int32), np.full(2, -1, np.int32)
     lengths, slots, prompt = np.array([2], np.int32), np.array([0], np.int32), np.array([1, 2])
-    longest_at(first, labels, children, fail, outputs(fail, term), root, lengths, slots, prompt, best_len, best_slot)
+    out = outputs(fail, term)
+    longest_at(first, labels, children, fail, term, term_node, out, root, lengths, slots, prompt, best_len, best_slot)
     select(best_len, best_slot)
     _warm = True

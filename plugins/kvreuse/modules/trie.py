@@ -17,8 +17,8 @@ counted until the automaton holding a removed module is rebuilt; an :meth:`add` 
 Changes are cheap. A namespace's modules live in a few immutable automata (segments). Added modules wait in a
 list and become a new segment at the next :meth:`find`; the newest segment is merged into the one before while
 it is at least half its size, so a namespace of N tokens has at most log2(N) segments and each token is rebuilt
-O(log N) times in all. A removal marks the module dead in its segment (one pass over the segment's nodes); a
-segment with more dead tokens than live ones is rebuilt without them. Not thread-safe: one engine thread uses it.
+O(log N) times in all. A removal marks the module dead in its segment (O(1): look-ups skip it); a segment with
+more dead tokens than live ones is rebuilt without them. Not thread-safe: one engine thread uses it.
 The first index of a process compiles the automaton's functions (numba; about 1 s from its on-disk cache).
 
 Token boundaries. A byte-level BPE tokenizer (the GPT-2 pre-tokenizer, as in the local model and Llama 3)
@@ -100,7 +100,6 @@ class _Segment:
     out: np.ndarray = field(init=False)
     live: int = 0  # tokens of live modules
     dead: int = 0  # tokens of removed modules still in the arrays
-    stale: bool = False  # out must be recomputed (a module died)
 
     def __post_init__(self):
         self.out = automaton.outputs(self.fail, self.term)
@@ -218,8 +217,7 @@ class ModuleTrie:
         else:
             segment.term[segment.term_node[entry.local]] = -1
             segment.live -= len(entry.ids)
-            segment.dead += len(entry.ids)
-            segment.stale = True  # its charge stays until the segment is rebuilt
+            segment.dead += len(entry.ids)  # its charge stays until the segment is rebuilt
         if not space.by_name:
             self._drop_namespace(namespace)
         return True
@@ -240,6 +238,8 @@ class ModuleTrie:
                     segment.labels,
                     segment.children,
                     segment.fail,
+                    segment.term,
+                    segment.term_node,
                     segment.out,
                     segment.root,
                     segment.lengths,
@@ -262,7 +262,7 @@ class ModuleTrie:
     # --------------------------------------------------------------- private
     def _ready(self, space: _Namespace, *, compact: bool = False) -> list[_Segment]:
         """Apply pending changes: new modules become a segment, mostly dead segments are rebuilt (every segment
-        with a dead module when ``compact``), the newest segments merge; then outputs are brought up to date."""
+        with a dead module when ``compact``), the newest segments merge."""
         if space.pending:
             space.segments.append(self._build(space.pending))
             space.pending = []
@@ -281,10 +281,6 @@ class ModuleTrie:
             self._release(older)
             self._release(newer)
             space.segments.append(self._build([e for seg in (older, newer) for e in seg.entries if not e.removed]))
-        for segment in space.segments:
-            if segment.stale:
-                segment.out = automaton.outputs(segment.fail, segment.term)
-                segment.stale = False
         return space.segments
 
     def _release(self, segment: _Segment) -> None:
