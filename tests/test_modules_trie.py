@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvreuse.errors import ModuleIndexFull
+from kvreuse.modules import trie as trie_module
 from kvreuse.modules.trie import (
     MODULE_BYTES,
     TOKEN_BYTES,
@@ -106,13 +108,14 @@ def test_matches_are_the_leftmost_longest_of_a_brute_force_scan_after_adds_and_r
         if tuple(ids) not in {tuple(v) for v in unique.values()}:
             unique[name] = ids
     trie = ModuleTrie()
-    for name, ids in unique.items():
-        trie.add(name, ids)
-        trie.find(prompt)  # a find between adds makes several segments, merged as they grow
-    for name in removed:
-        assert trie.remove(name) == (name in unique)
-        unique.pop(name, None)
-    assert trie.find(prompt) == reference_find(unique, prompt)
+    with mock.patch.object(trie_module, "SMALL_SEGMENT", 0):  # small automata stay apart, as large ones do
+        for name, ids in unique.items():
+            trie.add(name, ids)
+            trie.find(prompt)  # a find between adds makes several segments, merged as they grow
+        for name in removed:
+            assert trie.remove(name) == (name in unique)
+            unique.pop(name, None)
+        assert trie.find(prompt) == reference_find(unique, prompt)
 
 
 @settings(max_examples=100, deadline=None)
@@ -181,9 +184,12 @@ def test_a_module_past_the_budget_is_refused_and_removals_make_room_again():
 
 def test_one_at_a_time_registration_keeps_logarithmically_many_automata():
     trie = ModuleTrie()
-    for k in range(512):
-        trie.add(k, [k, k + 1000])
-        assert trie.segments() <= math.log2(k + 1) + 1
+    with mock.patch.object(trie_module, "SMALL_SEGMENT", 0):
+        for k in range(512):
+            trie.add(k, [k, k + 1000])
+            assert trie.segments() <= math.log2(k + 1) + 1
+    trie.add("one more", [1, 2])
+    assert trie.segments() == 1  # the whole namespace is under SMALL_SEGMENT tokens: one automaton
     assert trie.find([5, 1005, 6, 1006]) == [ModuleMatch(5, 0, 2), ModuleMatch(6, 2, 4)]
 
 

@@ -16,8 +16,9 @@ counted until the automaton holding a removed module is rebuilt; an :meth:`add` 
 
 Changes are cheap. A namespace's modules live in a few immutable automata (segments). Added modules wait in a
 list and become a new segment at the next :meth:`find`; the newest segment is merged into the one before while
-it is at least half its size, so a namespace of N tokens has at most log2(N) segments and each token is rebuilt
-O(log N) times in all. A removal marks the module dead in its segment (O(1): look-ups skip it); a segment with
+it is at least half its size, or the one before is small (under 16K tokens, a few milliseconds to rebuild), so a
+namespace of N tokens has at most about log2(N / 16K) + 2 segments and each token is rebuilt O(log N) times.
+A removal marks the module dead in its segment (O(1): look-ups skip it); a segment with
 more dead tokens than live ones is rebuilt without them. Not thread-safe: one engine thread uses it.
 The first index of a process compiles the automaton's functions (numba; about 1 s from its on-disk cache).
 
@@ -49,6 +50,7 @@ from kvreuse.modules.namespace import GLOBAL, namespace_label
 TOKEN_BYTES = automaton.NODE_BYTES + 4  # automaton nodes (at most one per token) and the kept token ids
 MODULE_BYTES = 256  # per module: its entry, its name and token-id keys, its slot in a segment (an estimate)
 MERGE_RATIO = 2  # the newest segment is merged into the previous one while it is at least 1/MERGE_RATIO of it
+SMALL_SEGMENT = 16_384  # tokens: a previous segment smaller than this takes the newest in whatever their sizes
 
 
 def module_text(text: str) -> str:
@@ -276,7 +278,9 @@ class ModuleTrie:
             else:
                 kept.append(segment)
         space.segments = kept
-        while len(space.segments) >= 2 and space.segments[-1].live * MERGE_RATIO >= space.segments[-2].live:
+        while len(space.segments) >= 2 and (
+            space.segments[-1].live * MERGE_RATIO >= space.segments[-2].live or space.segments[-2].live < SMALL_SEGMENT
+        ):
             newer, older = space.segments.pop(), space.segments.pop()
             self._release(older)
             self._release(newer)
