@@ -84,10 +84,10 @@ class World:
 def test_a_module_is_learnt_from_the_request_that_computed_it_with_its_position():
     world = World()
     world.compute(X + T2 + [1, 2])
-    module = world.store.get(world.store.key("t2", T2))
+    module = world.store.get(world.store.current("t2"))
     assert module is not None and module.start == len(X) and module.kv.shape == (LAYERS, 2, 12, KV_HEADS, DIM)
     torch.testing.assert_close(module.keys(1), world.expected_keys(T2, len(X), 1))
-    assert world.store.get(world.store.key("t1", T1)) is None and world.cache.learnt_modules == 1
+    assert world.store.current("t1") is None and world.cache.learnt_modules == 1
 
 
 def test_modules_after_the_prefix_hit_are_spliced_at_their_new_positions():
@@ -138,7 +138,7 @@ def test_a_module_the_store_lost_is_computed():
     world = World()
     world.compute(X + [0])
     world.compute(T1 + [1])
-    world.store.evict(world.store.key("t1", T1))
+    world.store.evict(world.store.current("t1"))
     free = world.allocator.available_size()
     assert world.match(X + T1 + [2])[0] == len(X) and world.allocator.available_size() == free
 

@@ -40,7 +40,7 @@ from kvreuse.errors import ConfigError
 from kvreuse.kernels.rerotate import RopeSpec, check_rerotation, rope_spec_from_hf_config
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.splice import Piece, piece_kv, plan_splice
-from kvreuse.modules.store import EncodedModule, ModuleStore
+from kvreuse.modules.store import EncodedModule, ModuleStore, context_fingerprint
 from kvreuse.modules.trie import ModuleTrie
 from kvreuse.sglang.settings import MODULE_CACHE_BACKEND, SPARSE_ATTENTION_BACKEND, SGLangConfig, read_modules_file
 
@@ -61,7 +61,8 @@ class ModuleRadixCache(RadixCache):
         super().__init__(params)
         self.store = store
         self.rope = rope
-        self.module_trie = ModuleTrie(modules)  # the module-sets schedule policy reads it too
+        # the module-sets schedule policy reads it too
+        self.module_trie = ModuleTrie(modules, budget_bytes=store.config.index_bytes)
         self._module_tokens = {name: tuple(ids) for name, ids in modules}
         self.spliced_tokens = 0  # prompt tokens taken from modules instead of computed
         self.learnt_modules = 0
@@ -82,11 +83,10 @@ class ModuleRadixCache(RadixCache):
     def _learn(self, key: RadixKey, slots: torch.Tensor) -> None:
         ids = key.token_ids[: len(slots)]
         for match in self.module_trie.find(ids):
-            module_key = self.store.key(match.name, self._module_tokens[match.name])
-            if module_key in self.store:
+            if self.store.current(match.name) is not None:
                 continue
             kv = self._read_kv(slots[match.start : match.end])
-            self.store.put(
+            self.store.put(  # keyed by what its KV attended to: the tokens before it in this request
                 EncodedModule(
                     match.name,
                     self.store.model_id,
@@ -94,6 +94,7 @@ class ModuleRadixCache(RadixCache):
                     self._module_tokens[match.name],
                     match.start,
                     kv,
+                    context=context_fingerprint(ids[: match.start]),
                 )
             )
             self.learnt_modules += 1
@@ -126,14 +127,15 @@ class ModuleRadixCache(RadixCache):
         return super().match_prefix(params)
 
     def _available(self, name: Hashable) -> bool:
-        return self.store.key(name, self._module_tokens[name]) in self.store
+        return self.store.current(name) is not None
 
     def _splice(self, key: RadixKey, result: MatchResult, pieces: list[Piece], end: int) -> bool:
         """Write the pieces' KV for tokens ``[hit, end)`` into new slots and insert them; False if it could not."""
         hit = result.device_prefix_len
         modules = {}
         for piece in pieces:
-            module = self.store.get(self.store.key(piece.name, self._module_tokens[piece.name]))
+            module_key = self.store.current(piece.name)
+            module = self.store.get(module_key) if module_key is not None else None
             if module is None:  # gone since the plan (a failed disk load): splice nothing, compute as usual
                 return False
             modules[piece.name] = module

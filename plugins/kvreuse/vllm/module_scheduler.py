@@ -162,6 +162,8 @@ class ModuleScheduler:
         return saves
 
     def worker_reported(self, report: ModuleCacheWorkerMeta) -> None:
+        for key in report.dropped:  # first: a module encoded again comes back under a new version, same tokens
+            self.trie.remove(key)
         for key, token_ids in report.stored.items():
             try:
                 self.trie.add(key, token_ids)
