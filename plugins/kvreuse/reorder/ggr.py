@@ -39,16 +39,23 @@ from kvreuse.reorder.baselines import sort_rows
 from kvreuse.reorder.config import ReorderConfig
 from kvreuse.reorder.dependencies import Dependencies, holding_fds
 from kvreuse.reorder.ordering import Ordering
+from kvreuse.reorder.pinning import pinned_runs
 from kvreuse.reorder.stats import EncodedTable, fixed_field_order
 
 # Below this many rows the rescanning path is faster than the heap path (measured on fec_contributions.csv).
 SMALL_SUBPROBLEM = 24
 
 
-def ggr_order(encoded: EncodedTable, fds: Dependencies, config: ReorderConfig) -> Ordering:
-    """The GGR send order of an encoded table, using the functional dependencies ``fds``."""
+def ggr_order(encoded: EncodedTable, fds: Dependencies, config: ReorderConfig, lead: tuple[int, ...] = ()) -> Ordering:
+    """The GGR send order of an encoded table, using the functional dependencies ``fds``.
+
+    ``lead`` are pinned columns: every row leads with them, and GGR orders each run of equal pinned values over
+    the other columns (see :mod:`kvreuse.reorder.pinning`).
+    """
     solver = _GreedyGroups(encoded, fds, config)
-    solver.order(np.arange(encoded.n_rows, dtype=np.int64), tuple(range(encoded.n_cols)), (), 0)
+    rest = tuple(c for c in range(encoded.n_cols) if c not in lead)
+    for run in pinned_runs(encoded.codes, lead):
+        solver.order(run, rest, lead, 0)
     return Ordering.from_segments(solver.segments)
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from kvreuse.errors import TableError
 from kvreuse.reorder.ordering import Ordering
+from kvreuse.reorder.pinning import pinned_runs
 from kvreuse.reorder.stats import EncodedTable
 
 # 10 rows x 4 fields take at most tens of milliseconds on tables of many repeated values; each extra row or
@@ -32,16 +33,25 @@ OPHR_MAX_COLS = 4
 Plan = tuple[tuple[int, tuple[int, ...]], ...]
 
 
-def ophr_order(encoded: EncodedTable) -> Ordering:
-    """The send order of maximal PHC; :class:`TableError` past ``OPHR_MAX_ROWS`` x ``OPHR_MAX_COLS``."""
+def ophr_order(encoded: EncodedTable, lead: tuple[int, ...] = ()) -> Ordering:
+    """The send order of maximal PHC; :class:`TableError` past ``OPHR_MAX_ROWS`` x ``OPHR_MAX_COLS``.
+
+    With pinned columns ``lead``, the optimum among the orders that lead every row with them: each run of equal
+    pinned values solved exactly over the other columns (see :mod:`kvreuse.reorder.pinning`).
+    """
     n, m = encoded.codes.shape
     if n > OPHR_MAX_ROWS or m > OPHR_MAX_COLS:
         raise TableError(
             f"OPHR is exponential and takes at most {OPHR_MAX_ROWS} rows x {OPHR_MAX_COLS} fields; "
             f"this table has {n} x {m}: use method 'ggr'"
         )
-    plan = _OptimalRuns(encoded).best((1 << n) - 1, (1 << m) - 1)[1]
-    return Ordering.from_segments([(np.array([row]), order) for row, order in plan])
+    search = _OptimalRuns(encoded)
+    rest = sum(1 << c for c in range(m) if c not in lead)
+    segments = []
+    for run in pinned_runs(encoded.codes, lead):
+        plan = search.best(sum(1 << r for r in run.tolist()), rest)[1]
+        segments += [(np.array([row]), lead + order) for row, order in plan]
+    return Ordering.from_segments(segments)
 
 
 def _bits(mask: int) -> Iterator[int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import pandas as pd
 
@@ -13,6 +13,7 @@ from kvreuse.reorder.dependencies import discover_fds, merge_fds, resolve_fds
 from kvreuse.reorder.ggr import ggr_order
 from kvreuse.reorder.ophr import ophr_order
 from kvreuse.reorder.ordering import Ordering
+from kvreuse.reorder.pinning import resolve_pin
 from kvreuse.reorder.stats import encode_table
 from kvreuse.reorder.table import prepare_table
 
@@ -23,6 +24,7 @@ def solve(
     table: pd.DataFrame,
     method: str,
     *,
+    pin: Sequence[str] | None = None,
     fds: Mapping[str, Iterable[str]] | None = None,
     config: ReorderConfig | None = None,
     measure: Callable[[Ordering], float] | None = None,
@@ -32,6 +34,10 @@ def solve(
     ``"original"``: as given. ``"sorted"``: rows sorted on the table's field order. ``"stats"``: fields in the
     statistics-based fixed order, rows sorted on it. ``"ggr"``: Greedy Group Recursion, the method to use.
     ``"ophr"``: the exact optimum, for tables of at most 10 rows x 4 fields (a test oracle).
+
+    ``pin`` names fields that lead every prompt, in that order, whatever the method (see
+    :mod:`kvreuse.reorder.pinning`): pin a field whose place in the prompt matters to the answer; pin every
+    field to keep the prompts exactly as the table writes them and reorder rows only.
 
     ``table`` is what :func:`prepare_table` returns (it is prepared again here, so raw tables work too: cells
     are compared as their prompt text). ``fds`` declares functional dependencies by field name,
@@ -48,17 +54,20 @@ def solve(
         raise ConfigError(f"unknown reordering method {method!r}; methods: {', '.join(METHODS)}")
     config = ReorderConfig() if config is None else config
     encoded = encode_table(prepare_table(table))
+    lead = resolve_pin(pin, encoded.names)
     if method == "original":
-        return original_order(encoded)
+        return original_order(encoded, lead)
     if method == "sorted":
-        return sorted_order(encoded)
+        return sorted_order(encoded, lead)
     if method == "stats":
-        return stats_order(encoded)
+        return stats_order(encoded, lead)
     if method == "ophr":
-        return ophr_order(encoded)
+        return ophr_order(encoded, lead)
     declared = resolve_fds(fds or {}, encoded.names)
     discovered = discover_fds(encoded.codes) if config.discover_fds else {}
-    ggr = ggr_order(encoded, merge_fds(discovered, declared), config)
+    ggr = ggr_order(encoded, merge_fds(discovered, declared), config, lead)
     if measure is None:
         return ggr
-    return max((ggr, stats_order(encoded), sorted_order(encoded)), key=measure)  # max keeps the first on ties
+    return max(
+        (ggr, stats_order(encoded, lead), sorted_order(encoded, lead)), key=measure
+    )  # max keeps the first on ties
