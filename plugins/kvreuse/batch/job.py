@@ -75,7 +75,8 @@ def plan_table(
     """Order ``df``'s rows (and each row's ``fields``) by ``order`` and render their prompts in send order.
 
     Every row gets exactly one prompt, duplicates included, so every row keeps its own answer. With the engine's
-    ``cache_model``, GGR is checked against the baselines on the engine's own tokens and blocks (see ``solve``).
+    ``cache_model``, GGR solves on the engine's own tokens and blocks and keeps the best of its candidates on them
+    (see ``solve``); ``solve_s`` counts that tokenization.
     ``pin`` names fields that lead every prompt in that order, whatever ``order`` does with the rest.
     """
     if fmt not in PROMPT_FORMATS:

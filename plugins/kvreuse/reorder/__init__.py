@@ -9,7 +9,7 @@ each row's fields (GGR is the method to use; ``pin`` keeps chosen fields leading
 from kvreuse.reorder.bucketing import bucket_stream
 from kvreuse.reorder.config import ReorderConfig
 from kvreuse.reorder.dependencies import discover_fds, merge_fds
-from kvreuse.reorder.measures import BlockHitStats, block_hit_stats, prefix_hit_count, token_hit_measure
+from kvreuse.reorder.measures import BlockHitStats, block_hit_stats, prefix_hit_count
 from kvreuse.reorder.ophr import OPHR_MAX_COLS, OPHR_MAX_ROWS
 from kvreuse.reorder.ordering import Ordering, prompts
 from kvreuse.reorder.pinning import resolve_pin
@@ -17,6 +17,7 @@ from kvreuse.reorder.rerank import rerank_by_module_sets, total_hamming_distance
 from kvreuse.reorder.solvers import METHODS, solve
 from kvreuse.reorder.stats import ColumnStats, column_stats, fixed_field_order
 from kvreuse.reorder.table import PROMPT_FORMATS, prepare_table, render_prompt
+from kvreuse.reorder.tokens import TokenHitMeasure, token_hit_measure
 
 __all__ = [
     "METHODS",
@@ -26,6 +27,7 @@ __all__ = [
     "BlockHitStats",
     "ColumnStats",
     "Ordering",
+    "TokenHitMeasure",
     "ReorderConfig",
     "block_hit_stats",
     "bucket_stream",

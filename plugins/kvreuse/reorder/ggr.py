@@ -46,13 +46,24 @@ from kvreuse.reorder.stats import EncodedTable, fixed_field_order
 SMALL_SUBPROBLEM = 24
 
 
-def ggr_order(encoded: EncodedTable, fds: Dependencies, config: ReorderConfig, lead: tuple[int, ...] = ()) -> Ordering:
+def ggr_order(
+    encoded: EncodedTable,
+    fds: Dependencies,
+    config: ReorderConfig,
+    lead: tuple[int, ...] = (),
+    weights: tuple[np.ndarray, ...] | None = None,
+    blocks: tuple[int, int] | None = None,
+) -> Ordering:
     """The GGR send order of an encoded table, using the functional dependencies ``fds``.
 
     ``lead`` are pinned columns: every row leads with them, and GGR orders each run of equal pinned values over
-    the other columns (see :mod:`kvreuse.reorder.pinning`).
+    the other columns (see :mod:`kvreuse.reorder.pinning`). ``weights[c][code]`` is what sharing that cell earns
+    (default: its squared length in characters, the paper's PHC); the engine's measure is the cell's line in
+    tokens (:mod:`kvreuse.reorder.tokens`). With token weights, ``blocks = (head tokens, block size)`` says that
+    only full blocks are reused: a subproblem whose shared prefix already reaches the last block boundary any of
+    its prompts can hit (a hit never covers a prompt's last token) cannot earn more, and is sorted, not searched.
     """
-    solver = _GreedyGroups(encoded, fds, config)
+    solver = _GreedyGroups(encoded, fds, config, weights, blocks)
     rest = tuple(c for c in range(encoded.n_cols) if c not in lead)
     for run in pinned_runs(encoded.codes, lead):
         solver.order(run, rest, lead, 0)
@@ -66,16 +77,32 @@ class _GreedyGroups:
     (field, value) pair and keys sort by field, then by value.
     """
 
-    def __init__(self, encoded: EncodedTable, fds: Dependencies, config: ReorderConfig) -> None:
+    def __init__(
+        self,
+        encoded: EncodedTable,
+        fds: Dependencies,
+        config: ReorderConfig,
+        weights: tuple[np.ndarray, ...] | None = None,
+        blocks: tuple[int, int] | None = None,
+    ) -> None:
         self.codes = encoded.codes
         self.exact = holding_fds(encoded.codes, fds)
         self.max_depth = config.max_depth
         self.threshold = config.min_group_hit
-        self.cell_weight = encoded.cell_lengths() ** 2
+        if weights is None:
+            weights = tuple(lengths**2 for lengths in encoded.lengths)
+        self.cell_weight = np.empty(encoded.codes.shape, dtype=np.int64)
+        for c, column_weights in enumerate(weights):
+            self.cell_weight[:, c] = column_weights[encoded.codes[:, c]]
+        self.blocks = blocks
+        if blocks is not None:
+            head, block = blocks
+            # The last block boundary each row's prompt can hit: its length less the recomputed last token.
+            self.last_boundary = (head + self.cell_weight.sum(axis=1) - 1) // block * block
         cardinality = np.array([len(lengths) for lengths in encoded.lengths], dtype=np.int64)
         self.offset = np.concatenate([[0], np.cumsum(cardinality)[:-1]]).astype(np.int64)
         self.key_column = np.repeat(np.arange(encoded.n_cols), cardinality).tolist()
-        self.key_weight = np.concatenate([lengths**2 for lengths in encoded.lengths]).astype(np.int64)
+        self.key_weight = np.concatenate(weights).astype(np.int64)
         self.key_card = np.repeat(cardinality, cardinality)
         self.key_neg_len = -np.concatenate(encoded.lengths).astype(np.int64)
         self.rank = {c: i for i, c in enumerate(fixed_field_order(encoded.stats()))}
@@ -89,7 +116,7 @@ class _GreedyGroups:
 
     def order(self, rows: np.ndarray, cols: tuple[int, ...], prefix: tuple[int, ...], depth: int) -> None:
         """Send ``rows``, which share the cells of ``prefix``, over the fields ``cols``."""
-        if len(rows) < 2 or not cols or depth >= self.max_depth:
+        if len(rows) < 2 or not cols or depth >= self.max_depth or self.filled(rows, prefix):
             self.fixed(rows, cols, prefix)
             return
         if len(rows) == 2:
@@ -125,6 +152,13 @@ class _GreedyGroups:
             self.order(group, tuple(c for c in cols if c not in lead), prefix + lead, depth + 1)
         if alive.any():
             self.fixed(rows[alive], cols, prefix)
+
+    def filled(self, rows: np.ndarray, prefix: tuple[int, ...]) -> bool:
+        """Whether ``rows``' shared ``prefix`` reaches the last block boundary any of them can hit (token mode)."""
+        if self.blocks is None:
+            return False
+        shared = self.blocks[0] + int(self.cell_weight[rows[0], list(prefix)].sum())
+        return shared >= int(self.last_boundary[rows].max())
 
     def pair(self, rows: np.ndarray, cols: tuple[int, ...], prefix: tuple[int, ...]) -> None:
         """Two rows: the non-empty cells they share lead, all at once (the rest cannot earn), as in :meth:`order`."""

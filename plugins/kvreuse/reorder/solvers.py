@@ -16,6 +16,7 @@ from kvreuse.reorder.ordering import Ordering
 from kvreuse.reorder.pinning import resolve_pin
 from kvreuse.reorder.stats import encode_table
 from kvreuse.reorder.table import prepare_table
+from kvreuse.reorder.tokens import TokenHitMeasure
 
 METHODS = ("original", "sorted", "stats", "ggr", "ophr")
 
@@ -44,11 +45,12 @@ def solve(
     ``{"zip": ["city", "state"]}``; GGR merges them with those it discovers when ``config.discover_fds`` is on,
     and the other methods ignore them.
 
-    ``measure`` scores an order the way the engine will (see :func:`kvreuse.reorder.measures.token_hit_measure`:
-    the engine's tokenizer and block size). GGR maximises PHC, which counts characters of matching cells, while
-    an engine reuses only whole blocks of tokens, so on some tables a baseline shares more full blocks. With a
-    measure, ``"ggr"`` returns the best of GGR, ``"stats"`` and ``"sorted"`` under it, GGR on ties, and so is
-    never worse than a baseline on the measure that matters.
+    ``measure`` scores an order the way the engine will (:func:`kvreuse.reorder.token_hit_measure`: the engine's
+    tokenizer and block size). GGR maximises PHC, which counts characters of matching cells, while an engine
+    reuses only whole blocks of tokens. With a measure, ``"ggr"`` also runs GGR on the engine's tokens (each
+    cell weighs its line's tokens, and groups stop at the last block boundary their prompts can hit) where the
+    measure has the table's line tokens, and returns the best of GGR on characters, GGR on tokens, ``"stats"``
+    and ``"sorted"`` under the measure (the first on ties), so it is never worse than any of them on it.
     """
     if method not in METHODS:
         raise ConfigError(f"unknown reordering method {method!r}; methods: {', '.join(METHODS)}")
@@ -65,9 +67,14 @@ def solve(
         return ophr_order(encoded, lead)
     declared = resolve_fds(fds or {}, encoded.names)
     discovered = discover_fds(encoded.codes) if config.discover_fds else {}
-    ggr = ggr_order(encoded, merge_fds(discovered, declared), config, lead)
+    fds_used = merge_fds(discovered, declared)
+    ggr = ggr_order(encoded, fds_used, config, lead)
     if measure is None:
         return ggr
-    return max(
-        (ggr, stats_order(encoded, lead), sorted_order(encoded, lead)), key=measure
-    )  # max keeps the first on ties
+    candidates = [ggr]
+    if isinstance(measure, TokenHitMeasure) and measure.line_tokens is not None:
+        tokens = measure.line_tokens
+        blocks = (tokens.head_tokens, measure.block_size)
+        candidates.append(ggr_order(encoded, fds_used, config, lead, weights=tokens.lengths, blocks=blocks))
+    candidates += [stats_order(encoded, lead), sorted_order(encoded, lead)]
+    return max(candidates, key=measure)  # max keeps the first on ties
