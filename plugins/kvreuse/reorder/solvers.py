@@ -34,7 +34,7 @@ def solve(
 
     ``"original"``: as given. ``"sorted"``: rows sorted on the table's field order. ``"stats"``: fields in the
     statistics-based fixed order, rows sorted on it. ``"ggr"``: Greedy Group Recursion, the method to use.
-    ``"ophr"``: the exact optimum, for tables of at most 10 rows x 4 fields (a test oracle).
+    ``"ophr"``: the exact optimum, for tables of at most 16 rows x 6 fields (an oracle).
 
     ``pin`` names fields that lead every prompt, in that order, whatever the method (see
     :mod:`kvreuse.reorder.pinning`): pin a field whose place in the prompt matters to the answer; pin every
