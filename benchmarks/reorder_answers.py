@@ -16,11 +16,13 @@ Per row: the answer equals the original order's, or not; where not, whether the 
 moved) or only the batch around it. A row whose prompt is unchanged is asked again alone: if alone it gives the
 original answer, the difference came from batching (a different batch changes the float sums of the kernels), not
 from the prompt. Also the hit rate vLLM reports and the generation time. Usage:
-``python benchmarks/reorder_answers.py``.
+``python benchmarks/reorder_answers.py [--rows N] [--questions describe,origin]`` (``--rows``: a random sample of
+N rows, for a loaded machine; default all 406).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -41,7 +43,11 @@ def score(question: str, answer: str, row: dict) -> bool:
     return str(row["Origin"]).lower() in answer.lower()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=None)
+    parser.add_argument("--questions", default=",".join(QUESTIONS))
+    args = parser.parse_args(argv)
     from vega_datasets import data
     from vllm import LLM
 
@@ -50,14 +56,18 @@ def main() -> None:
     from kvreuse.vllm.backend import VLLMBackend
 
     cars = data.cars()
+    if args.rows is not None:
+        cars = cars.sample(n=args.rows, random_state=0).reset_index(drop=True)
     rows = cars.to_dict("records")
+    n = len(rows)
     arms = {**ARMS, "rows only": dict(pin=list(cars.columns))}
     llm = LLM(**local_engine_args(MODEL))
     backend = VLLMBackend(llm)
     report = []
     try:
         backend.generate(["warm-up"], max_tokens=2)
-        for question, (instruction, max_tokens) in QUESTIONS.items():
+        for question in args.questions.split(","):
+            instruction, max_tokens = QUESTIONS[question]
             answers, prompts_by_arm = {}, {}
             for arm, options in arms.items():
                 plan = plan_table(cars, instruction, cache_model=backend.cache_model, **options)
@@ -108,8 +118,8 @@ def main() -> None:
     print(f"\n{'question':9} {'arm':13} {'hit':>6} {'correct':>8} {'same':>5} {'prompt moved':>13} {'batch only':>11}")
     for e in report:
         print(
-            f"{e['question']:9} {e['arm']:13} {e['hit_rate']:6.1%} {e['correct']:>4}/406 "
-            f"{e.get('identical', 406):>5} {e.get('differ_prompt_changed', 0):>13} {e.get('differ_same_prompt', 0):>11}"
+            f"{e['question']:9} {e['arm']:13} {e['hit_rate']:6.1%} {e['correct']:>4}/{n} "
+            f"{e.get('identical', n):>5} {e.get('differ_prompt_changed', 0):>13} {e.get('differ_same_prompt', 0):>11}"
         )
 
 

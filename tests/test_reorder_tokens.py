@@ -9,7 +9,7 @@ import pytest
 
 from kvreuse.reorder import prepare_table, prompts, solve, token_hit_measure
 from kvreuse.reorder.stats import encode_table
-from kvreuse.reorder.tokens import order_block_hits, tokenize_lines
+from kvreuse.reorder.tokens import order_block_hits, sorted_neighbour_order, tokenize_lines
 
 INSTRUCTION = "Describe this car in one sentence."
 BLOCK = 8
@@ -86,3 +86,19 @@ def test_pins_hold_under_the_engines_measure(tokenize):
     measure = token_hit_measure(table, INSTRUCTION, "lines", tokenize, BLOCK)
     ordering = solve(table, "ggr", pin=["Name"], measure=measure)
     assert all(order[0] == 0 for order in ordering.fields)
+
+
+def test_fields_whose_sorted_values_share_leading_tokens_come_first_in_the_neighbour_order(tokenize):
+    rng = np.random.default_rng(2)
+    table = prepare_table(
+        pd.DataFrame(
+            {
+                "code": [f"{rng.integers(0, 10**6):06d}x" for _ in range(200)],  # no common starts worth a token
+                "latitude": [f"61.{rng.integers(10**5, 10**6)}" for _ in range(200)],  # "latitude: 61." shared
+            }
+        ),
+        None,
+    )
+    encoded = encode_table(table)
+    tokens = tokenize_lines(table, encoded, INSTRUCTION, tokenize)
+    assert sorted_neighbour_order(encoded, tokens) == (1, 0)

@@ -53,6 +53,7 @@ def ggr_order(
     lead: tuple[int, ...] = (),
     weights: tuple[np.ndarray, ...] | None = None,
     blocks: tuple[int, int] | None = None,
+    field_order: tuple[int, ...] | None = None,
 ) -> Ordering:
     """The GGR send order of an encoded table, using the functional dependencies ``fds``.
 
@@ -62,8 +63,10 @@ def ggr_order(
     tokens (:mod:`kvreuse.reorder.tokens`). With token weights, ``blocks = (head tokens, block size)`` says that
     only full blocks are reused: a subproblem whose shared prefix already reaches the last block boundary any of
     its prompts can hit (a hit never covers a prompt's last token) cannot earn more, and is sorted, not searched.
+    ``field_order`` is the fixed order rows are sent in where no group is formed (default: the statistics order,
+    :func:`fixed_field_order`); it also orders fields that lead together.
     """
-    solver = _GreedyGroups(encoded, fds, config, weights, blocks)
+    solver = _GreedyGroups(encoded, fds, config, weights, blocks, field_order)
     rest = tuple(c for c in range(encoded.n_cols) if c not in lead)
     for run in pinned_runs(encoded.codes, lead):
         solver.order(run, rest, lead, 0)
@@ -84,6 +87,7 @@ class _GreedyGroups:
         config: ReorderConfig,
         weights: tuple[np.ndarray, ...] | None = None,
         blocks: tuple[int, int] | None = None,
+        field_order: tuple[int, ...] | None = None,
     ) -> None:
         self.codes = encoded.codes
         self.exact = holding_fds(encoded.codes, fds)
@@ -105,7 +109,9 @@ class _GreedyGroups:
         self.key_weight = np.concatenate(weights).astype(np.int64)
         self.key_card = np.repeat(cardinality, cardinality)
         self.key_neg_len = -np.concatenate(encoded.lengths).astype(np.int64)
-        self.rank = {c: i for i, c in enumerate(fixed_field_order(encoded.stats()))}
+        if field_order is None:
+            field_order = fixed_field_order(encoded.stats())
+        self.rank = {c: i for i, c in enumerate(field_order)}
         self.dependents = {c: sorted(dependents, key=self.rank.__getitem__) for c, dependents in fds.items()}
         self.segments: list[tuple[np.ndarray, tuple[int, ...]]] = []
 

@@ -16,7 +16,7 @@ from kvreuse.reorder.ordering import Ordering
 from kvreuse.reorder.pinning import resolve_pin
 from kvreuse.reorder.stats import encode_table
 from kvreuse.reorder.table import prepare_table
-from kvreuse.reorder.tokens import TokenHitMeasure
+from kvreuse.reorder.tokens import TokenHitMeasure, sorted_neighbour_order
 
 METHODS = ("original", "sorted", "stats", "ggr", "ophr")
 
@@ -47,10 +47,13 @@ def solve(
 
     ``measure`` scores an order the way the engine will (:func:`kvreuse.reorder.token_hit_measure`: the engine's
     tokenizer and block size). GGR maximises PHC, which counts characters of matching cells, while an engine
-    reuses only whole blocks of tokens. With a measure, ``"ggr"`` also runs GGR on the engine's tokens (each
-    cell weighs its line's tokens, and groups stop at the last block boundary their prompts can hit) where the
-    measure has the table's line tokens, and returns the best of GGR on characters, GGR on tokens, ``"stats"``
-    and ``"sorted"`` under the measure (the first on ties), so it is never worse than any of them on it.
+    reuses only whole blocks of tokens. With a measure, ``"ggr"`` returns the best under it of GGR, ``"stats"``
+    and ``"sorted"`` (the first on ties), so it is never worse than any of them on it. Where the measure has the
+    table's line tokens (:class:`kvreuse.reorder.TokenHitMeasure`, ``lines`` format), GGR itself solves on tokens:
+    each cell weighs its line's tokens, groups stop at the last block boundary their prompts can hit, and it runs
+    twice, ungrouped rows in the statistics field order and in the order of the fields whose sorted values share
+    the most tokens (:func:`kvreuse.reorder.tokens.sorted_neighbour_order`: numbers with common leading digits,
+    names with a common first word), both candidates.
     """
     if method not in METHODS:
         raise ConfigError(f"unknown reordering method {method!r}; methods: {', '.join(METHODS)}")
@@ -75,6 +78,10 @@ def solve(
     if isinstance(measure, TokenHitMeasure) and measure.line_tokens is not None:
         tokens = measure.line_tokens
         blocks = (tokens.head_tokens, measure.block_size)
-        candidates.append(ggr_order(encoded, fds_used, config, lead, weights=tokens.lengths, blocks=blocks))
+        neighbours = sorted_neighbour_order(encoded, tokens)
+        candidates = [
+            ggr_order(encoded, fds_used, config, lead, weights=tokens.lengths, blocks=blocks, field_order=order)
+            for order in (None, neighbours)
+        ]
     candidates += [stats_order(encoded, lead), sorted_order(encoded, lead)]
     return max(candidates, key=measure)  # max keeps the first on ties
