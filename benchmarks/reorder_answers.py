@@ -16,8 +16,11 @@ Per row: the answer equals the original order's, or not; where not, whether the 
 moved) or only the batch around it. A row whose prompt is unchanged is asked again alone: if alone it gives the
 original answer, the difference came from batching (a different batch changes the float sums of the kernels), not
 from the prompt. Also the hit rate vLLM reports and the generation time. Usage:
-``python benchmarks/reorder_answers.py [--rows N] [--questions describe,origin]`` (``--rows``: a random sample of
-N rows, for a loaded machine; default all 406).
+``python benchmarks/reorder_answers.py [--rows N] [--questions describe,origin] [--chat]`` (``--rows``: a random
+sample of N rows, for a loaded machine; default all 406). ``--chat`` wraps every planned prompt in the model's
+chat template (one user message, then the assistant's turn), as a user of an instruct model behind a chat
+endpoint would send it; without it prompts go raw, as the batch front ends send them, and an instruct model
+often continues the record instead of answering.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=None)
     parser.add_argument("--questions", default=",".join(QUESTIONS))
+    parser.add_argument("--chat", action="store_true")
     args = parser.parse_args(argv)
     from vega_datasets import data
     from vllm import LLM
@@ -63,6 +68,12 @@ def main(argv: list[str] | None = None) -> None:
     arms = {**ARMS, "rows only": dict(pin=list(cars.columns))}
     llm = LLM(**local_engine_args(MODEL))
     backend = VLLMBackend(llm)
+    tokenizer = llm.get_tokenizer()
+
+    def chat(prompt: str) -> str:
+        message = [{"role": "user", "content": prompt}]
+        return tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
+
     report = []
     try:
         backend.generate(["warm-up"], max_tokens=2)
@@ -71,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
             answers, prompts_by_arm = {}, {}
             for arm, options in arms.items():
                 plan = plan_table(cars, instruction, cache_model=backend.cache_model, **options)
+                if args.chat:
+                    plan = replace(plan, prompts=[chat(p) for p in plan.prompts])
                 llm.reset_prefix_cache()
                 start = time.perf_counter()
                 (completions,), figures = run_plans([plan], backend, max_tokens=max_tokens)
@@ -84,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
                     generate_s=seconds,
                     plan_s=plan.solve_s,
                     correct=sum(score(question, a, r) for a, r in zip(answers[arm], rows)),
+                    examples=answers[arm][:3],
                 )
                 if arm != "original":
                     changed = [i for i in range(len(rows)) if answers[arm][i] != answers["original"][i]]
@@ -114,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         llm.llm_engine.engine_core.shutdown()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "reorder_answers.json").write_text(json.dumps(report, indent=2))
+    name = "reorder_answers_chat.json" if args.chat else "reorder_answers.json"
+    (RESULTS / name).write_text(json.dumps({"settings": vars(args), "rows": report}, indent=2))
     print(f"\n{'question':9} {'arm':13} {'hit':>6} {'correct':>8} {'same':>5} {'prompt moved':>13} {'batch only':>11}")
     for e in report:
         print(

