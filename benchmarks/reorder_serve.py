@@ -143,7 +143,9 @@ def run_arm(arm: str, workloads: list[str], port: int, scratch: Path, args: argp
                     hit_rate=delta.get("vllm:prefix_cache_hits", 0.0)
                     / max(delta.get("vllm:prefix_cache_queries", 0.0), 1),
                     reorder={
-                        k.removeprefix("kvreuse:reorder_"): v for k, v in after.items() if k.startswith("kvreuse:")
+                        k.removeprefix("kvreuse:reorder_"): v
+                        for k, v in after.items()
+                        if k.startswith("kvreuse:") and not k.endswith("_created")
                     },
                 )
             )
