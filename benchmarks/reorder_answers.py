@@ -36,7 +36,7 @@ RESULTS = REPO / "benchmarks" / "results"
 MODEL = REPO / "build" / "models" / "smollm2"
 QUESTIONS = {
     "describe": ("Describe this car in one sentence.", 24),
-    "origin": ("Which region does this car come from: USA, Europe or Japan? Answer with one word.", 4),
+    "origin": ("Which region does this car come from: USA, Europe or Japan? Answer with one word.", 12),
 }
 ARMS = {"original": dict(order="original"), "ggr": dict(order="ggr"), "ggr pin=Name": dict(pin=["Name"])}
 

@@ -50,10 +50,10 @@ def solve(
     reuses only whole blocks of tokens. With a measure, ``"ggr"`` returns the best under it of GGR, ``"stats"``
     and ``"sorted"`` (the first on ties), so it is never worse than any of them on it. Where the measure has the
     table's line tokens (:class:`kvreuse.reorder.TokenHitMeasure`, ``lines`` format), GGR itself solves on tokens:
-    each cell weighs its line's tokens, groups stop at the last block boundary their prompts can hit, and it runs
-    twice, ungrouped rows in the statistics field order and in the order of the fields whose sorted values share
-    the most tokens (:func:`kvreuse.reorder.tokens.sorted_neighbour_order`: numbers with common leading digits,
-    names with a common first word), both candidates.
+    each cell weighs its line's tokens, groups stop at the last block boundary their prompts can hit, and rows no
+    group takes follow the fields whose sorted values share the most tokens
+    (:func:`kvreuse.reorder.tokens.sorted_neighbour_order`: numbers with common leading digits, names with a
+    common first word); it replaces GGR on characters among the candidates (one GGR run, not two).
     """
     if method not in METHODS:
         raise ConfigError(f"unknown reordering method {method!r}; methods: {', '.join(METHODS)}")
@@ -71,17 +71,14 @@ def solve(
     declared = resolve_fds(fds or {}, encoded.names)
     discovered = discover_fds(encoded.codes) if config.discover_fds else {}
     fds_used = merge_fds(discovered, declared)
-    ggr = ggr_order(encoded, fds_used, config, lead)
-    if measure is None:
-        return ggr
-    candidates = [ggr]
     if isinstance(measure, TokenHitMeasure) and measure.line_tokens is not None:
         tokens = measure.line_tokens
-        blocks = (tokens.head_tokens, measure.block_size)
         neighbours = sorted_neighbour_order(encoded, tokens)
-        candidates = [
-            ggr_order(encoded, fds_used, config, lead, weights=tokens.lengths, blocks=blocks, field_order=order)
-            for order in (None, neighbours)
-        ]
-    candidates += [stats_order(encoded, lead), sorted_order(encoded, lead)]
+        blocks = (tokens.head_tokens, measure.block_size)
+        ggr = ggr_order(encoded, fds_used, config, lead, weights=tokens.lengths, blocks=blocks, field_order=neighbours)
+    else:
+        ggr = ggr_order(encoded, fds_used, config, lead)
+    if measure is None:
+        return ggr
+    candidates = [ggr, stats_order(encoded, lead), sorted_order(encoded, lead)]
     return max(candidates, key=measure)  # max keeps the first on ties
