@@ -87,6 +87,28 @@ def ophr_gaps(df, samples: int, seed: int = 0) -> list[dict]:
     return out
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """Token hit rate of every order, grouped by table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tables = list(dict.fromkeys(r["table"] for r in rows))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(ORDERS)
+    for i, method in enumerate(ORDERS):
+        rates = [next(r["hit_rate"] for r in rows if r["table"] == t and r["order"] == method) for t in tables]
+        ax.bar(np.arange(len(tables)) + i * width, rates, width, label=method)
+    ax.set_xticks(np.arange(len(tables)) + width * (len(ORDERS) - 1) / 2, tables)
+    ax.set_ylabel("token hit rate (SmolLM2 tokens, blocks of 32)")
+    ax.set_title("Token prefix hit rate by order")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tables", default=None)
@@ -122,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "reorder_orders.json").write_text(json.dumps({"orders": rows, "ggr_over_ophr": gaps}, indent=2))
-    print(f"wrote {RESULTS / 'reorder_orders.json'}")
+    plot(rows, RESULTS / "reorder_orders.png")
+    print(f"wrote {RESULTS / 'reorder_orders.json'} and {RESULTS / 'reorder_orders.png'}")
 
 
 if __name__ == "__main__":
