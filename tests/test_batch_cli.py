@@ -182,3 +182,27 @@ def test_engine_args_must_be_a_json_object(capsys, table):
     with pytest.raises(SystemExit):
         main(["run", "--table", str(table), "--prompt", "Kids?", "--model", "m", "--engine-args", "[1]"])
     assert "must be a JSON object" in capsys.readouterr().err
+
+
+def test_pinned_fields_lead_every_prompt_sent(capsys, server_url, table, monkeypatch):
+    import kvreuse.cli as cli
+
+    sent: list[list[str]] = []
+    plan_table = cli.plan_table
+
+    def recording_plan_table(*args, **kwargs):
+        plan = plan_table(*args, **kwargs)
+        sent.append(plan.prompts)
+        return plan
+
+    monkeypatch.setattr(cli, "plan_table", recording_plan_table)
+    argv = ["run", "--table", str(table), "--prompt", "Kids?", "--pin", "year", "--url", server_url]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and len(out.splitlines()) == 5
+    assert [prompt.split("\n")[2].split(":")[0] for prompt in sent[0]] == ["year"] * 4
+
+
+def test_an_unknown_pin_ends_with_a_message_before_any_engine_starts(capsys, table):
+    code, _, err = run(capsys, "run", "--table", str(table), "--prompt", "Kids?", "--pin", "rating", "--model", "x")
+    assert code == 1
+    assert "cannot pin unknown field(s) 'rating'; the prompt's fields are 'title', 'year'" in err

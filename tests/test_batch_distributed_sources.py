@@ -55,3 +55,9 @@ def test_an_id_column_names_the_rows_and_is_not_shown_to_the_model():
     df = TABLE.assign(rid=["a", "b", "c", "d", "e"])
     rows = list(prompt_rows(table_chunks(df, rows_per_chunk=2), "Kids?", id_column="rid"))
     assert rows == list(zip("abcde", expected()))
+
+
+def test_on_replicas_pinned_fields_lead_every_prompt():
+    pool = FakeReplicas(2)
+    result = run_table_on_replicas(TABLE, "Kids?", ["title", "year"], pool=pool, pin=["year"], batch_size=2)
+    assert result.answers.tolist() == [p.upper() for p in expected(("year", "title"))]

@@ -148,3 +148,20 @@ def test_registered_dataframes_and_non_ascii_text_work(con):
     con.register("films", pd.DataFrame({"title": ["Amélie", "Léon"]}))
     frame = llm_sql(con, "SELECT 'é' AS e, llm('Für Kinder?', title) AS a FROM films", backend=EchoBackend())
     assert frame["a"].tolist() == [prompt("Für Kinder?", title="Amélie"), prompt("Für Kinder?", title="Léon")]
+
+
+def test_pinned_fields_lead_the_prompts_of_the_calls_that_pass_them(con):
+    backend = EchoBackend()
+    frame = llm_sql(
+        con,
+        "SELECT llm('Kids?', title, genre) AS a, llm('Fun?', title) AS b FROM movies",
+        backend=backend,
+        pin=["genre"],
+    )
+    assert frame["a"].tolist()[0] == prompt("Kids?", genre="crime", title="Heat")
+    assert frame["b"].tolist()[0] == prompt("Fun?", title="Heat")
+
+
+def test_a_pin_no_call_passes_is_an_error(con):
+    with pytest.raises(TableError, match="cannot pin 'rating': no llm\\(\\) call of the query passes such a field"):
+        llm_sql(con, "SELECT llm('Kids?', title, genre) FROM movies", backend=EchoBackend(), pin=["rating"])

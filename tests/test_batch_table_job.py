@@ -193,3 +193,13 @@ def test_with_the_engines_cache_model_the_plan_shares_at_least_as_many_blocks_as
     table = prepare_table(df, None)
     for method in ("ggr", "stats", "sorted"):
         assert planned >= block_hit_stats(tokenize(prompts(solve(table, method), table, "Q")), 4).hit_rate, method
+
+
+@pytest.mark.parametrize("order", METHODS)
+def test_pinned_fields_lead_every_prompt_and_answers_stay_with_their_rows(order):
+    df = movies()
+    backend = EchoBackend()
+    answers = llm_map(df, INSTRUCTION, backend=backend, order=order, pin=["review", "title"])
+    assert [list(fields_of(p))[:2] for p in backend.calls[0]] == [["review", "title"]] * len(df)
+    for position in range(len(df)):
+        assert fields_of(answers.iloc[position])["review"] == df["review"].iloc[position]

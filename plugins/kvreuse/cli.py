@@ -24,7 +24,7 @@ import pandas as pd
 from kvreuse.batch.backend import MAX_TOKENS, Backend
 from kvreuse.batch.job import BatchFigures, plan_table, run_plans
 from kvreuse.errors import ConfigError, KVReuseError, TableError
-from kvreuse.reorder import METHODS, PROMPT_FORMATS, prepare_table
+from kvreuse.reorder import METHODS, PROMPT_FORMATS, prepare_table, resolve_pin
 from kvreuse.reorder.routing import ROUTERS
 
 TABLE_SUFFIXES = (".csv", ".parquet")
@@ -61,6 +61,13 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         "--fields", type=_field_list, default=None, help="comma-separated columns the model sees (default: all)"
     )
     run.add_argument("--order", choices=METHODS, default="ggr", help="how rows are ordered (default: ggr)")
+    run.add_argument(
+        "--pin",
+        type=_field_list,
+        default=None,
+        help="comma-separated fields that lead every prompt in this order, whatever --order does with the rest; "
+        "pin every field to reorder rows only (default: none)",
+    )
     engine = run.add_mutually_exclusive_group(required=True)
     engine.add_argument("--model", help="run vLLM in this process on this model (path or name)")
     engine.add_argument("--url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (vllm serve, SGLang)")
@@ -181,12 +188,19 @@ def _run(args: argparse.Namespace) -> int:
     table = read_table(args.table)
     if args.answer_column in table.columns:
         raise TableError(f"the table already has a column {args.answer_column!r}; choose another --answer-column")
-    prepare_table(table, args.fields)  # a wrong field fails here, before an engine starts
+    prepared = prepare_table(table, args.fields)  # a wrong field fails here, before an engine starts
+    resolve_pin(args.pin, list(prepared.columns))  # and so does a wrong pin
     if args.replicas > 1:
         return _run_replicas(args, table, started)
     with _backend(args) as backend:
         plan = plan_table(
-            table, args.prompt, args.fields, order=args.order, fmt=args.format, cache_model=backend.cache_model
+            table,
+            args.prompt,
+            args.fields,
+            order=args.order,
+            fmt=args.format,
+            pin=args.pin,
+            cache_model=backend.cache_model,
         )
         (completions,), figures = run_plans([plan], backend, max_tokens=args.max_tokens, progress=True)
     write_answers(table, [c.text for c in completions], args)
@@ -215,7 +229,7 @@ def _run_replicas(args: argparse.Namespace, table: pd.DataFrame, started: float)
 
     from kvreuse.batch.ray_replicas import RayVLLMReplicas
 
-    plan = plan_table(table, args.prompt, args.fields, order=args.order, fmt=args.format)
+    plan = plan_table(table, args.prompt, args.fields, order=args.order, fmt=args.format, pin=args.pin)
     ray.init(address=args.ray_address, include_dashboard=False)
     try:
         with (

@@ -33,7 +33,8 @@ class Completion:
 @dataclass(frozen=True)
 class PrefixCacheModel:
     """How an engine caches prefixes: its tokenizer (prompts to token ids, as the engine tokenizes them) and
-    its KV block size. With it, GGR's order is checked against the baselines the way the engine will hit."""
+    its KV block size. With it, GGR solves on the engine's tokens (each distinct cell tokenized once) and keeps
+    the best of its candidates as the engine will hit them (:class:`kvreuse.reorder.TokenHitMeasure`)."""
 
     tokenize: Callable[[list[str]], Sequence[Sequence[int]]]
     block_size: int

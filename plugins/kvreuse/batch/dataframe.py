@@ -33,6 +33,7 @@ def run_table(
     order: str = "ggr",
     fmt: str = "lines",
     max_tokens: int = MAX_TOKENS,
+    pin: Sequence[str] | None = None,
     fds: Mapping[str, Iterable[str]] | None = None,
     config: ReorderConfig | None = None,
     progress: bool = False,
@@ -43,9 +44,19 @@ def run_table(
     object). Rows are sent in the order ``order`` chooses (``"ggr"``, ``"original"``, ``"sorted"``, ``"stats"``,
     ``"ophr"``), and each row may list its fields in its own order; answers are greedy, so they do not depend on
     that order beyond the prompt itself. Every row is asked, duplicates included, and no row is dropped.
+    ``pin`` names fields that lead every prompt, in that order (``pin=["name"]``); pinning every field keeps each
+    prompt exactly as the table's field order writes it and reorders rows only.
     """
     plan = plan_table(
-        df, instruction, fields, order=order, fmt=fmt, fds=fds, config=config, cache_model=backend.cache_model
+        df,
+        instruction,
+        fields,
+        order=order,
+        fmt=fmt,
+        pin=pin,
+        fds=fds,
+        config=config,
+        cache_model=backend.cache_model,
     )
     (completions,), figures = run_plans([plan], backend, max_tokens=max_tokens, progress=progress)
     # Positional: labels may repeat, and the answers belong to positions.
@@ -62,6 +73,7 @@ def llm_map(
     order: str = "ggr",
     fmt: str = "lines",
     max_tokens: int = MAX_TOKENS,
+    pin: Sequence[str] | None = None,
     fds: Mapping[str, Iterable[str]] | None = None,
     config: ReorderConfig | None = None,
     progress: bool = False,
@@ -78,6 +90,7 @@ def llm_map(
         order=order,
         fmt=fmt,
         max_tokens=max_tokens,
+        pin=pin,
         fds=fds,
         config=config,
         progress=progress,

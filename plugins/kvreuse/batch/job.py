@@ -67,6 +67,7 @@ def plan_table(
     *,
     order: str = "ggr",
     fmt: str = "lines",
+    pin: Sequence[str] | None = None,
     fds: Mapping[str, Iterable[str]] | None = None,
     config: ReorderConfig | None = None,
     cache_model: PrefixCacheModel | None = None,
@@ -74,7 +75,9 @@ def plan_table(
     """Order ``df``'s rows (and each row's ``fields``) by ``order`` and render their prompts in send order.
 
     Every row gets exactly one prompt, duplicates included, so every row keeps its own answer. With the engine's
-    ``cache_model``, GGR is checked against the baselines on the engine's own tokens and blocks (see ``solve``).
+    ``cache_model``, GGR solves on the engine's own tokens and blocks and keeps the best of its candidates on them
+    (see ``solve``); ``solve_s`` counts that tokenization.
+    ``pin`` names fields that lead every prompt in that order, whatever ``order`` does with the rest.
     """
     if fmt not in PROMPT_FORMATS:
         raise ConfigError(f"prompt format {fmt!r} is not one of {', '.join(PROMPT_FORMATS)}")
@@ -83,7 +86,7 @@ def plan_table(
     measure = None
     if cache_model is not None and order == "ggr":
         measure = token_hit_measure(table, instruction, fmt, cache_model.tokenize, cache_model.block_size)
-    ordering = solve(table, order, fds=fds, config=config, measure=measure)
+    ordering = solve(table, order, pin=pin, fds=fds, config=config, measure=measure)
     solve_s = time.perf_counter() - start
     return PlannedTable(prompts(ordering, table, instruction, fmt), np.asarray(ordering.rows, dtype=np.int64), solve_s)
 

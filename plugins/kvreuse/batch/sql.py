@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,7 @@ def run_query(
     order: str = "ggr",
     fmt: str = "lines",
     max_tokens: int = MAX_TOKENS,
+    pin: Sequence[str] | None = None,
     config: ReorderConfig | None = None,
     progress: bool = False,
 ) -> QueryAnswers:
@@ -83,9 +84,12 @@ def run_query(
 
     See the module's description for how; ``order``, ``fmt`` and ``max_tokens`` are as in
     :func:`kvreuse.batch.run_table`, except that ``"original"`` means the order in which DuckDB first passed each
-    argument tuple (scan order, which DuckDB's threads may vary). The connection is left as it was.
+    argument tuple (scan order, which DuckDB's threads may vary). ``pin`` names fields (as the call sites name
+    them, see :func:`call_sites`) that lead every prompt of each ``llm()`` call that passes them. The connection
+    is left as it was.
     """
     sites = call_sites(con, query)
+    _check_pins(pin, sites)
     figures = BatchFigures(0, 0, 0, 0.0, 0.0)
     if not sites:
         return QueryAnswers(_execute(con, query), figures, 1)
@@ -111,6 +115,7 @@ def run_query(
                     list(fields),
                     order=order,
                     fmt=fmt,
+                    pin=None if pin is None else [name for name in pin if name in fields],
                     config=config,
                     cache_model=backend.cache_model,
                 )
@@ -136,13 +141,37 @@ def llm_sql(
     order: str = "ggr",
     fmt: str = "lines",
     max_tokens: int = MAX_TOKENS,
+    pin: Sequence[str] | None = None,
     config: ReorderConfig | None = None,
     progress: bool = False,
 ) -> pd.DataFrame:
     """The result of :func:`run_query` alone, as a DataFrame."""
     return run_query(
-        con, query, backend=backend, order=order, fmt=fmt, max_tokens=max_tokens, config=config, progress=progress
+        con,
+        query,
+        backend=backend,
+        order=order,
+        fmt=fmt,
+        max_tokens=max_tokens,
+        pin=pin,
+        config=config,
+        progress=progress,
     ).frame
+
+
+def _check_pins(pin: Sequence[str] | None, sites: list[CallSite]) -> None:
+    """Every pinned name must be a field of some ``llm()`` call: a misspelt pin must not be silently ignored."""
+    if pin is None:
+        return
+    if isinstance(pin, str):
+        raise TableError(f"pin must be a list of field names, not the single string {pin!r}; write pin=[{pin!r}]")
+    named = {name for site in sites for name in site.fields}
+    unknown = [name for name in pin if name not in named]
+    if unknown:
+        raise TableError(
+            f"cannot pin {', '.join(map(repr, unknown))}: no llm() call of the query passes such a field; "
+            f"its fields are {', '.join(map(repr, sorted(named)))}"
+        )
 
 
 def call_sites(con: duckdb.DuckDBPyConnection, query: str) -> list[CallSite]:

@@ -122,11 +122,13 @@ def run_table_on_replicas(
     order: str = "ggr",
     fmt: str = "lines",
     max_tokens: int = MAX_TOKENS,
+    pin: Sequence[str] | None = None,
     **options: Any,
 ) -> ReplicaTableAnswers:
     """Like :func:`kvreuse.batch.run_table`, on a pool of replicas: ``order`` picks each row's field order (and
-    a first row order), then rows are bucketed by prefix and routed (options of ``answer_stream``)."""
-    plan = plan_table(df, instruction, fields, order=order, fmt=fmt)
+    a first row order; ``pin``: fields that lead every prompt), then rows are bucketed by prefix and routed
+    (options of ``answer_stream``)."""
+    plan = plan_table(df, instruction, fields, order=order, fmt=fmt, pin=pin)
     sent, figures = answer_rows(plan.prompts, pool, max_tokens=max_tokens, **options)
     completions: list[Completion] = [None] * len(sent)  # type: ignore[list-item]
     for position, row in enumerate(plan.rows.tolist()):

@@ -8,14 +8,14 @@ with a real tokenizer and no engine.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from kvreuse.errors import ConfigError
-from kvreuse.reorder.ordering import Ordering, prompts
+from kvreuse.reorder.ordering import Ordering
 from kvreuse.reorder.stats import encode_table
 
 
@@ -93,22 +93,3 @@ def block_hit_stats(
         while capacity_blocks is not None and len(cache) > capacity_blocks:
             cache.popitem(last=False)
     return BlockHitStats(prompt_tokens, hit_tokens, prompt_tokens - hit_tokens)
-
-
-def token_hit_measure(
-    table: pd.DataFrame,
-    instruction: str,
-    fmt: str,
-    tokenize: Callable[[list[str]], Sequence[Sequence[int]]],
-    block_size: int,
-) -> Callable[[Ordering], float]:
-    """Score an order of ``table`` by the token hit rate the engine would see: its tokenizer, its block size.
-
-    ``tokenize`` maps prompts to token ids as the engine does (with special tokens). Pass the result to
-    ``solve(..., measure=...)``.
-    """
-
-    def measure(ordering: Ordering) -> float:
-        return block_hit_stats(tokenize(prompts(ordering, table, instruction, fmt)), block_size).hit_rate
-
-    return measure

@@ -7,7 +7,7 @@ order a front end chose is the order vLLM's scheduler sees. Prefix caching must 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,9 +19,8 @@ class VLLMBackend:
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
-        tokenizer = llm.get_tokenizer()
         self.cache_model = PrefixCacheModel(
-            tokenize=lambda prompts: tokenizer(prompts)["input_ids"],
+            tokenize=batch_tokenizer(llm.get_tokenizer()),
             block_size=llm.llm_engine.vllm_config.cache_config.block_size,
         )
 
@@ -34,6 +33,16 @@ class VLLMBackend:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         outputs = self.llm.generate(list(prompts), params, use_tqdm=progress)
         return [Completion(out.outputs[0].text, len(out.prompt_token_ids), out.num_cached_tokens) for out in outputs]
+
+
+def batch_tokenizer(tokenizer: Any) -> Callable[[list[str]], list[list[int]]]:
+    """Prompts to token ids as ``tokenizer(prompts)["input_ids"]`` gives them (special tokens added), through the
+    Rust tokenizer's batch encoder where there is one: planning tokenizes every distinct cell of a table, and
+    transformers' per-text Python wrapping costs as much as the encoding itself."""
+    fast = getattr(tokenizer, "_tokenizer", None)
+    if fast is not None and hasattr(fast, "encode_batch"):
+        return lambda prompts: [encoding.ids for encoding in fast.encode_batch(list(prompts), add_special_tokens=True)]
+    return lambda prompts: tokenizer(list(prompts))["input_ids"]
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.request import Request, RequestStatus
 
-from kvreuse.reorder.affinity import PrefixAffinityQueue, PrefixProbe, ReorderCounters
+from kvreuse.reorder.affinity import PrefixAffinityQueue, PrefixProbe, ReorderCounters, room_to_finish
 from kvreuse.reorder.config import ReorderConfig
 from kvreuse.vllm.metrics import attach_reorder_counters
 from kvreuse.vllm.settings import kvreuse_flags
@@ -37,13 +37,18 @@ class AffinityRequestQueue(PrefixAffinityQueue[Request], RequestQueue):
     """vLLM's ``RequestQueue`` interface over :class:`PrefixAffinityQueue`; ``priority`` only under that policy."""
 
     def __init__(
-        self, config: ReorderConfig, policy: SchedulingPolicy, probe: Callable[[Request], PrefixProbe]
+        self,
+        config: ReorderConfig,
+        policy: SchedulingPolicy,
+        probe: Callable[[Request], PrefixProbe],
+        room: Callable[[Request, PrefixProbe], bool] | None = None,
     ) -> None:
         super().__init__(
             config,
             probe,
             arrival_time=attrgetter("arrival_time"),
             priority=attrgetter("priority") if policy == SchedulingPolicy.PRIORITY else None,
+            room=room,
         )
 
 
@@ -68,7 +73,10 @@ class PrefixAffinityScheduler(Scheduler):
     def __init__(self, vllm_config: VllmConfig, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         self.reorder_config = ReorderConfig.load(kvreuse_flags(vllm_config.additional_config, "reorder"))
-        self.waiting: AffinityRequestQueue = AffinityRequestQueue(self.reorder_config, self.policy, self._probe_prefix)
+        room = self._room_to_finish if self.reorder_config.admit_to_completion else None
+        self.waiting: AffinityRequestQueue = AffinityRequestQueue(
+            self.reorder_config, self.policy, self._probe_prefix, room
+        )
         self._next_log_at = LOG_EVERY_ADMISSIONS
         if not self.kv_cache_manager.enable_caching:
             logger.warning(
@@ -76,11 +84,12 @@ class PrefixAffinityScheduler(Scheduler):
                 "enable prefix caching for it to reorder anything"
             )
         logger.info(
-            "%s: lookahead %d, max_skips %d, max_wait_s %g",
+            "%s: lookahead %d, max_skips %d, max_wait_s %g, admit_to_completion %s",
             type(self).__name__,
             self.reorder_config.lookahead,
             self.reorder_config.max_skips,
             self.reorder_config.max_wait_s,
+            self.reorder_config.admit_to_completion,
         )
 
     def reorder_counters(self) -> ReorderCounters:
@@ -123,6 +132,22 @@ class PrefixAffinityScheduler(Scheduler):
         next_key = hashes[next_block] if next_block < len(hashes) else None
         return PrefixProbe(cached_tokens // self.block_size, next_key)
 
+    def _room_to_finish(self, request: Request, probe: PrefixProbe) -> bool:
+        """Whether ``request`` and every running request fit in the free blocks up to their ``max_tokens``.
+
+        An engine with nothing running always admits. Free blocks include cached blocks no request holds, which
+        admitting evicts; the request's own cached leading blocks are not counted as new.
+        """
+        if not self.running:
+            return True
+
+        def blocks(tokens: int) -> int:
+            return -(-tokens // self.block_size)
+
+        growth = sum(max(blocks(r.num_prompt_tokens + r.max_tokens) - blocks(r.num_tokens), 0) for r in self.running)
+        need = blocks(request.num_prompt_tokens + request.max_tokens) - probe.cached_blocks
+        return room_to_finish(self.kv_cache_manager.block_pool.get_num_free_blocks(), need, growth)
+
 
 class AsyncPrefixAffinityScheduler(PrefixAffinityScheduler, AsyncScheduler):
     """:class:`PrefixAffinityScheduler` over vLLM's ``AsyncScheduler`` (``async_scheduling`` on)."""
@@ -131,11 +156,13 @@ class AsyncPrefixAffinityScheduler(PrefixAffinityScheduler, AsyncScheduler):
 def _log_counters(c: ReorderCounters) -> None:
     logger.info(
         "kvreuse reorder: %d admissions, %d out of arrival order, %d with a cached prefix "
-        "(%d cached blocks), %d forced by bounded waiting, at most %d skips of one request",
+        "(%d cached blocks), %d forced by bounded waiting, at most %d skips of one request, "
+        "%d passes held for room to finish",
         c.admissions,
         c.out_of_order,
         c.cached_prefix,
         c.cached_blocks,
         c.forced,
         c.max_skips,
+        c.held,
     )
