@@ -80,10 +80,11 @@ def settings_fields(cls: type) -> list[dataclasses.Field]:
 
 def suggest(name: str, known: Iterable[str]) -> str:
     """``" (did you mean 'x'?)"`` for the known name closest to ``name``, or ``""`` if none is close."""
+    known = [str(k) for k in known]
     close = difflib.get_close_matches(name.lower(), [k.lower() for k in known], n=1, cutoff=0.6)
     if not close:
         return ""
-    original = {k.lower(): k for k in known}[close[0]]
+    original = {k.lower(): str(k) for k in known}[close[0]]
     return f" (did you mean {original!r}?)"
 
 

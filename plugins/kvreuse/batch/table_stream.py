@@ -24,6 +24,7 @@ import pandas as pd
 from kvreuse.batch.backend import MAX_TOKENS, Completion
 from kvreuse.batch.distributed import JobFigures, ReplicaPool, answer_rows, answer_stream
 from kvreuse.batch.job import plan_table
+from kvreuse.batch.table_io import csv_chunks
 from kvreuse.errors import TableError
 from kvreuse.reorder import prepare_table, render_prompt
 
@@ -54,7 +55,7 @@ def _file_chunks(path: Path, rows_per_chunk: int) -> Iterator[pd.DataFrame]:
         raise TableError(f"table file {path} does not exist")
     suffix = path.suffix.lower()
     if suffix == ".csv":
-        yield from pd.read_csv(path, dtype=str, keep_default_na=False, chunksize=rows_per_chunk)
+        yield from csv_chunks(path, rows_per_chunk)  # one dialect, header and field counts checked per line
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
