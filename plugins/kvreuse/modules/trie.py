@@ -50,6 +50,10 @@ class ModuleMatch:
     end: int
 
 
+# A shorter module's all-but-last tokens appear by chance too often to say its boundary merged.
+NEAR_MISS_MIN_TOKENS = 4
+
+
 class _Node:
     __slots__ = ("children", "name")
 
@@ -108,3 +112,31 @@ class ModuleTrie:
                 found.append(ModuleMatch(best[0], i, best[1]))
                 i = best[1]
         return found
+
+    def near_misses(self, token_ids: Sequence[int], found: Sequence[ModuleMatch] = ()) -> list[ModuleMatch]:
+        """Modules of at least :data:`NEAR_MISS_MIN_TOKENS` tokens whose tokens all but the last appear in
+        ``token_ids`` where no module of ``found`` (what :meth:`find` returned) lies: the text after such a module
+        merged with its last token (e.g. ``"\n\n"`` into one token), so the module cannot be found. The span
+        given is the part that matched."""
+        covered = [False] * len(token_ids)
+        for match in found:
+            covered[match.start : match.end] = [True] * (match.end - match.start)
+        misses: list[ModuleMatch] = []
+        n, i = len(token_ids), 0
+        while i < n:
+            node, j, miss = self._root, i, None
+            while j < n and not covered[j]:
+                if j - i + 1 >= NEAR_MISS_MIN_TOKENS:  # deep in the trie, where nodes have few children
+                    for token, child in node.children.items():
+                        if child.name is not None and token != token_ids[j]:
+                            miss = ModuleMatch(child.name, i, j)
+                node = node.children.get(token_ids[j])
+                if node is None:
+                    break
+                j += 1
+            if miss is None:
+                i += 1
+            else:
+                misses.append(miss)
+                i = miss.end
+        return misses
