@@ -134,6 +134,17 @@ def test_kvreuse_run_answers_a_csv_on_the_small_model_like_llm_map(llm, small_mo
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rows           20 (order ggr)" in done.stderr and "hit rate" in done.stderr
     written = pd.read_csv(out, dtype=str, keep_default_na=False)
-    assert written.drop(columns="answer").equals(rows)
+    assert written["row"].tolist() == [str(i) for i in range(len(rows))] and (written["error"] == "").all()
+    assert written.drop(columns=["row", "answer", "error"]).equals(rows)
     expected = llm_map(rows, instruction, FIELDS, backend=VLLMBackend(llm), max_tokens=MAX_TOKENS)
     assert written["answer"].tolist() == expected.tolist()
+
+
+def test_a_row_longer_than_the_context_is_that_rows_error_and_the_others_are_answered(llm, movies):
+    rows = movies.head(4).copy()
+    rows.iloc[1, rows.columns.get_loc("movie_info")] = "long " * 5000  # past max_model_len (4096)
+    result = run_table(rows, "Kids?", FIELDS, backend=VLLMBackend(llm), max_tokens=2)
+    assert result.answers.isna().tolist() == [False, True, False, False]
+    assert result.errors.isna().tolist() == [True, False, True, True]
+    assert "4096" in result.errors.iloc[1], result.errors.iloc[1]
+    assert result.figures.errors == 1 and result.figures.requests == 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -389,3 +390,34 @@ def test_an_engine_argument_vllm_does_not_have_names_the_closest(capsys, table):
     argv = ["run", "--table", str(table), "--prompt", "Kids?", "--model", str(model), "--engine-args"]
     code, _, err = run(capsys, *argv, '{"blok_size": 32}')
     assert code == 1 and "'blok_size' is not a vLLM engine argument (did you mean 'block_size'?)" in err
+
+
+HOSTILE = ["a\rb", "two\nlines", "\r\n", 'say "hi", then', "trailing \r", "", "é中🙂", "\u2028", "x" * 300]
+
+
+class HostileHandler(EchoHandler):
+    """Answers the prompt about row ``id: N`` with ``HOSTILE[N]``."""
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        row = int(body["prompt"].split("id: ", 1)[1].split("\n", 1)[0])
+        self._reply({"choices": [{"text": HOSTILE[row]}], "usage": {"prompt_tokens": 1}})
+
+
+def test_answers_with_carriage_returns_quotes_and_commas_read_back_one_row_each(capsys, tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), HostileHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    table = tmp_path / "t.csv"
+    with table.open("w", encoding="utf-8", newline="") as handle:  # pandas' to_csv leaves a bare \r unquoted
+        csv.writer(handle).writerows([["id", "text"], *([str(i), t] for i, t in enumerate(HOSTILE[::-1]))])
+    out = tmp_path / "a.csv"
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    argv = ["run", "--table", str(table), "--prompt", "Q", "--fields", "id,text", "--order", "original"]
+    code, _, err = run(capsys, *argv, "--url", url, "--out", str(out))
+    server.shutdown()
+    assert code == 0, err
+    written = pd.read_csv(out, dtype=str, keep_default_na=False)
+    assert len(written) == len(HOSTILE)
+    assert written["answer"].tolist() == HOSTILE and written["text"].tolist() == HOSTILE[::-1]
+    with out.open(encoding="utf-8", newline="") as handle:
+        assert [r[-2] for r in csv.reader(handle)][1:] == HOSTILE
