@@ -17,14 +17,13 @@ import pandas as pd
 import pytest
 
 from kvreuse.batch import Completion, llm_map, plan_table, run_query, run_table
-from kvreuse.localmodel import local_engine_args
+from kvreuse.localmodel import DATASETS, local_engine_args
 from kvreuse.vllm.backend import VLLMBackend
 
 pytestmark = pytest.mark.engine
 
 ENGINE_ARGS: dict = {}  # the harness defaults: block size 32, prefix caching and statistics on
-DATASETS = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
-MOVIES = DATASETS / "movies_small.csv"
+MOVIES = DATASETS / "movies_small.csv"  # ../shared/datasets, or KVREUSE_DATASETS
 ROWS = 60
 FIELDS = ["movie_title", "movie_info"]
 MAX_TOKENS = 6

@@ -16,17 +16,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pandas as pd
 import pytest
 
 from kvreuse.batch import OpenAIServerBackend, plan_table, run_table
+from kvreuse.localmodel import DATASETS
 
 pytestmark = pytest.mark.engine
 
-MOVIES = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "movies_small.csv"
+MOVIES = DATASETS / "movies_small.csv"  # ../shared/datasets, or KVREUSE_DATASETS
 FIELDS = ["movie_title", "movie_info"]
 MAX_TOKENS = 6
 SERVED = "small"

@@ -268,11 +268,13 @@ def _reorder_settings(args: argparse.Namespace) -> ReorderConfig:
     engine's scheduler reads too) over ``KVREUSE_REORDER_*``, every kvreuse setting there checked."""
     from kvreuse.config import check_environment, load_sections
 
-    check_environment()
     additional = args.engine_args.get("additional_config") or {}
     if not isinstance(additional, dict):
         raise ConfigError(f"--engine-args: additional_config must be an object, got {additional!r}")
-    return load_sections(additional.get("kvreuse"), where="--engine-args additional_config['kvreuse']")["reorder"]
+    if "kvreuse" not in additional:  # the variables alone (without importing the plugins no variable names)
+        check_environment()
+        return ReorderConfig.load()
+    return load_sections(additional["kvreuse"], where="--engine-args additional_config['kvreuse']")["reorder"]
 
 
 @contextmanager

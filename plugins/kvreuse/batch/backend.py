@@ -67,7 +67,8 @@ class Backend(Protocol):
         """Completions of ``prompts`` in their order, each at most ``max_tokens`` tokens.
 
         Prompts are submitted in the order given, since that is the order reordering chose for prefix reuse.
-        An empty list gives an empty list. ``progress`` shows a progress bar on standard error.
+        An empty list gives an empty list. ``progress`` may show a progress bar on standard error (kvreuse's own
+        backends show none: the front ends draw theirs, :mod:`kvreuse.batch.progress`).
         """
         ...
 
