@@ -62,9 +62,11 @@ def run_table(
     object). Rows are sent in the order ``order`` chooses (``"ggr"``, ``"original"``, ``"sorted"``, ``"stats"``,
     ``"ophr"``), and each row may list its fields in its own order; answers are greedy, so they do not depend on
     that order beyond the prompt itself. Every row is asked, duplicates included, and no row is dropped.
-    ``config`` defaults to the ``KVREUSE_REORDER_*`` settings. ``out`` (``.csv``, ``.jsonl``, ``.parquet``) gets
+    ``config`` defaults to the backend's (an in-process vLLM's ``additional_config``) or else the
+    ``KVREUSE_REORDER_*`` settings. ``out`` (``.csv``, ``.jsonl``, ``.parquet``) gets
     each row as it is answered; ``resume`` keeps the rows it holds and asks the others.
     """
+    config = config if config is not None else getattr(backend, "reorder_config", None)
     plan = plan_table(
         df, instruction, fields, order=order, fmt=fmt, fds=fds, config=config, cache_model=backend.cache_model
     )

@@ -104,6 +104,7 @@ def run_query(
     if not sites:
         return QueryAnswers(_execute(con, query), figures, 1)
     rewritten = _rewrite(query, sites)
+    config = config if config is not None else getattr(backend, "reorder_config", None)
     book = _AnswerBook([site.fields for site in sites])
     journal = None if out is None else _Journal(Path(out), book, resume)
     # One run per level of llm() feeding llm() (at most one per call site), plus the run that only reads answers.

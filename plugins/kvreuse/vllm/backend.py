@@ -21,6 +21,8 @@ from typing import Any
 from kvreuse.batch.backend import Completion, PrefixCacheModel
 from kvreuse.config import suggest
 from kvreuse.errors import BackendError, ConfigError
+from kvreuse.reorder.config import ReorderConfig
+from kvreuse.vllm.settings import check_additional_config, kvreuse_flags
 
 # KV cache of an engine started by kvreuse on vLLM's CPU build when the user gave no size: vLLM's own default
 # reserves 92% of the machine's memory (`gpu_memory_utilization`) and refuses to start when other processes
@@ -41,10 +43,14 @@ class VLLMBackend:
         self.llm = llm
         self.window = window
         tokenizer = llm.get_tokenizer()
+        vllm_config = llm.llm_engine.vllm_config
         self.cache_model = PrefixCacheModel(
             tokenize=lambda prompts: tokenizer(prompts)["input_ids"],
-            block_size=llm.llm_engine.vllm_config.cache_config.block_size,
+            block_size=vllm_config.cache_config.block_size,
         )
+        # The engine's own reorder settings (its additional_config over KVREUSE_REORDER_*), which its scheduler
+        # uses too: the front ends plan with them unless given others.
+        self.reorder_config = ReorderConfig.load(kvreuse_flags(vllm_config.additional_config, "reorder"))
 
     def generate(self, prompts: Sequence[str], *, max_tokens: int, progress: bool = False) -> list[Completion]:
         """Completions of ``prompts`` in their order (see :class:`kvreuse.batch.Backend`)."""
@@ -115,8 +121,6 @@ def check_engine_args(model: str | os.PathLike, engine_args: Mapping[str, Any]) 
     """Refuse, before vLLM starts, a model path that does not exist and engine arguments vLLM does not have
     (naming the closest one), with kvreuse's settings in ``additional_config`` checked too."""
     from vllm.engine.arg_utils import EngineArgs
-
-    from kvreuse.vllm.settings import check_additional_config
 
     check_model(model)
     known = [f.name for f in dataclasses.fields(EngineArgs)]
