@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import duckdb
@@ -36,15 +36,15 @@ def movies() -> pd.DataFrame:
 
 
 class RecordingBackend(VLLMBackend):
-    """The real backend, also keeping every prompt list it was sent."""
+    """The real backend, also keeping every prompt list it was sent (the front ends stream from it)."""
 
     def __init__(self, llm) -> None:
         super().__init__(llm)
         self.calls: list[list[str]] = []
 
-    def generate(self, prompts: Sequence[str], *, max_tokens: int, progress: bool = False) -> list[Completion]:
+    def stream(self, prompts: Sequence[str], *, max_tokens: int) -> Iterator[tuple[int, Completion]]:
         self.calls.append(list(prompts))
-        return super().generate(prompts, max_tokens=max_tokens, progress=progress)
+        return super().stream(prompts, max_tokens=max_tokens)
 
 
 def alone(llm, prompt: str) -> str:
