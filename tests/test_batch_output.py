@@ -272,3 +272,19 @@ def test_standard_output_gets_rows_as_they_finish(capsys):
         ["1", "y", "c", ""],
         ["0", "x", "a\rb", ""],
     ]
+
+
+def test_a_csv_cut_inside_a_multibyte_character_resumes(tmp_path):
+    table = table_of([["x"], ["y"]], ["cell"])
+    path = tmp_path / "a.csv"  # (JSON lines are ASCII)
+    first = AnswerOutput(path, table)
+    first.write(0, "ok", None)
+    first.write(1, "é中🙂", None)
+    first.close()
+    raw = path.read_bytes()
+    path.write_bytes(raw[: raw.index("🙂".encode()) + 2])  # killed halfway through the emoji's four bytes
+    resumed = AnswerOutput(path, table, resume=True)
+    assert resumed.done == {0: ("ok", "")}
+    resumed.write(1, "é中🙂", None)
+    resumed.close(complete=True)
+    assert AnswerOutput(path, table, resume=True).done == {0: ("ok", ""), 1: ("é中🙂", "")}

@@ -20,6 +20,7 @@ have been written by the same job: its columns and each row's input values must 
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import json
@@ -240,8 +241,7 @@ def _plain(value: Any) -> Any:
 def _csv_records(path: Path) -> Iterator[list[str] | dict[str, str]]:
     """The header (a list), then every complete record as a dict; a last record cut short is dropped (every
     record written ends with ``\r\n``, so a file that does not, or that ends inside quotes, was cut)."""
-    with path.open(encoding="utf-8", newline="") as handle:  # newline="": a bare \r stays a \r
-        text = handle.read()
+    text = _text_of(path)
     reader = csv.reader(io.StringIO(text, newline=""), strict=True)
     records: list[list[str]] = []
     try:
@@ -261,9 +261,17 @@ def _csv_records(path: Path) -> Iterator[list[str] | dict[str, str]]:
         yield dict(zip(header, record))
 
 
+def _text_of(path: Path) -> str:
+    """A file's text, as written (a bare ``\r`` stays one); a character cut short at the end by a crash is
+    dropped, bytes that are not UTF-8 elsewhere are an error."""
+    try:
+        return codecs.getincrementaldecoder("utf-8")().decode(path.read_bytes(), final=False)
+    except UnicodeDecodeError as error:
+        raise TableError(f"{path} is not UTF-8 text (byte {error.start}: {error.reason})") from None
+
+
 def _jsonl_records(path: Path, columns: list[str] | None = None) -> Iterator[dict[str, Any]]:
-    with path.open(encoding="utf-8") as handle:
-        lines = handle.readlines()
+    lines = _text_of(path).splitlines(keepends=True)
     for number, line in enumerate(lines, start=1):
         try:
             record = json.loads(line)
