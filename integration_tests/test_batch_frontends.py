@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import duckdb
@@ -17,14 +17,13 @@ import pandas as pd
 import pytest
 
 from kvreuse.batch import Completion, llm_map, plan_table, run_query, run_table
-from kvreuse.localmodel import local_engine_args
+from kvreuse.localmodel import DATASETS, local_engine_args
 from kvreuse.vllm.backend import VLLMBackend
 
 pytestmark = pytest.mark.engine
 
 ENGINE_ARGS: dict = {}  # the harness defaults: block size 32, prefix caching and statistics on
-DATASETS = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
-MOVIES = DATASETS / "movies_small.csv"
+MOVIES = DATASETS / "movies_small.csv"  # ../shared/datasets, or KVREUSE_DATASETS
 ROWS = 60
 FIELDS = ["movie_title", "movie_info"]
 MAX_TOKENS = 6
@@ -37,15 +36,15 @@ def movies() -> pd.DataFrame:
 
 
 class RecordingBackend(VLLMBackend):
-    """The real backend, also keeping every prompt list it was sent."""
+    """The real backend, also keeping every prompt list it was sent (the front ends stream from it)."""
 
     def __init__(self, llm) -> None:
         super().__init__(llm)
         self.calls: list[list[str]] = []
 
-    def generate(self, prompts: Sequence[str], *, max_tokens: int, progress: bool = False) -> list[Completion]:
+    def stream(self, prompts: Sequence[str], *, max_tokens: int) -> Iterator[tuple[int, Completion]]:
         self.calls.append(list(prompts))
-        return super().generate(prompts, max_tokens=max_tokens, progress=progress)
+        return super().stream(prompts, max_tokens=max_tokens)
 
 
 def alone(llm, prompt: str) -> str:
@@ -134,6 +133,17 @@ def test_kvreuse_run_answers_a_csv_on_the_small_model_like_llm_map(llm, small_mo
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rows           20 (order ggr)" in done.stderr and "hit rate" in done.stderr
     written = pd.read_csv(out, dtype=str, keep_default_na=False)
-    assert written.drop(columns="answer").equals(rows)
+    assert written["row"].tolist() == [str(i) for i in range(len(rows))] and (written["error"] == "").all()
+    assert written.drop(columns=["row", "answer", "error"]).equals(rows)
     expected = llm_map(rows, instruction, FIELDS, backend=VLLMBackend(llm), max_tokens=MAX_TOKENS)
     assert written["answer"].tolist() == expected.tolist()
+
+
+def test_a_row_longer_than_the_context_is_that_rows_error_and_the_others_are_answered(llm, movies):
+    rows = movies.head(4).copy()
+    rows.iloc[1, rows.columns.get_loc("movie_info")] = "long " * 5000  # past max_model_len (4096)
+    result = run_table(rows, "Kids?", FIELDS, backend=VLLMBackend(llm), max_tokens=2)
+    assert result.answers.isna().tolist() == [False, True, False, False]
+    assert result.errors.isna().tolist() == [True, False, True, True]
+    assert "4096" in result.errors.iloc[1], result.errors.iloc[1]
+    assert result.figures.errors == 1 and result.figures.requests == 4

@@ -16,17 +16,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pandas as pd
 import pytest
 
 from kvreuse.batch import OpenAIServerBackend, plan_table, run_table
+from kvreuse.localmodel import DATASETS
 
 pytestmark = pytest.mark.engine
 
-MOVIES = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "movies_small.csv"
+MOVIES = DATASETS / "movies_small.csv"  # ../shared/datasets, or KVREUSE_DATASETS
 FIELDS = ["movie_title", "movie_info"]
 MAX_TOKENS = 6
 SERVED = "small"
@@ -173,3 +173,12 @@ def test_the_servers_metrics_carry_the_sparse_figures_per_layer(server):
             == _metric(after, "kvreuse:sparse_tokens_total", layer)
             > 0
         )
+
+
+def test_a_prompt_longer_than_the_context_is_that_rows_error_with_the_servers_message(server, movies):
+    rows = movies.head(3).copy()
+    rows.iloc[0, rows.columns.get_loc("movie_info")] = "long " * 5000  # past --max-model-len 4096
+    result = run_table(rows, "Kids?", FIELDS, backend=OpenAIServerBackend(server, SERVED), max_tokens=2)
+    assert result.errors.isna().tolist() == [False, True, True]
+    assert result.errors.iloc[0].startswith("HTTP 400: ") and "4096" in result.errors.iloc[0]
+    assert result.answers.isna().tolist() == [True, False, False]

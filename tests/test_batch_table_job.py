@@ -203,3 +203,47 @@ def test_pinned_fields_lead_every_prompt_and_answers_stay_with_their_rows(order)
     assert [list(fields_of(p))[:2] for p in backend.calls[0]] == [["review", "title"]] * len(df)
     for position in range(len(df)):
         assert fields_of(answers.iloc[position])["review"] == df["review"].iloc[position]
+
+
+class PickyBackend(EchoBackend):
+    """Streams answers; refuses prompts that mention Alien; dies (BackendError) after ``die_after`` answers."""
+
+    def __init__(self, die_after: int | None = None) -> None:
+        super().__init__()
+        self.die_after = die_after
+        self.asked: list[str] = []
+
+    def stream(self, prompts, *, max_tokens):
+        for position, prompt in enumerate(prompts):
+            if self.die_after is not None and len(self.asked) >= self.die_after:
+                raise BackendError("the engine died")
+            self.asked.append(prompt)
+            if "Alien" in prompt:
+                yield position, Completion.failed("prompt is too long")
+            else:
+                yield position, Completion(prompt, len(prompt), 0)
+
+
+def test_a_refused_row_has_no_answer_and_its_error_and_the_other_rows_are_answered(caplog):
+    result = run_table(movies(), INSTRUCTION, ["title"], backend=PickyBackend())
+    alien = movies()["title"].eq("Alien").to_numpy()
+    assert result.answers[alien].tolist() == [None] and result.errors[alien].tolist() == ["prompt is too long"]
+    assert all(fields_of(a)["title"] != "Alien" for a in result.answers[~alien])
+    assert result.errors[~alien].isna().all()
+    assert (result.figures.requests, result.figures.errors) == (6, 1)
+    assert "refused 1 of 6 rows" in caplog.text
+
+
+def test_with_out_a_dead_engine_keeps_the_rows_done_and_resume_asks_only_the_others(tmp_path):
+    out = tmp_path / "answers.csv"
+    with pytest.raises(BackendError, match="the engine died"):
+        llm_map(movies(), INSTRUCTION, ["title", "review"], backend=PickyBackend(die_after=4), out=out)
+    assert len(pd.read_csv(out, dtype=str, keep_default_na=False)) == 4
+    second = PickyBackend()
+    result = run_table(movies(), INSTRUCTION, ["title", "review"], backend=second, out=out, resume=True)
+    assert len(second.asked) == 2
+    written = pd.read_csv(out, dtype=str, keep_default_na=False)
+    assert written["row"].astype(int).tolist() == list(range(6))
+    expected = run_table(movies(), INSTRUCTION, ["title", "review"], backend=PickyBackend())
+    assert result.answers.tolist() == expected.answers.tolist()
+    assert written["answer"].tolist() == [a or "" for a in expected.answers.tolist()]

@@ -158,6 +158,7 @@ def test_prometheus_counters_take_the_stats_with_their_labels():
             "unknown": 1,
             f"{PREFIX}blocks_read:1": 3,
             f"{PREFIX}recovery_kept:1": 0.75,
+            "splice_skipped:token_boundary": 2,
         },
         0,
     )
@@ -168,6 +169,7 @@ def test_prometheus_counters_take_the_stats_with_their_labels():
     assert get("kvreuse:module_hits_total", {"engine": "0", "tier": "gpu"}) == 2
     assert get("kvreuse:sparse_blocks_read_total", {"engine": "0", "layer": "1"}) == 5
     assert get("kvreuse:sparse_recovery_kept_total", {"engine": "0", "layer": "1"}) == pytest.approx(0.75)
+    assert get("kvreuse:module_splice_skipped_total", {"engine": "0", "reason": "token_boundary"}) == 2
 
 
 def _figures_connector(role):

@@ -23,14 +23,15 @@ class VLLMReplica:
     def __init__(self, engine_args: Mapping[str, Any]) -> None:
         from vllm import LLM
 
-        from kvreuse.vllm.backend import VLLMBackend
+        from kvreuse.vllm.backend import VLLMBackend, with_cpu_defaults
 
-        self.backend = VLLMBackend(LLM(**{"enable_prefix_caching": True, "seed": 0, **engine_args}))
+        self.backend = VLLMBackend(LLM(**with_cpu_defaults({"enable_prefix_caching": True, "seed": 0, **engine_args})))
 
     def pid(self) -> int:
         return os.getpid()
 
     def generate(self, prompts: Sequence[str], max_tokens: int) -> list[Completion]:
+        """Completions in prompt order; a prompt the engine refuses is a completion with its error."""
         return self.backend.generate(prompts, max_tokens=max_tokens)
 
     def reset_prefix_cache(self) -> bool:

@@ -10,11 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from kvreuse import config
 
-EVICTION_POLICIES = ("lru", "lfu", "fifo")
+
+class EvictionPolicy(StrEnum):
+    """Which module a full tier moves down first (``modules.eviction``)."""
+
+    LRU = "lru"  # least recently used
+    LFU = "lfu"  # least frequently used
+    FIFO = "fifo"  # first in
+
+
+EVICTION_POLICIES = tuple(EvictionPolicy)
 AUTO = -1  # gpu_bytes: the device tier's size is the budget the engine adapter gives the store
 
 
@@ -38,10 +48,9 @@ class ModulesConfig:
     disk_dir: str = config.setting(
         "", "store: folder of the disk tier's files; empty = a fresh temporary folder removed on close"
     )
-    eviction: str = config.setting(
-        "lru",
+    eviction: EvictionPolicy = config.setting(
+        EvictionPolicy.LRU,
         "store: which module a full tier moves down first: least recently used, least frequently used, or first in",
-        choices=EVICTION_POLICIES,
     )
     pin_cpu_memory: bool = config.setting(
         True, "store: pin the host tier's tensors (only when CUDA is available) for faster copies to the GPU"

@@ -47,6 +47,8 @@ from kvreuse.modules import automaton
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.namespace import GLOBAL, namespace_label
 
+# A shorter module's all-but-last tokens appear by chance too often to say its boundary merged.
+NEAR_MISS_MIN_TOKENS = 4
 TOKEN_BYTES = automaton.NODE_BYTES + 4  # automaton nodes (at most one per token) and the kept token ids
 MODULE_BYTES = 256  # per module: its entry, its name and token-id keys, its slot in a segment (an estimate)
 MERGE_RATIO = 2  # the newest segment is merged into the previous one while it is at least 1/MERGE_RATIO of it
@@ -129,6 +131,7 @@ class ModuleTrie:
         modules: Iterable[tuple[Hashable, Sequence[int]]] = (),
         *,
         budget_bytes: int = ModulesConfig.index_bytes,
+        near_misses: bool = True,
     ):
         automaton.warm_up()
         self.budget_bytes = int(budget_bytes)
@@ -136,6 +139,11 @@ class ModuleTrie:
         self._entries: dict[int, _Entry] = {}  # slot -> live entry, for the automata's results
         self._next_slot = 0
         self._charged = 0  # bytes counted against the budget (live modules, and dead ones not yet rebuilt away)
+        # Stems (all tokens but the last) of modules of NEAR_MISS_MIN_TOKENS or more, for near_misses: an index of
+        # its own, named by the stem's bytes (modules may share a stem), and the modules ending each stem with
+        # their last token. The stems count against a budget of their own, as large as this one's.
+        self._stems = ModuleTrie(budget_bytes=budget_bytes, near_misses=False) if near_misses else None
+        self._stem_ends: dict[tuple[str, bytes], dict[Hashable, int]] = {}
         for name, ids in modules:
             self.add(name, ids)
 
@@ -202,6 +210,7 @@ class ModuleTrie:
         self._entries[entry.slot] = entry
         self._next_slot += 1
         self._charged += entry.charge
+        self._add_stem(entry)
 
     def remove(self, name: Hashable, *, namespace: str = GLOBAL) -> bool:
         """Unregister ``name`` from ``namespace``; whether it was registered. Its tokens are free at once."""
@@ -212,6 +221,7 @@ class ModuleTrie:
         del space.by_tokens[entry.ids.tobytes()]
         del self._entries[entry.slot]
         entry.removed = True
+        self._remove_stem(entry)
         segment = entry.segment
         if segment is None:
             space.pending.remove(entry)
@@ -255,6 +265,29 @@ class ModuleTrie:
             ModuleMatch(self._entries[slot].name, start, start + length)
             for start, length, slot in zip(starts.tolist(), lengths.tolist(), slots.tolist())
         ]
+
+    def near_misses(
+        self, token_ids: Sequence[int], found: Sequence[ModuleMatch] = (), *, namespace: str = GLOBAL
+    ) -> list[ModuleMatch]:
+        """Modules of at least :data:`NEAR_MISS_MIN_TOKENS` tokens whose tokens all but the last appear in
+        ``token_ids`` where no module of ``found`` (what :meth:`find` returned) lies, followed by another token:
+        the text after such a module merged with its last token (e.g. ``"\\n\\n"`` into one token), so the module
+        cannot be found. The span given is the part that matched. Linear in the prompt, like :meth:`find`."""
+        if self._stems is None or not len(token_ids):
+            return []
+        covered = np.zeros(len(token_ids) + 1, dtype=bool)
+        for match in found:
+            covered[match.start : match.end] = True
+        misses = []
+        for stem in self._stems.find(token_ids, namespace=namespace):
+            if covered[stem.start : stem.end].any():
+                continue
+            ends = self._stem_ends.get((namespace, stem.name)) or self._stem_ends[(GLOBAL, stem.name)]
+            after = int(token_ids[stem.end]) if stem.end < len(token_ids) else None
+            if after is None or after in ends.values():
+                continue  # the prompt ends there, or the whole module is there
+            misses.append(ModuleMatch(next(iter(ends)), stem.start, stem.end))
+        return misses
 
     def segments(self, namespace: str = GLOBAL) -> int:
         """Automata a look-up in ``namespace`` alone scans now (after pending changes are applied)."""
@@ -305,6 +338,29 @@ class ModuleTrie:
         for local, entry in enumerate(entries):
             entry.segment, entry.local = segment, local
         return segment
+
+    def _add_stem(self, entry: _Entry) -> None:
+        if self._stems is None or len(entry.ids) < NEAR_MISS_MIN_TOKENS:
+            return
+        stem = entry.ids[:-1]
+        ends = self._stem_ends.setdefault((entry.namespace, stem.tobytes()), {})
+        if not ends:
+            try:
+                self._stems.add(stem.tobytes(), stem, namespace=entry.namespace)
+            except ModuleIndexFull:  # near misses are a diagnosis; the module itself is indexed
+                del self._stem_ends[(entry.namespace, stem.tobytes())]
+                return
+        ends[entry.name] = int(entry.ids[-1])
+
+    def _remove_stem(self, entry: _Entry) -> None:
+        if self._stems is None or len(entry.ids) < NEAR_MISS_MIN_TOKENS:
+            return
+        key = (entry.namespace, entry.ids[:-1].tobytes())
+        ends = self._stem_ends.get(key)
+        if ends is None or ends.pop(entry.name, None) is None or ends:
+            return
+        del self._stem_ends[key]
+        self._stems.remove(key[1], namespace=entry.namespace)
 
     def _compact(self) -> None:
         """Rebuild every segment that holds removed modules, so their bytes leave the budget."""

@@ -14,9 +14,9 @@ from kvreuse.reorder.ophr import OPHR_MAX_COLS, OPHR_MAX_ROWS
 from kvreuse.reorder.ordering import Ordering, prompts
 from kvreuse.reorder.pinning import resolve_pin
 from kvreuse.reorder.rerank import rerank_by_module_sets, total_hamming_distance
-from kvreuse.reorder.solvers import METHODS, solve
+from kvreuse.reorder.solvers import METHODS, Order, solve
 from kvreuse.reorder.stats import ColumnStats, column_stats, fixed_field_order
-from kvreuse.reorder.table import PROMPT_FORMATS, prepare_table, render_prompt
+from kvreuse.reorder.table import PROMPT_FORMATS, PromptFormat, prepare_table, render_prompt
 from kvreuse.reorder.tokens import TokenHitMeasure, token_hit_measure
 
 __all__ = [
@@ -25,6 +25,8 @@ __all__ = [
     "OPHR_MAX_ROWS",
     "PROMPT_FORMATS",
     "BlockHitStats",
+    "Order",
+    "PromptFormat",
     "ColumnStats",
     "Ordering",
     "TokenHitMeasure",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from enum import StrEnum
 
 import pandas as pd
 
@@ -18,7 +19,18 @@ from kvreuse.reorder.stats import encode_table
 from kvreuse.reorder.table import prepare_table
 from kvreuse.reorder.tokens import TokenHitMeasure, sorted_neighbour_order
 
-METHODS = ("original", "sorted", "stats", "ggr", "ophr")
+
+class Order(StrEnum):
+    """The reordering methods a user names (``--order``, ``order=``); see :func:`solve`."""
+
+    ORIGINAL = "original"
+    SORTED = "sorted"
+    STATS = "stats"
+    GGR = "ggr"
+    OPHR = "ophr"
+
+
+METHODS = tuple(Order)
 
 
 def solve(

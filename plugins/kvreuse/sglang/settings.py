@@ -19,15 +19,24 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from kvreuse import config
 from kvreuse.errors import ConfigError
 
-# KVREUSE_SGLANG_SCHEDULE_POLICY values (spelt like SGLang's own policy names).
-AFFINITY_POLICY = "prefix-affinity"
-MODULES_POLICY = "module-sets"
+
+class SchedulePolicy(StrEnum):
+    """KVREUSE_SGLANG_SCHEDULE_POLICY values (spelt like SGLang's own policy names)."""
+
+    SGLANG = ""  # SGLang's own --schedule-policy
+    AFFINITY = "prefix-affinity"
+    MODULES = "module-sets"
+
+
+AFFINITY_POLICY = SchedulePolicy.AFFINITY
+MODULES_POLICY = SchedulePolicy.MODULES
 SCHEDULE_POLICIES = (AFFINITY_POLICY, MODULES_POLICY)
 
 # --attention-backend and --radix-cache-backend values (SGLang's backends are named with "_").
@@ -39,11 +48,10 @@ MODULE_CACHE_BACKEND = "kvreuse_modules"
 class SGLangConfig:
     """What the SGLang adapter needs beyond the plugins' own settings (``KVREUSE_SGLANG_*``)."""
 
-    schedule_policy: str = config.setting(
-        "",
+    schedule_policy: SchedulePolicy = config.setting(
+        SchedulePolicy.SGLANG,
         "waiting-queue order in place of --schedule-policy: prefix-affinity (cached prefixes first, shared "
         "prefixes together, bounded waiting) or module-sets (neighbours share modules); empty = SGLang's own",
-        choices=("",) + SCHEDULE_POLICIES,
     )
     affinity_block: int = config.setting(
         16,

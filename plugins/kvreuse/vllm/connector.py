@@ -187,8 +187,12 @@ class KVReuseModuleCache(KVReuseMetrics, KVConnectorBase_V1):
         return self._worker.take_report()
 
     def get_kv_connector_stats(self):
-        # vLLM asks both sides; the figures live in the workers (the store's, and the sparse backend's if it runs).
-        return self._worker.take_stats() if self._role == KVConnectorRole.WORKER else None
+        # vLLM asks both sides: the workers hold the store's (and the sparse backend's) figures, the scheduler side
+        # the modules it found but did not splice.
+        if self._role == KVConnectorRole.WORKER:
+            return self._worker.take_stats()
+        skipped = self._scheduler.take_stats()
+        return self.build_kv_connector_stats(skipped) if skipped else None
 
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.WORKER:

@@ -9,7 +9,9 @@ Prometheus logger, adds them to these counters:
   ``kvreuse:module_load_failures_total``;
 * ``kvreuse:module_encoded_total``, ``kvreuse:module_encode_failures_total``;
 * ``kvreuse:module_bytes_moved_total`` (label ``move``, e.g. ``cpu->gpu``), ``kvreuse:module_evictions_total``
-  (label ``tier``), ``kvreuse:module_drops_total``.
+  (label ``tier``), ``kvreuse:module_drops_total``;
+* ``kvreuse:module_splice_skipped_total`` (label ``reason``, see ``kvreuse.modules.splice.SkipReason``), counted
+  by the scheduler side.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ MODULE_COUNTERS = {
     "bytes_moved": ("kvreuse:module_bytes_moved_total", "Bytes of module KV moved between tiers", "move"),
     "evictions": ("kvreuse:module_evictions_total", "Modules moved out of a full tier", "tier"),
     "drops": ("kvreuse:module_drops_total", "Modules that left the store to make room", None),
+    "splice_skipped": (
+        "kvreuse:module_splice_skipped_total",
+        "Registered modules found in a prompt (or all but their last token) but not spliced, by reason",
+        "reason",
+    ),
 }
 
 

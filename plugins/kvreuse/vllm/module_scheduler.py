@@ -9,12 +9,13 @@ blocks, and asks the workers to store the module of every encode request once it
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 from kvreuse.errors import ConfigError, ModuleRegistrationError, UnsupportedPositionalEncoding
 from kvreuse.kernels.rerotate import rope_spec_from_hf_config
-from kvreuse.modules.splice import Piece, plan_splice, token_slots
+from kvreuse.modules.splice import Piece, plan_splice, skipped_modules, token_slots
 from kvreuse.modules.store import ModuleKey
 from kvreuse.modules.trie import ModuleMatch, ModuleTrie
 from kvreuse.vllm.connector import (
@@ -81,6 +82,7 @@ class ModuleScheduler:
         self._plans: dict[str, list[Piece]] = {}  # asked about, not yet allocated
         self._loads: list[LoadSpec] = []  # allocated, for the next step's metadata
         self._encodes: dict[str, tuple[Hashable, int, tuple[int, ...]]] = {}  # req id -> name, context, prompt
+        self.skipped: Counter[str] = Counter()  # modules found but not spliced, by reason (since take_stats)
 
     # -- vLLM's calls ---------------------------------------------------------------------------------------------
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
@@ -90,11 +92,24 @@ class ModuleScheduler:
             return 0
         prompt = request.prompt_token_ids or []
         matches = self._matches.get(request.request_id)
+        first_look = matches is None
         if matches is None:
             matches = self._matches[request.request_id] = self.trie.find(prompt)
         stop = min(len(prompt), request.num_tokens) - 1  # vLLM computes at least the last token
         pieces = plan_splice(matches, num_computed_tokens, stop, self.available.__contains__)
         self._plans[request.request_id] = pieces
+        if first_look:  # counted once per request (vLLM may ask again while it waits)
+            misses = self.trie.near_misses(prompt, matches)
+            available = self.available.__contains__
+            for skip in skipped_modules(matches, pieces, num_computed_tokens, stop, available, misses):
+                self.skipped[skip.reason] += 1
+                logger.debug(
+                    "kvreuse module %r at token %d of request %s not spliced: %s",
+                    getattr(skip.name, "name", skip.name),
+                    skip.start,
+                    request.request_id,
+                    skip.reason,
+                )
         return sum(piece.length for piece in pieces)
 
     def allocated(self, request: Request, block_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -175,6 +190,12 @@ class ModuleScheduler:
         self.available -= report.dropped
         for name, why in report.failed.items():
             logger.error("kvreuse module %r was not stored: %s", name, why)
+
+    def take_stats(self) -> dict[str, int]:
+        """The skipped-module counts since the last call, as stats keys ``splice_skipped:<reason>``."""
+        stats = {f"splice_skipped:{reason}": count for reason, count in self.skipped.items() if count}
+        self.skipped.clear()
+        return stats
 
     def finished(self, request_id: str) -> None:
         for state in (self._matches, self._plans, self._encodes):

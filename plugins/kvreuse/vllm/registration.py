@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 
-from kvreuse.config import TRUE_WORDS
+from kvreuse.config import TRUE_WORDS, check_environment
 
 # Under vLLM's logger namespace so the line is printed in vLLM's format, tagged with the process it runs in.
 logger = logging.getLogger("vllm.plugins.kvreuse")
@@ -35,6 +35,9 @@ def register() -> None:
     if os.getpid() in _REGISTERED_PIDS:
         return
     _REGISTERED_PIDS.add(os.getpid())
+    # vLLM calls this first in the process the user started (while it parses its arguments): a misspelt or
+    # out-of-range KVREUSE_* variable stops it there, before any engine process starts.
+    check_environment()
     _register_sparse_backend()
     _register_connectors()
     logger.info("kvreuse plugin registered in pid %d", os.getpid())
