@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from numerics import assert_close_to_exact
+from numerics import assert_close_to_exact, summation_orders
 
 from kvreuse.errors import KernelArgumentError
 from kvreuse.kernels import paged_causal
@@ -71,13 +71,16 @@ def run(shape, case, *, requests=None):
     return op.run(query, keys, values, out), op.scale
 
 
-def reference(case, scale, dtype, *, absolute=False):
-    """The reference's output in ``dtype`` arithmetic (float64: exact); ``absolute``: attention over ``|v|``, the
-    magnitude the kernel's rounding errors scale with."""
+def reference(case, scale, dtype, *, absolute=False, order=None):
+    """The reference's output in ``dtype`` arithmetic (float64: exact), its dot products summed in ``order`` (see
+    ``numerics.summation_orders``); ``absolute``: attention over ``|v|``, the magnitude the kernel's rounding errors
+    scale with."""
     query, keys, values, starts, ends, seq_lens, table = case
     wide = dtype == torch.float64
     query, keys, values = (t.double() if wide else t for t in (query, keys, values))
     values = values.abs() if absolute else values
+    if order is not None:
+        query, keys = query[..., order], keys[..., order]
     out = torch.empty_like(query, dtype=dtype)
     return paged_causal_reference(query, keys, values, starts, ends, seq_lens, table, scale, out)
 
@@ -89,7 +92,7 @@ def test_a_mixed_batch_equals_the_reference(shape, dtype):
     out, scale = run(SHAPES[shape], case)
     assert_close_to_exact(
         out,
-        reference(case, scale, torch.float32),
+        [reference(case, scale, torch.float32, order=order) for order in summation_orders(SHAPES[shape][2])],
         reference(case, scale, torch.float64),
         magnitude=reference(case, scale, torch.float64, absolute=True),
     )
@@ -125,17 +128,21 @@ def test_one_new_token_is_decode_attention():
     case = batch(shape, torch.float32, decodes)
     out, scale = run(shape, case)
     query, keys, values, _, _, seq_lens, table = case
-    expected, exact = (
-        dense_decode_reference(query.to(dtype), keys.to(dtype), values.to(dtype), table, seq_lens, scale)
-        for dtype in (torch.float32, torch.float64)
-    )
+    expected = [
+        dense_decode_reference(query[..., order], keys[..., order], values, table, seq_lens, scale)
+        for order in summation_orders(shape[2])
+    ]
+    exact = dense_decode_reference(query.double(), keys.double(), values.double(), table, seq_lens, scale)
     assert_close_to_exact(out, expected, exact)
 
 
 def test_the_reference_takes_long_prompts_in_query_chunks_with_the_same_result(monkeypatch):
     _, keys, values, _, _, _, table = batch(SHAPES["gqa2"], torch.float32)
     query = torch.randn(45, 4, 64)
-    whole = causal_attention_reference(query, keys, values, table[0], 45, 0.125)
+    whole = [
+        causal_attention_reference(query[..., order], keys[..., order], values, table[0], 45, 0.125)
+        for order in summation_orders(64)
+    ]
     exact = causal_attention_reference(query.double(), keys.double(), values.double(), table[0], 45, 0.125)
     monkeypatch.setattr(paged_causal, "REFERENCE_LOGITS", 4 * 45 * 7)  # 7 query rows at a time
     chunked = causal_attention_reference(query, keys, values, table[0], 45, 0.125)

@@ -7,9 +7,11 @@ are compared with the same step computed in float64, selections checked for a ma
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
-from numerics import assert_close_to_exact, settled_dipr_selection
+from numerics import assert_close_to_exact, settled_dipr_selection, summation_orders
 
 from kvreuse.kernels.block_bounds import merge_written_keys_reference, recompute_bounds_reference
 from kvreuse.kernels.dipr_decode import dense_decode_reference, dipr_selection_reference, masked_decode_reference
@@ -32,11 +34,15 @@ class Engine:
         peaked: bool = False,
         kernels: bool | None = None,
         dtype: torch.dtype = torch.float32,
+        coordinates: torch.Tensor | None = None,
     ):
         """``dtype`` float64 (with ``kernels`` off) gives the exact result of what a float32 engine of the same seed
-        computes: the same data, drawn in float32 and widened, through the same PyTorch path."""
+        computes: the same data, drawn in float32 and widened, through the same PyTorch path. ``coordinates`` (one of
+        ``numerics.summation_orders``) stores queries and keys with their head_dim coordinates in that order: the
+        same attention, its dot products summed in another order."""
         self.g = torch.Generator().manual_seed(seed)
         self.dtype = dtype
+        self.coordinates = torch.arange(DIM) if coordinates is None else coordinates
         self.attention = SparseAttention(Q_HEADS, KV_HEADS, DIM, BLOCK, SCALE, config, kernels=kernels)
         # One tensor like vLLM's LBNHC layer view: [blocks, tokens, heads, K|V].
         kv = torch.zeros(POOL, BLOCK, KV_HEADS, 2 * DIM, dtype=dtype)
@@ -79,6 +85,7 @@ class Engine:
         query = torch.randn(total, Q_HEADS, DIM, generator=self.g)
         if self.peaked:
             query = 4 * self.direction.repeat_interleave(Q_HEADS // KV_HEADS, 0)[None] + 0.1 * query
+        key, query = key[..., self.coordinates], query[..., self.coordinates]
         key, value, query = (t.to(self.dtype) for t in (key, value, query))
         starts = torch.tensor([0] + new_tokens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         lens = torch.tensor(self.lens, dtype=torch.int32)
@@ -118,19 +125,14 @@ class Engine:
         )
 
 
-def dense(engine: Engine, query: torch.Tensor, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense decode attention of the batch's requests by the reference: fp32, and float64 (exact)."""
-    return tuple(
-        dense_decode_reference(
-            query.to(dtype),
-            engine.key_cache.to(dtype),
-            engine.value_cache.to(dtype),
-            batch.block_table,
-            batch.seq_lens,
-            SCALE,
-        )
-        for dtype in (torch.float32, torch.float64)
-    )
+def dense(engine: Engine, query: torch.Tensor, batch: PagedBatch) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Dense decode attention of the batch's requests by the reference: fp32 in each summation order, and float64
+    (exact)."""
+    table, lens, keys, values = batch.block_table, batch.seq_lens, engine.key_cache, engine.value_cache
+    references = [
+        dense_decode_reference(query[..., o], keys[..., o], values, table, lens, SCALE) for o in summation_orders(DIM)
+    ]
+    return references, dense_decode_reference(query.double(), keys.double(), values.double(), table, lens, SCALE)
 
 
 def sparse(beta: float, **settings) -> SparseConfig:
@@ -182,12 +184,9 @@ def test_prefill_is_dense_and_causal():
         q = query[first:last].transpose(0, 1)
         k = key[first:last].transpose(0, 1).repeat_interleave(2, 0)
         v = value[first:last].transpose(0, 1).repeat_interleave(2, 0)
-        expected, exact = (
-            torch.nn.functional.scaled_dot_product_attention(
-                q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True, scale=SCALE
-            ).transpose(0, 1)
-            for dtype in (torch.float32, torch.float64)
-        )
+        attention = partial(torch.nn.functional.scaled_dot_product_attention, is_causal=True, scale=SCALE)
+        expected = [attention(q[..., o], k[..., o], v).transpose(0, 1) for o in summation_orders(DIM)]
+        exact = attention(q.double(), k.double(), v.double()).transpose(0, 1)
         assert_close_to_exact(out[first:last], expected, exact)
 
 
@@ -210,15 +209,16 @@ def test_finite_beta_attends_a_superset_of_the_exact_dipr_set_and_reads_fewer_bl
     sel = engine.settled_dipr(query, batch)  # min_context 0: both requests decode with DIPR
     for attended, exact in zip(sel.attended, sel.exact):
         assert bool((attended | ~exact).all()), "a token of the exact DIPR set was not attended"
-    fp32 = dipr_selection_reference(
-        query, engine.key_cache, engine.bounds, batch.block_table, batch.seq_lens, 4.0, SCALE, 4, 8
-    )
-    assert all(torch.equal(a, b) for a, b in zip(fp32.attended, sel.attended))  # settled: fp32 decides alike
-    reference, exact = (
-        masked_decode_reference(cache, batch.block_table, batch.seq_lens, s.logits, s.attended)
-        for cache, s in ((engine.value_cache, fp32), (engine.value_cache.double(), sel))
-    )
-    assert_close_to_exact(out, reference, exact)
+    table, lens, values = batch.block_table, batch.seq_lens, engine.value_cache
+    references = []
+    for o in summation_orders(DIM):
+        fp32 = dipr_selection_reference(
+            query[..., o], engine.key_cache[..., o], engine.bounds[..., o], table, lens, 4.0, SCALE, 4, 8
+        )
+        assert all(torch.equal(a, b) for a, b in zip(fp32.attended, sel.attended))  # settled: fp32 decides alike
+        references.append(masked_decode_reference(values, table, lens, fp32.logits, fp32.attended))
+    exact = masked_decode_reference(values.double(), table, lens, sel.logits, sel.attended)
+    assert_close_to_exact(out, references, exact)
     row = engine.attention.figures.rows()[0]
     # 301 tokens = 10 blocks: the sink block, the local block and block 6 (position 200) are read, 7 are not.
     assert row["block_fraction"] < 0.5 and row["token_fraction"] < 0.1
@@ -231,23 +231,25 @@ def test_the_triton_path_computes_what_the_pytorch_path_computes_step_by_step():
     lands as close to the exact outputs as the PyTorch path does; its selections, counted in the figures, are the
     same, every DIPR decision having a margin."""
     config = sparse(4.0, sink=4, local=8, min_context=100)
-    pytorch, triton, exact = (
+    triton, exact = (
         Engine(config, peaked=True, kernels=kernels, dtype=dtype)
-        for kernels, dtype in ((False, torch.float32), (True, torch.float32), (False, torch.float64))
+        for kernels, dtype in ((True, torch.float32), (False, torch.float64))
     )
+    pytorch = [Engine(config, peaked=True, kernels=False, coordinates=o) for o in summation_orders(DIM)]
     for new_tokens in (PROMPTS, [1, 1], [20, 1], [1, 1]):
-        steps = [engine.step(new_tokens) for engine in (pytorch, triton, exact)]
-        exact.settled_dipr(steps[2][0], steps[2][3])
+        steps = [engine.step(new_tokens) for engine in (triton, exact, *pytorch)]
+        exact.settled_dipr(steps[1][0], steps[1][3])
         for layer in (0, 1):
-            reference, kernels, want = (
+            kernels, want, *references = (
                 engine.attend(layer, query, batch)
-                for engine, (query, _, _, batch) in zip((pytorch, triton, exact), steps)
+                for engine, (query, _, _, batch) in zip((triton, exact, *pytorch), steps)
             )
-            assert_close_to_exact(kernels, reference, want, what=f"Triton path, layer {layer}, step {new_tokens}")
-        assert torch.equal(triton.bounds, pytorch.bounds)  # maxima and minima of the same keys: no rounding
+            assert_close_to_exact(kernels, references, want, what=f"Triton path, layer {layer}, step {new_tokens}")
+        assert torch.equal(triton.bounds, pytorch[0].bounds)  # maxima and minima of the same keys: no rounding
     # Counts of blocks and tokens; their decisions are settled, so they are equal in every implementation.
-    assert triton.attention.figures.rows() == pytorch.attention.figures.rows() == exact.attention.figures.rows()
-    assert triton.attention.figures.rows()[1]["block_fraction"] < 0.8
+    rows = triton.attention.figures.rows()
+    assert all(rows == engine.attention.figures.rows() for engine in (exact, *pytorch))
+    assert rows[1]["block_fraction"] < 0.8
 
 
 @pytest.mark.parametrize("settings", [{"dense_layers": 2}, {"min_context": 1000}])
@@ -292,5 +294,6 @@ def test_a_step_is_split_once_per_kind_of_layer_and_again_after_new_settings(mon
     assert torch.equal(again[0], outs[2][0])  # request 0: DIPR under both settings, the same operations in order
     # Request 1 moves from the dense path to DIPR, which keeps all its 46 tokens (decisions settled): dense again.
     assert engine.settled_dipr(query, batch).attended[1].sum(1).tolist() == [46] * Q_HEADS
-    assert_close_to_exact(again[1:], outs[2][1:], dense(engine, query, batch)[1][1:])
+    references, exact = dense(engine, query, batch)
+    assert_close_to_exact(again[1:], [r[1:] for r in references], exact[1:])
     assert calls == [True, False, False] and engine.attention._plan(batch, False).dipr.reqs == (0, 1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from numerics import assert_close_to_exact, gamma, settled_dipr_selection
+from numerics import assert_close_to_exact, gamma, settled_dipr_selection, summation_orders
 
 from kvreuse.errors import KernelArgumentError
 from kvreuse.kernels.block_bounds import BlockBounds, merge_written_keys_reference, recompute_bounds_reference
@@ -79,17 +79,21 @@ def decode(case, beta, *, splits=3):
 
 
 def attention_over(case, selection, beta):
-    """Attention over ``selection``'s attended set: (the fp32 reference, the float64 exact result, the same softmax
-    over ``|v|``, the magnitude its rounding errors scale with). The fp32 reference must select alike."""
+    """Attention over ``selection``'s attended set: (the fp32 reference in each summation order, the float64 exact
+    result, the same softmax over ``|v|``, the magnitude its rounding errors scale with). The fp32 reference must
+    select alike in every order: the decisions are settled."""
     query, keys, values, bounds, table, seq_lens = case
-    fp32 = dipr_selection_reference(query, keys, bounds, table, seq_lens, beta, DIM**-0.5, SINK, LOCAL)
-    assert all(torch.equal(a, b) for a, b in zip(fp32.attended, selection.attended))  # settled: every one decides so
-    reference = masked_decode_reference(values, table, seq_lens, fp32.logits, fp32.attended)
+    references = []
+    for order in summation_orders(DIM):
+        q, k, b = query[..., order], keys[..., order], bounds[..., order]
+        fp32 = dipr_selection_reference(q, k, b, table, seq_lens, beta, DIM**-0.5, SINK, LOCAL)
+        assert all(torch.equal(a, b) for a, b in zip(fp32.attended, selection.attended))
+        references.append(masked_decode_reference(values, table, seq_lens, fp32.logits, fp32.attended))
     exact, magnitude = (
         masked_decode_reference(v, table, seq_lens, selection.logits, selection.attended)
         for v in (values.double(), values.double().abs())
     )
-    return reference, exact, magnitude
+    return references, exact, magnitude
 
 
 # ---------------------------------------------------------------------------------------------------- bounds
@@ -156,7 +160,10 @@ def test_beta_inf_equals_dense_attention(dtype):
     case = paged(LENS, dtype)
     out, counters, _ = decode(case, float("inf"))
     query, keys, values, _, table, seq_lens = case
-    dense = dense_decode_reference(query, keys, values, table, seq_lens, DIM**-0.5)
+    dense = [
+        dense_decode_reference(query[..., order], keys[..., order], values, table, seq_lens, DIM**-0.5)
+        for order in summation_orders(DIM)
+    ]
     exact, magnitude = (
         dense_decode_reference(query.double(), keys.double(), v, table, seq_lens, DIM**-0.5)
         for v in (values.double(), values.double().abs())
@@ -171,8 +178,8 @@ def test_beta_inf_equals_dense_attention(dtype):
 def test_output_is_attention_over_the_attended_set(dtype, peaked, beta):
     case = paged(LENS, dtype, peaked=peaked)
     out, counters, sel = decode(case, beta)
-    reference, exact, magnitude = attention_over(case, sel, beta)
-    assert_close_to_exact(out, reference, exact, magnitude=magnitude)
+    references, exact, magnitude = attention_over(case, sel, beta)
+    assert_close_to_exact(out, references, exact, magnitude=magnitude)
     assert counters.tokens_attended.tolist() == [a.sum(1).tolist() for a in sel.attended]
 
 
@@ -205,8 +212,8 @@ def test_pruned_blocks_are_not_read_and_their_count_is_the_bound_count():
 def test_a_block_size_that_is_not_a_power_of_two_prunes_and_attends_like_the_reference():
     case = paged(LENS, torch.float32, peaked=True, block=24)
     out, counters, sel = decode(case, 8.0)
-    reference, exact, magnitude = attention_over(case, sel, 8.0)
-    assert_close_to_exact(out, reference, exact, magnitude=magnitude)
+    references, exact, magnitude = attention_over(case, sel, 8.0)
+    assert_close_to_exact(out, references, exact, magnitude=magnitude)
     assert counters.blocks_read.tolist() == [r.sum(1).tolist() for r in sel.blocks_read]
     assert counters.tokens_attended.tolist() == [a.sum(1).tolist() for a in sel.attended]
 
@@ -215,11 +222,10 @@ def test_output_does_not_depend_on_the_number_of_splits():
     """Splits change only the order of the sums: each split count lands as close to the exact result as the
     reference does (not bitwise on each other)."""
     case = paged(LENS, torch.float32, peaked=True, seed=5)
-    reference, exact, magnitude = attention_over(case, decode(case, 6.0)[2], 6.0)
-    for n in (1, 4):
-        assert_close_to_exact(
-            decode(case, 6.0, splits=n)[0], reference, exact, magnitude=magnitude, what=f"{n} split(s)"
-        )
+    runs = {n: decode(case, 6.0, splits=n) for n in (1, 4)}
+    references, exact, magnitude = attention_over(case, runs[1][2], 6.0)
+    for n, (out, _, _) in runs.items():
+        assert_close_to_exact(out, references, exact, magnitude=magnitude, what=f"{n} split(s)")
 
 
 def test_per_sequence_beta_keeps_short_sequences_dense():

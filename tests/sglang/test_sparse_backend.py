@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from numerics import assert_close_to_exact, settled_dipr_selection
+from numerics import assert_close_to_exact, settled_dipr_selection, summation_orders
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -139,13 +139,22 @@ class Engine:
         return results
 
     def dense(
-        self, layer: int, q: torch.Tensor, new_tokens: list[int], dtype: torch.dtype = torch.float32
+        self,
+        layer: int,
+        q: torch.Tensor,
+        new_tokens: list[int],
+        dtype: torch.dtype = torch.float32,
+        order: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Dense causal attention of the step's queries over the keys and values generated so far, in ``dtype``."""
+        """Dense causal attention of the step's queries over the keys and values generated so far, in ``dtype``, the
+        dot products summed in ``order`` (``numerics.summation_orders``)."""
         out, at = [], 0
-        q = q.to(dtype)
+        order = torch.arange(DIM) if order is None else order
+        q = q.to(dtype)[..., order]
         for r, n in enumerate(new_tokens):
-            keys = torch.cat(self.history[layer][r]["k"]).to(dtype).repeat_interleave(Q_HEADS // KV_HEADS, 1)
+            keys = (
+                torch.cat(self.history[layer][r]["k"]).to(dtype)[..., order].repeat_interleave(Q_HEADS // KV_HEADS, 1)
+            )
             values = torch.cat(self.history[layer][r]["v"]).to(dtype).repeat_interleave(Q_HEADS // KV_HEADS, 1)
             total = len(keys)
             logits = torch.einsum("qhd,nhd->hqn", q[at : at + n], keys) * SCALE
@@ -160,7 +169,8 @@ def test_prefill_and_decode_with_infinite_beta_equal_dense_attention():
     engine = Engine(sparse(float("inf")))
     for new_tokens in (PROMPTS, [1, 1], [1, 1], [1, 1]):
         for layer, (out, q) in enumerate(engine.step(new_tokens)):
-            dense, exact = (engine.dense(layer, q, new_tokens, dtype) for dtype in (torch.float32, torch.float64))
+            dense = [engine.dense(layer, q, new_tokens, order=order) for order in summation_orders(DIM)]
+            exact = engine.dense(layer, q, new_tokens, torch.float64)
             assert_close_to_exact(out, dense, exact, what=f"layer {layer}, step {new_tokens}")
 
 
@@ -199,18 +209,22 @@ def test_the_kv_and_the_page_bounds_are_written_into_sglangs_pool():
 
 def dipr_expected(engine: Engine, layer: int, q: torch.Tensor, beta: float):
     """What the backend's DIPR decode of ``q`` must give in ``layer``: (the fp32 reference on the backend's views of
-    SGLang's pool, the float64 result over the exact selection, that selection, checked for a margin)."""
+    SGLang's pool in each summation order, the float64 result over the exact selection, that selection, checked for a
+    margin)."""
     key_cache, value_cache, bounds = engine.backend._caches(engine.layers[layer])
     batch = engine.backend.forward_metadata
     config = engine.backend.attention.config
-    args = (key_cache, bounds, batch.block_table, batch.seq_lens_cpu, beta, SCALE, config.sink, config.local)
-    exact = settled_dipr_selection(q, *args)
-    fp32 = dipr_selection_reference(q, *args)
-    reference = masked_decode_reference(value_cache, batch.block_table, batch.seq_lens_cpu, fp32.logits, fp32.attended)
-    want = masked_decode_reference(
-        value_cache.double(), batch.block_table, batch.seq_lens_cpu, exact.logits, exact.attended
-    )
-    return reference, want, exact
+    table, lens = batch.block_table, batch.seq_lens_cpu
+    exact = settled_dipr_selection(q, key_cache, bounds, table, lens, beta, SCALE, config.sink, config.local)
+    references = []
+    for o in summation_orders(DIM):
+        fp32 = dipr_selection_reference(
+            q[..., o], key_cache[..., o], bounds[..., o], table, lens, beta, SCALE, config.sink, config.local
+        )
+        assert all(torch.equal(a, b) for a, b in zip(fp32.attended, exact.attended))  # settled: fp32 decides alike
+        references.append(masked_decode_reference(value_cache, table, lens, fp32.logits, fp32.attended))
+    want = masked_decode_reference(value_cache.double(), table, lens, exact.logits, exact.attended)
+    return references, want, exact
 
 
 def test_decode_with_finite_beta_reads_fewer_tokens_and_keeps_the_heavy_hitters():
@@ -218,8 +232,8 @@ def test_decode_with_finite_beta_reads_fewer_tokens_and_keeps_the_heavy_hitters(
     engine.step(PROMPTS)
     for _ in range(2):
         for layer, (out, q) in enumerate(engine.step([1, 1])):
-            reference, exact, selection = dipr_expected(engine, layer, q, 4.0)
-            assert_close_to_exact(out, reference, exact, what=f"layer {layer}")
+            references, exact, selection = dipr_expected(engine, layer, q, 4.0)
+            assert_close_to_exact(out, references, exact, what=f"layer {layer}")
             assert bool(selection.attended[0][:, [0, 200]].all())  # request 0's heavy hitters (200: outside the window)
     rows = {row["layer"]: row for row in engine.backend.attention.figures.rows()}
     assert set(rows) == {0, 1}
@@ -244,9 +258,9 @@ def test_the_triton_kernel_reads_sglangs_pool_pages_as_the_backend_does():
     kernel = DIPRDecode(Q_HEADS, KV_HEADS, DIM, PAGE, scale=SCALE, sink=16, local=32)
     kernel.plan(batch.seq_lens.to(torch.int32), batch.block_table, max_seq_len=batch.max_seq_len)
     result = kernel.run(q.contiguous(), key_cache, value_cache, bounds, torch.full((2,), 6.0))
-    reference, exact, _ = dipr_expected(engine, 1, q, 6.0)
-    assert_close_to_exact(out, reference, exact, what="the backend")
-    assert_close_to_exact(result, reference, exact, what="the kernel")
+    references, exact, _ = dipr_expected(engine, 1, q, 6.0)
+    assert_close_to_exact(out, references, exact, what="the backend")
+    assert_close_to_exact(result, references, exact, what="the kernel")
 
 
 def test_page_size_one_is_refused_naming_the_flag():
