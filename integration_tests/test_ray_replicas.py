@@ -10,13 +10,12 @@ import random
 from collections.abc import Iterator
 
 import pytest
+import ray  # kvreuse[ray], which `make test` installs: a missing Ray fails this module, it is not skipped
 
-ray = pytest.importorskip("ray", reason="the multi-replica batch job runs on Ray: install kvreuse[ray]")
-
-from kvreuse.batch.distributed import InProcessReplicas, answer_rows, answer_stream, new_figures  # noqa: E402
-from kvreuse.batch.ray_replicas import RayVLLMReplicas  # noqa: E402
-from kvreuse.localmodel import local_engine_args  # noqa: E402
-from kvreuse.vllm.backend import started_vllm  # noqa: E402
+from kvreuse.batch.distributed import InProcessReplicas, answer_rows, answer_stream, new_figures
+from kvreuse.batch.ray_replicas import RayVLLMReplicas
+from kvreuse.localmodel import local_engine_args
+from kvreuse.vllm.backend import started_vllm
 
 pytestmark = pytest.mark.engine
 
