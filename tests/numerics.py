@@ -175,6 +175,7 @@ def settled_dipr_selection(
     if bool(torch.isinf(betas).all()):
         return dipr_selection_reference(*exact, betas, scale, sink, local)
     delta = dipr_rounding_reach(query, key_cache, float(betas[torch.isfinite(betas)].max()), scale)
+    assert delta < float("inf"), f"rounding reach {delta}: the key cache holds non-finite values"  # NaN too
     low, high = (
         dipr_selection_reference(*exact, torch.where(torch.isinf(betas), betas, betas + shift), scale, sink, local)
         for shift in (-delta, delta)

@@ -87,7 +87,7 @@ def attention_over(case, selection, beta):
     for order in summation_orders(DIM):
         q, k, b = query[..., order], keys[..., order], bounds[..., order]
         fp32 = dipr_selection_reference(q, k, b, table, seq_lens, beta, DIM**-0.5, SINK, LOCAL)
-        assert all(torch.equal(a, b) for a, b in zip(fp32.attended, selection.attended))
+        assert all(torch.equal(ours, exact) for ours, exact in zip(fp32.attended, selection.attended))
         references.append(masked_decode_reference(values, table, seq_lens, fp32.logits, fp32.attended))
     exact, magnitude = (
         masked_decode_reference(v, table, seq_lens, selection.logits, selection.attended)
