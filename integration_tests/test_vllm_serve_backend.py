@@ -6,6 +6,14 @@ harness's engine arguments and ``--enable-prompt-tokens-details`` so that respon
 It runs kvreuse's sparse backend (``KVREUSE_SPARSE_CPU_BACKEND=1``) with DIPR in every layer at beta = inf, which
 attends to everything, and the figures' connector ``KVReuseSparseFigures``, so that its ``/metrics`` carry the
 sparse figures as a user of ``vllm serve`` reads them.
+
+The reference is the server's answer to the prompt asked alone (``alone``). Answers are compared with it as text,
+exactly, which the arithmetic does not promise: concurrent requests share the server's batches, so vLLM may take a
+prompt in other chunks or next to other requests, other matrix shapes and summation orders (log-probabilities were
+seen ~1e-6 apart, ``test_prefix_affinity_scheduler.py``), and a greedy step within that of a near-tie could flip.
+The backend reports no log-probabilities to tell such a tie from a wrong row, which gets a wholly different answer;
+so the test can fail by rounding, though only at a near-tie of ~1e-5 nats; comparing log-probabilities would need
+the backend to ask for them.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -106,14 +107,34 @@ def test_an_empty_table_gives_an_empty_series_with_its_index():
     assert (result.figures.requests, result.figures.prompt_tokens) == (0, 0)
 
 
-def test_figures_add_up_what_the_backend_reports():
-    result = run_table(movies(), INSTRUCTION, ["title"], backend=EchoBackend(cached=4))
+def test_figures_add_up_what_the_backend_reports(monkeypatch):
+    # A clock of the job's own: the solver takes 0.25 s of it and the backend 2.5 s, so the figures must carry
+    # exactly those spans (binary fractions: no rounding), each timed around its own work.
+    from kvreuse.batch import dataframe, job
+
+    now = [100.0]
+
+    class SlowBackend(EchoBackend):
+        def generate(self, prompts, *, max_tokens, progress=False):
+            now[0] += 2.5
+            return super().generate(prompts, max_tokens=max_tokens, progress=progress)
+
+    def slow_solve(*args, **kwargs):
+        now[0] += 0.25
+        return real_solve(*args, **kwargs)
+
+    real_solve = job.solve
+    monkeypatch.setattr(job, "solve", slow_solve)
+    clock = SimpleNamespace(perf_counter=lambda: now[0])
+    monkeypatch.setattr(job, "time", clock)  # times the solve
+    monkeypatch.setattr(dataframe, "time", clock)  # times the answers as they stream in
+    result = run_table(movies(), INSTRUCTION, ["title"], backend=SlowBackend(cached=4))
     sent = plan_table(movies(), INSTRUCTION, ["title"]).prompts
     assert result.figures.requests == 6
     assert result.figures.prompt_tokens == sum(len(p) for p in sent)
     assert result.figures.cached_tokens == 6 * 4
     assert result.figures.hit_rate == pytest.approx(24 / sum(len(p) for p in sent))
-    assert result.figures.solve_s >= 0 and result.figures.generate_s >= 0
+    assert (result.figures.solve_s, result.figures.generate_s) == (0.25, 2.5)
 
 
 def test_cached_tokens_are_unknown_when_the_backend_does_not_report_them():

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from shared_data import dataset
 
 import kvreuse.reorder.ggr as ggr
 from kvreuse.errors import ConfigError, TableError
@@ -32,7 +32,6 @@ from kvreuse.reorder import (
 )
 from kvreuse.reorder.stats import encode_table
 
-DATASETS = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
 NO_FDS = ReorderConfig(discover_fds=False)
 
 
@@ -276,10 +275,7 @@ def test_a_declared_dependency_naming_an_unknown_field_is_an_error():
 
 
 def load_dataset(name: str, drop: tuple[str, ...] = ()) -> pd.DataFrame:
-    path = DATASETS / name
-    if not path.exists():
-        pytest.skip(f"{path} is missing (the shared datasets folder sits beside the repository)")
-    table = pd.read_csv(path, dtype=str, keep_default_na=False)
+    table = pd.read_csv(dataset(name), dtype=str, keep_default_na=False)
     return table[[c for c in table.columns if c not in drop]]
 
 
