@@ -14,9 +14,9 @@ import pytest
 ray = pytest.importorskip("ray", reason="the multi-replica batch job runs on Ray: install kvreuse[ray]")
 
 from kvreuse.batch.distributed import InProcessReplicas, answer_rows, answer_stream, new_figures  # noqa: E402
-from kvreuse.batch.ray_replicas import RayVLLMReplicas  # noqa: E402
 from kvreuse.localmodel import local_engine_args  # noqa: E402
 from kvreuse.vllm.backend import started_vllm  # noqa: E402
+from kvreuse.vllm.ray_replicas import RayVLLMReplicas  # noqa: E402
 
 pytestmark = pytest.mark.engine
 

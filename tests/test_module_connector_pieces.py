@@ -9,9 +9,8 @@ import torch
 from kvreuse.errors import ModuleRegistrationError
 from kvreuse.kernels.rerotate import RopeSpec, move_keys, rerotate_keys_reference
 from kvreuse.modules.store import ModuleKey
-from kvreuse.vllm.connector import ModuleCacheWorkerMeta
-from kvreuse.vllm.module_scheduler import encode_request
 from kvreuse.vllm.modules import encode_params, special_prefix
+from kvreuse.vllm.modules.common import ModuleCacheWorkerMeta, encode_request
 
 
 def test_encode_parameters_round_trip_and_bad_ones_name_the_problem():

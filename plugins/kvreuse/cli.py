@@ -213,7 +213,7 @@ def _run_replicas(args: argparse.Namespace, table: pd.DataFrame, started: float)
         )
     import ray
 
-    from kvreuse.batch.ray_replicas import RayVLLMReplicas
+    from kvreuse.vllm.ray_replicas import RayVLLMReplicas
 
     plan = plan_table(table, args.prompt, args.fields, order=args.order, fmt=args.format)
     ray.init(address=args.ray_address, include_dashboard=False)

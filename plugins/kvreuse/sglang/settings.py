@@ -24,15 +24,9 @@ from typing import Any
 
 from kvreuse import config
 from kvreuse.errors import ConfigError
+from kvreuse.sglang.names import SchedulePolicyName
 
-# KVREUSE_SGLANG_SCHEDULE_POLICY values (spelt like SGLang's own policy names).
-AFFINITY_POLICY = "prefix-affinity"
-MODULES_POLICY = "module-sets"
-SCHEDULE_POLICIES = (AFFINITY_POLICY, MODULES_POLICY)
-
-# --attention-backend and --radix-cache-backend values (SGLang's backends are named with "_").
-SPARSE_ATTENTION_BACKEND = "kvreuse_sparse"
-MODULE_CACHE_BACKEND = "kvreuse_modules"
+SCHEDULE_POLICIES = tuple(SchedulePolicyName)
 
 
 @dataclass(frozen=True)

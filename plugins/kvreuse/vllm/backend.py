@@ -7,11 +7,15 @@ order a front end chose is the order vLLM's scheduler sees. Prefix caching must 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from kvreuse.batch.backend import Completion, PrefixCacheModel
+from kvreuse.patches import vllm_0_32
+
+# What every engine the front ends start gets unless its own arguments say otherwise.
+ENGINE_DEFAULTS: Mapping[str, Any] = {"enable_prefix_caching": True, "seed": 0}
 
 
 class VLLMBackend:
@@ -22,7 +26,7 @@ class VLLMBackend:
         tokenizer = llm.get_tokenizer()
         self.cache_model = PrefixCacheModel(
             tokenize=lambda prompts: tokenizer(prompts)["input_ids"],
-            block_size=llm.llm_engine.vllm_config.cache_config.block_size,
+            block_size=vllm_0_32.llm_config(llm).cache_config.block_size,
         )
 
     def generate(self, prompts: Sequence[str], *, max_tokens: int, progress: bool = False) -> list[Completion]:
@@ -35,18 +39,28 @@ class VLLMBackend:
         outputs = self.llm.generate(list(prompts), params, use_tqdm=progress)
         return [Completion(out.outputs[0].text, len(out.prompt_token_ids), out.num_cached_tokens) for out in outputs]
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the engine's prefix cache (between benchmark arms); whether vLLM did."""
+        return bool(self.llm.reset_prefix_cache())
+
+
+def vllm_backend(engine_args: Mapping[str, Any]) -> VLLMBackend:
+    """A :class:`VLLMBackend` on a new ``vllm.LLM`` (``engine_args`` over :data:`ENGINE_DEFAULTS`), not shut down
+    here: for a process that ends with the engine, such as a Ray actor."""
+    from vllm import LLM
+
+    return VLLMBackend(LLM(**{**ENGINE_DEFAULTS, **engine_args}))
+
 
 @contextmanager
-def started_vllm(model: str | os.PathLike, **engine_args: Any) -> Iterator[VLLMBackend]:
+def started_vllm(model: str | os.PathLike[str], **engine_args: Any) -> Iterator[VLLMBackend]:
     """Start ``vllm.LLM`` on ``model`` with prefix caching on, give its backend, and shut the engine down after.
 
     ``engine_args`` are vLLM engine arguments (``block_size=32``, ``enforce_eager=True``, ...); they override
     the two set here, ``enable_prefix_caching=True`` and ``seed=0``.
     """
-    from vllm import LLM
-
-    llm = LLM(**{"model": str(model), "enable_prefix_caching": True, "seed": 0, **engine_args})
+    backend = vllm_backend({"model": str(model), **engine_args})
     try:
-        yield VLLMBackend(llm)
+        yield backend
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        vllm_0_32.shutdown_llm(backend.llm)

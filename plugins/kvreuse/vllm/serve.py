@@ -32,8 +32,8 @@ from typing import Any
 
 from kvreuse.config import load
 from kvreuse.errors import ConfigError
+from kvreuse.vllm.names import SchedulerName
 
-SCHEDULERS = {"prefix-affinity": "kvreuse.vllm.PrefixAffinityScheduler"}
 _TOP = {"model", "host", "port", "scheduler", "engine", "kvreuse"}
 
 
@@ -58,8 +58,8 @@ def read_serve_config(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_TOP))}")
     if "model" not in config:
         raise ConfigError(f'{path}: name the model to serve (model = "...")')
-    if config.get("scheduler") is not None and config["scheduler"] not in SCHEDULERS:
-        raise ConfigError(f"{path}: scheduler {config['scheduler']!r} is not one of {', '.join(SCHEDULERS)}")
+    if config.get("scheduler") is not None and config["scheduler"] not in set(SchedulerName):
+        raise ConfigError(f"{path}: scheduler {config['scheduler']!r} is not one of {', '.join(SchedulerName)}")
     _check_plugins(config.get("kvreuse", {}))
     return config
 
@@ -85,7 +85,7 @@ def serve_command(config: Mapping[str, Any], python: str = sys.executable) -> li
     if config.get("scheduler"):
         if "scheduler_cls" in engine:
             raise ConfigError("give either scheduler (kvreuse's name) or engine.scheduler_cls, not both")
-        engine["scheduler_cls"] = SCHEDULERS[config["scheduler"]]
+        engine["scheduler_cls"] = SchedulerName(config["scheduler"]).class_path
     if config.get("kvreuse"):
         extra = dict(engine.pop("additional_config", {}))
         engine["additional_config"] = {**extra, "kvreuse": config["kvreuse"]}
