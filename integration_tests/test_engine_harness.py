@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvreuse.vllm.figures import prefix_cache_counters, sum_request_cached_tokens
+from kvreuse.vllm.prefix_cache import prefix_cache_counters, sum_request_cached_tokens
 
 pytestmark = pytest.mark.engine
 

@@ -35,7 +35,7 @@ def _call(fn, *args):
     """A closure for ``collective_rpc`` that runs ``fn(module_worker(), *args)`` in the worker."""
 
     def call(worker):
-        from kvreuse.vllm.module_worker import module_worker
+        from kvreuse.vllm.runtime import module_worker
 
         return fn(module_worker(), *args)
 
@@ -43,7 +43,7 @@ def _call(fn, *args):
 
 
 def _figures(worker):
-    from kvreuse.vllm.module_worker import module_figures
+    from kvreuse.vllm.runtime import module_figures
 
     return module_figures()
 
@@ -194,7 +194,7 @@ def _kvreuse_counter(name: str) -> float:
 
 def _set_sparse(flags):
     def call(worker):
-        from kvreuse.vllm.attention import configure_sparse
+        from kvreuse.vllm.runtime import configure_sparse
 
         configure_sparse(flags)
 

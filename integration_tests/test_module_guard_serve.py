@@ -1,7 +1,7 @@
 """Module writes over HTTP against a real ``vllm serve`` with the module cache, ``--api-key`` and the write guard.
 
 The server runs the module-cache connector on the small model (kvreuse's attention backend at beta = inf, dense),
-vLLM's own ``--api-key`` and ``--middleware kvreuse.vllm.module_guard.ModuleWriteGuard`` with a module-write key
+vLLM's own ``--api-key`` and ``--middleware kvreuse.vllm.modules.guard.ModuleWriteGuard`` with a module-write key
 in ``KVREUSE_MODULES_WRITE_KEY``. An API key alone reads (completes) but cannot write; the module-write key writes,
 and the module is encoded (``kvreuse:module_encoded_total`` on ``/metrics``).
 """
@@ -37,7 +37,7 @@ def server(small_model, tmp_path_factory) -> Iterator[str]:
         *("--model", str(small_model), "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port)),
         *("--block-size", "32", "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20), "--dtype", "float32"),
         *("--max-model-len", "2048", "--seed", "0", "--disable-uvicorn-access-log", "--api-key", API_KEY),
-        *("--middleware", "kvreuse.vllm.module_guard.ModuleWriteGuard"),
+        *("--middleware", "kvreuse.vllm.modules.guard.ModuleWriteGuard"),
         *("--kv-transfer-config", json.dumps(CONNECTOR), "--additional-config", json.dumps(ADDITIONAL)),
     ]
     env = {**os.environ, "KVREUSE_SPARSE_CPU_BACKEND": "1", "KVREUSE_MODULES_WRITE_KEY": WRITE_KEY}

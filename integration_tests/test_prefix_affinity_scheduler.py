@@ -19,7 +19,7 @@ from greedy import LOGPROBS, assert_same_greedy_path
 from real_engine import start_llm, stop_llm
 
 from kvreuse.reorder.affinity import ReorderCounters
-from kvreuse.vllm.figures import PrefixCacheCounters, prefix_cache_counters
+from kvreuse.vllm.prefix_cache import PrefixCacheCounters, prefix_cache_counters
 
 pytestmark = pytest.mark.engine
 
@@ -115,7 +115,7 @@ def affinity_run(affinity_llm, workload) -> Run:
 def test_the_engine_builds_the_prefix_affinity_scheduler_with_its_queue(affinity_llm):
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvreuse.vllm.scheduler import AffinityRequestQueue, PrefixAffinityScheduler
+    from kvreuse.vllm.reorder.scheduler import AffinityRequestQueue, PrefixAffinityScheduler
 
     scheduler = scheduler_of(affinity_llm)
     assert type(scheduler) is PrefixAffinityScheduler and isinstance(scheduler, Scheduler)  # CPU: no async
@@ -186,7 +186,7 @@ def test_an_async_engine_gets_the_same_scheduler_on_vllms_async_base(affinity_ll
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.request import Request
 
-    from kvreuse.vllm.scheduler import AsyncPrefixAffinityScheduler, PrefixAffinityScheduler
+    from kvreuse.vllm.reorder.scheduler import AsyncPrefixAffinityScheduler, PrefixAffinityScheduler
 
     core = affinity_llm.llm_engine.engine_core.engine_core
     config = copy.copy(core.vllm_config)
@@ -228,7 +228,7 @@ def test_counters_reach_a_front_end_stat_logger_through_vllms_scheduler_stats(af
     from vllm.v1.metrics.stats import SchedulerStats
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    from kvreuse.vllm.metrics import ReorderStatLogger, attach_reorder_counters
+    from kvreuse.vllm.reorder.metrics import ReorderStatLogger, attach_reorder_counters
 
     scheduler = scheduler_of(affinity_llm)
     sent = EngineCoreOutputs(scheduler_stats=scheduler.make_stats())

@@ -21,9 +21,9 @@ import pytest
 import ray  # kvreuse[ray], which `make test` installs: a missing Ray fails this module, it is not skipped
 
 from kvreuse.batch.distributed import InProcessReplicas, answer_rows, answer_stream, new_figures
-from kvreuse.batch.ray_replicas import RayVLLMReplicas
 from kvreuse.localmodel import local_engine_args
 from kvreuse.vllm.backend import started_vllm
+from kvreuse.vllm.ray_replicas import RayVLLMReplicas
 
 pytestmark = pytest.mark.engine
 

@@ -42,11 +42,11 @@ def _configure(flags, kernels=None):
     (``None``: on CUDA tensors only, i.e. off here) in the worker."""
 
     def call(worker):
-        from kvreuse.vllm import attention
+        from kvreuse.vllm import runtime
 
-        attention.configure_sparse(flags)
-        attention.reset_sparse_figures()
-        attention.sparse_attention().kernels = kernels
+        runtime.configure_sparse(flags)
+        runtime.reset_sparse_figures()
+        runtime.sparse_attention().kernels = kernels
 
     return call
 
@@ -55,7 +55,7 @@ def _figures(llm):
     """The worker's attended fractions per layer (a closure, so it is sent by value, not by module name)."""
 
     def call(worker):
-        from kvreuse.vllm.attention import sparse_figures
+        from kvreuse.vllm.runtime import sparse_figures
 
         return sparse_figures()
 
@@ -130,7 +130,8 @@ def sparse_llm(small_model, stock_tokens):
 def test_registration_names_the_backend_custom_and_leaves_cpu_attn_alone_without_the_switch():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from kvreuse.vllm.registration import SPARSE_BACKEND, _register_sparse_backend
+    from kvreuse.vllm.names import SPARSE_BACKEND
+    from kvreuse.vllm.registration import _register_sparse_backend
 
     overridden = AttentionBackendEnum.CPU_ATTN.is_overridden()
     env = os.environ.pop("KVREUSE_SPARSE_CPU_BACKEND", None)

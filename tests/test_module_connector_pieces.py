@@ -10,9 +10,8 @@ from numerics import assert_within, rotation_bound
 from kvreuse.errors import ModuleRegistrationError
 from kvreuse.kernels.rerotate import RopeSpec, move_keys, rerotate_keys_reference
 from kvreuse.modules.store import ModuleKey
-from kvreuse.vllm.connector import ModuleCacheWorkerMeta
-from kvreuse.vllm.module_scheduler import encode_request
 from kvreuse.vllm.modules import encode_params, special_prefix
+from kvreuse.vllm.modules.common import ModuleCacheWorkerMeta, encode_request
 
 
 def test_encode_parameters_round_trip_and_bad_ones_name_the_problem():
@@ -64,7 +63,7 @@ def test_the_special_prefix_is_what_the_tokenizer_puts_before_every_text(local_t
 def module_scheduler():
     from types import SimpleNamespace
 
-    from kvreuse.vllm.module_scheduler import ModuleScheduler
+    from kvreuse.vllm.modules.scheduler import ModuleScheduler
 
     hf = {"model_type": "llama", "rope_theta": 10000.0, "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64}
     config = SimpleNamespace(
@@ -78,7 +77,7 @@ def module_scheduler():
 def test_modules_found_but_not_spliced_are_counted_by_reason_once_per_request(caplog):
     from types import SimpleNamespace
 
-    from kvreuse.vllm.connector_metrics import KVReuseStats
+    from kvreuse.vllm.metrics import KVReuseStats
 
     scheduler = module_scheduler()
     a, b, gone = ModuleKey("a", 1), ModuleKey("b", 2), ModuleKey("gone", 3)

@@ -1,4 +1,4 @@
-"""Module writes over HTTP need the module-write key (``kvreuse.vllm.module_guard``, ``kvreuse.modules.writes``).
+"""Module writes over HTTP need the module-write key (``kvreuse.vllm.modules.guard``, ``kvreuse.modules.writes``).
 
 The guard wraps a tiny Starlette app that echoes what reached it (the body and the headers), as vLLM's server would
 receive them, through ``httpx.ASGITransport``: no engine, no network.
@@ -25,7 +25,7 @@ from kvreuse.modules.writes import (
     proof_matches,
     write_proof,
 )
-from kvreuse.vllm.module_guard import ModuleWriteGuard
+from kvreuse.vllm.modules.guard import ModuleWriteGuard
 
 KEY = "operator-secret-0123456789"
 API = {"Authorization": "Bearer client-api-key"}  # vLLM's --api-key is another credential: it never allows writes

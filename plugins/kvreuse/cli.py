@@ -325,7 +325,7 @@ def _run_replicas(
     check_engine_args(args.model, args.engine_args)
     import ray
 
-    from kvreuse.batch.ray_replicas import RayVLLMReplicas
+    from kvreuse.vllm.ray_replicas import RayVLLMReplicas
 
     plan = plan_table(table, args.prompt, args.fields, order=args.order, fmt=args.format, pin=args.pin, config=reorder)
     rows = [(row, prompt) for row, prompt in zip(plan.rows.tolist(), plan.prompts) if row not in output.done]

@@ -12,7 +12,7 @@ Invariant: every row id given is answered exactly once — a retried batch is on
 and an answer for a row already answered is dropped (counted in ``JobFigures.duplicates_dropped``).
 
 Pools: :class:`InProcessReplicas` (backends in this process, no Ray: what ``--replicas 1`` uses) and
-:class:`kvreuse.batch.ray_replicas.RayVLLMReplicas` (one ``vllm.LLM`` per Ray actor).
+:class:`kvreuse.vllm.ray_replicas.RayVLLMReplicas` (one ``vllm.LLM`` per Ray actor).
 """
 
 from __future__ import annotations

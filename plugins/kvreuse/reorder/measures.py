@@ -39,6 +39,12 @@ def prefix_hit_count(table: pd.DataFrame, ordering: Ordering) -> int:
     return int((leading * weights[1:]).sum())
 
 
+def hit_rate(cached_tokens: int, prompt_tokens: int) -> float:
+    """Share of prompt tokens served from the prefix cache (0 for no prompt tokens): the one definition of a hit
+    rate that kvreuse's figures, the engines' counters and the benchmarks report."""
+    return cached_tokens / prompt_tokens if prompt_tokens else 0.0
+
+
 @dataclass(frozen=True)
 class BlockHitStats:
     """Token counts of a replay: prompt tokens, those served from the cache, and those computed."""
@@ -50,7 +56,7 @@ class BlockHitStats:
     @property
     def hit_rate(self) -> float:
         """Share of prompt tokens served from the cache (0 for no tokens)."""
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return hit_rate(self.hit_tokens, self.prompt_tokens)
 
 
 def block_hit_stats(

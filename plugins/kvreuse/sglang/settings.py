@@ -19,37 +19,20 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from kvreuse import config
 from kvreuse.errors import ConfigError
-
-
-class SchedulePolicy(StrEnum):
-    """KVREUSE_SGLANG_SCHEDULE_POLICY values (spelt like SGLang's own policy names)."""
-
-    SGLANG = ""  # SGLang's own --schedule-policy
-    AFFINITY = "prefix-affinity"
-    MODULES = "module-sets"
-
-
-AFFINITY_POLICY = SchedulePolicy.AFFINITY
-MODULES_POLICY = SchedulePolicy.MODULES
-SCHEDULE_POLICIES = (AFFINITY_POLICY, MODULES_POLICY)
-
-# --attention-backend and --radix-cache-backend values (SGLang's backends are named with "_").
-SPARSE_ATTENTION_BACKEND = "kvreuse_sparse"
-MODULE_CACHE_BACKEND = "kvreuse_modules"
+from kvreuse.sglang.names import SchedulePolicyName
 
 
 @dataclass(frozen=True)
 class SGLangConfig:
     """What the SGLang adapter needs beyond the plugins' own settings (``KVREUSE_SGLANG_*``)."""
 
-    schedule_policy: SchedulePolicy = config.setting(
-        SchedulePolicy.SGLANG,
+    schedule_policy: SchedulePolicyName = config.setting(
+        SchedulePolicyName.SGLANG,
         "waiting-queue order in place of --schedule-policy: prefix-affinity (cached prefixes first, shared "
         "prefixes together, bounded waiting) or module-sets (neighbours share modules); empty = SGLang's own",
     )

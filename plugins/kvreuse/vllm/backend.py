@@ -21,8 +21,12 @@ from typing import Any
 from kvreuse.batch.backend import Completion, PrefixCacheModel
 from kvreuse.config import suggest
 from kvreuse.errors import BackendError, ConfigError
+from kvreuse.patches import vllm_0_32
 from kvreuse.reorder.config import ReorderConfig
 from kvreuse.vllm.settings import check_additional_config, kvreuse_flags
+
+# What every engine the front ends start gets unless its own arguments say otherwise.
+ENGINE_DEFAULTS: Mapping[str, Any] = {"enable_prefix_caching": True, "seed": 0}
 
 # KV cache of an engine started by kvreuse on vLLM's CPU build when the user gave no size: vLLM's own default
 # reserves 92% of the machine's memory (`gpu_memory_utilization`) and refuses to start when other processes
@@ -43,7 +47,7 @@ class VLLMBackend:
         self.llm = llm
         self.window = window
         tokenizer = llm.get_tokenizer()
-        vllm_config = llm.llm_engine.vllm_config
+        vllm_config = vllm_0_32.llm_config(llm)
         self.cache_model = PrefixCacheModel(
             tokenize=batch_tokenizer(tokenizer),
             block_size=vllm_config.cache_config.block_size,
@@ -64,7 +68,7 @@ class VLLMBackend:
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
 
-        engine = self.llm.llm_engine
+        engine = vllm_0_32.offline_engine(self.llm)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         running: dict[str, int] = {}
         waiting = iter(enumerate(prompts))
@@ -93,6 +97,10 @@ class VLLMBackend:
                     engine.abort_request(list(running))
                 except Exception:  # noqa: BLE001 (the engine may be dead already)
                     pass
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the engine's prefix cache (between benchmark arms); whether vLLM did."""
+        return bool(self.llm.reset_prefix_cache())
 
 
 def _completion(output: Any) -> Completion:
@@ -148,30 +156,36 @@ def batch_tokenizer(tokenizer: Any) -> Callable[[list[str]], list[list[int]]]:
     """Prompts to token ids as ``tokenizer(prompts)["input_ids"]`` gives them (special tokens added), through the
     Rust tokenizer's batch encoder where there is one: planning tokenizes every distinct cell of a table, and
     transformers' per-text Python wrapping costs as much as the encoding itself."""
-    fast = getattr(tokenizer, "_tokenizer", None)
+    fast = getattr(tokenizer, "backend_tokenizer", None)  # transformers' fast tokenizers: the Rust one
     if fast is not None and hasattr(fast, "encode_batch"):
         return lambda prompts: [encoding.ids for encoding in fast.encode_batch(list(prompts), add_special_tokens=True)]
     return lambda prompts: tokenizer(list(prompts))["input_ids"]
 
 
+def vllm_backend(engine_args: Mapping[str, Any]) -> VLLMBackend:
+    """A :class:`VLLMBackend` on a new ``vllm.LLM`` (``engine_args`` over :data:`ENGINE_DEFAULTS`, a KV cache size
+    on vLLM's CPU build by :func:`with_cpu_defaults`), not shut down here: for a process that ends with the engine,
+    such as a Ray actor. Arguments vLLM refuses, and an engine that fails to start, end in kvreuse's own errors."""
+    from vllm import LLM
+
+    return VLLMBackend(_start(LLM, with_cpu_defaults({**ENGINE_DEFAULTS, **engine_args})))
+
+
 @contextmanager
-def started_vllm(model: str | os.PathLike, **engine_args: Any) -> Iterator[VLLMBackend]:
+def started_vllm(model: str | os.PathLike[str], **engine_args: Any) -> Iterator[VLLMBackend]:
     """Start ``vllm.LLM`` on ``model`` with prefix caching on, give its backend, and shut the engine down after.
 
     ``engine_args`` are vLLM engine arguments (``block_size=32``, ``enforce_eager=True``, ...); they override
     the two set here, ``enable_prefix_caching=True`` and ``seed=0``. On vLLM's CPU build the KV cache gets a fixed
     size when none is given (:func:`with_cpu_defaults`). The model path and the arguments' names are checked
-    before vLLM starts; arguments vLLM refuses, and an engine that fails to start, end in kvreuse's own errors.
+    before vLLM starts (:func:`check_engine_args`).
     """
     check_engine_args(model, engine_args)
-    from vllm import LLM
-
-    args = with_cpu_defaults({"model": str(model), "enable_prefix_caching": True, "seed": 0, **engine_args})
-    llm = _start(LLM, args)
+    backend = vllm_backend({"model": str(model), **engine_args})
     try:
-        yield VLLMBackend(llm)
+        yield backend
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        vllm_0_32.shutdown_llm(backend.llm)
 
 
 def _start(llm_class: Any, args: Mapping[str, Any]) -> Any:

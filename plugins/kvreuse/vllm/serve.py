@@ -37,23 +37,15 @@ import subprocess
 import sys
 import tomllib
 from collections.abc import Mapping, Sequence
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from kvreuse.config import load_sections, suggest
 from kvreuse.errors import ConfigError
 from kvreuse.vllm.backend import with_cpu_defaults
+from kvreuse.vllm.names import SchedulerName
 
-
-class Scheduler(StrEnum):
-    """kvreuse's schedulers, by the name ``scheduler = "..."`` gives them."""
-
-    PREFIX_AFFINITY = "prefix-affinity"
-
-
-SCHEDULER_CLASSES = {Scheduler.PREFIX_AFFINITY: "kvreuse.vllm.PrefixAffinityScheduler"}
-SCHEDULERS = tuple(Scheduler)
+SCHEDULERS = tuple(SchedulerName)
 _TOP = ("model", "host", "port", "scheduler", "engine", "kvreuse")
 # Set from the file's own keys; in [engine] they would be given twice.
 _OWN = {"model": "model", "host": "host", "port": "port", "scheduler_cls": "scheduler"}
@@ -116,7 +108,7 @@ def vllm_config(config: Mapping[str, Any]) -> dict[str, Any]:
         if key in config:
             out[key] = config[key]
     if config.get("scheduler"):
-        engine["scheduler_cls"] = SCHEDULER_CLASSES[Scheduler(config["scheduler"])]
+        engine["scheduler_cls"] = SchedulerName(config["scheduler"]).class_path
     if config.get("kvreuse"):
         engine["additional_config"] = {**engine.get("additional_config", {}), "kvreuse": config["kvreuse"]}
     # vLLM looks a false boolean up as --no-<key> exactly as written, so keys are spelt as its flags are.

@@ -3,7 +3,7 @@
 Switched on with vLLM's own flag and an operator secret (see :mod:`kvreuse.modules.writes`)::
 
     KVREUSE_MODULES_WRITE_KEY=$(cat /run/secrets/kvreuse-modules) \\
-        vllm serve MODEL --middleware kvreuse.vllm.module_guard.ModuleWriteGuard ...
+        vllm serve MODEL --middleware kvreuse.vllm.modules.guard.ModuleWriteGuard ...
 
 A module write is a request whose JSON body has ``kv_transfer_params`` (at any depth, so every endpoint that
 forwards them is covered: completions, chat completions, responses, ...) holding ``kvreuse_module``, or any
@@ -41,12 +41,11 @@ from kvreuse.modules.writes import (
     load_write_key,
     write_proof,
 )
+from kvreuse.vllm.modules.common import ENCODE_CONTEXT, ENCODE_MODULE
 
 logger = logging.getLogger("vllm.plugins.kvreuse")
 
 TRANSFER_PARAMS = "kv_transfer_params"
-MODULE_PARAM = "kvreuse_module"  # the same keys as kvreuse.vllm.connector's encode requests
-CONTEXT_PARAM = "kvreuse_context"
 REPLACE_PARAM = "kvreuse_replace"  # an explicit replacement of a stored module (honoured by the engine side)
 MODULE_ENDPOINTS = ("/kvreuse/", "/v1/kvreuse/")  # future module endpoints: every non-GET is a write
 READ_METHODS = ("GET", "HEAD", "OPTIONS")
@@ -125,7 +124,7 @@ class ModuleWriteGuard:
                 raise GuardRefusal(400, "BadRequestError", f"{TRANSFER_PARAMS} must be a JSON object")
             if WRITE_PROOF in params:
                 raise GuardRefusal(400, "BadRequestError", f"{WRITE_PROOF} is set by the server, never by a client")
-            if MODULE_PARAM in params:
+            if ENCODE_MODULE in params:
                 writes.append(params)
         if not writes:
             return None
@@ -134,12 +133,12 @@ class ModuleWriteGuard:
         namespace = salt if isinstance(salt, str) and salt else GLOBAL
         for params in writes:
             try:
-                name = check_module_name(params[MODULE_PARAM])
+                name = check_module_name(params[ENCODE_MODULE])
             except ModuleRegistrationError as why:
-                raise GuardRefusal(400, "BadRequestError", f"{MODULE_PARAM}: {why}") from None
-            context = params.get(CONTEXT_PARAM, 0)
+                raise GuardRefusal(400, "BadRequestError", f"{ENCODE_MODULE}: {why}") from None
+            context = params.get(ENCODE_CONTEXT, 0)
             if isinstance(context, bool) or not isinstance(context, int) or context < 0:
-                raise GuardRefusal(400, "BadRequestError", f"{CONTEXT_PARAM} must be an integer >= 0")
+                raise GuardRefusal(400, "BadRequestError", f"{ENCODE_CONTEXT} must be an integer >= 0")
             replace = params.get(REPLACE_PARAM, False)
             if not isinstance(replace, bool):
                 raise GuardRefusal(400, "BadRequestError", f"{REPLACE_PARAM} must be true or false")
