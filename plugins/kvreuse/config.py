@@ -49,6 +49,9 @@ FALSE_WORDS = ("0", "false", "no", "off")
 OTHER_VARIABLES = {
     "KVREUSE_SPARSE_CPU_BACKEND": "on vLLM's CPU build, the sparse attention backend takes CPU_ATTN's place",
     "KVREUSE_DATASETS": "where the real tables of the benchmarks and tests are",
+    "KVREUSE_MODULES_WRITE_KEY": "the module-write key of kvreuse.vllm.modules.guard (read from the environment only)",
+    "KVREUSE_MODULES_WRITE_KEY_FILE": "a file holding the module-write key",
+    "KVREUSE_ALLOW_UNTESTED_ENGINE": "start with an engine version kvreuse was not tested with (at your own risk)",
 }
 
 
