@@ -1,4 +1,4 @@
-"""The vLLM sparse backend keeps block bounds in one padding row of each KV page (``kvreuse.vllm.attention``).
+"""The vLLM sparse backend keeps block bounds in one padding row of each KV page (``kvreuse.vllm.sparse.backend``).
 
 Shapes: 2 KV heads x head_dim 64, 32-token blocks, fp32: a page is 32 x 2 x 128 x 4 = 32 KiB, its bounds row 1 KiB.
 """
@@ -10,7 +10,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvreuse.errors import ConfigError
-from kvreuse.vllm.attention import SparseAttentionBackend, page_bounds
+from kvreuse.vllm.sparse.backend import SparseAttentionBackend, page_bounds
 
 BLOCK, KV_HEADS, DIM, BLOCKS = 32, 2, 64, 5
 PAGE = BLOCK * KV_HEADS * 2 * DIM * 4

@@ -262,11 +262,17 @@ class DIPRSelection:
     exact: list[torch.Tensor]
 
 
+def _working(dtype: torch.dtype) -> torch.dtype:
+    """The references' arithmetic: fp32, or float64 for float64 inputs (the exact yardstick tests compare with)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq: int, seq_len: int) -> torch.Tensor:
-    """``[num_kv_heads, seq_len, head_dim]`` fp32 of one sequence, gathered through its block table."""
+    """``[num_kv_heads, seq_len, head_dim]`` of one sequence in ``_working`` precision, gathered through its block
+    table."""
     block_size = cache.shape[1]
     blocks = block_table[seq, : -(-seq_len // block_size)].long()
-    return cache[blocks].flatten(0, 1)[:seq_len].float().transpose(0, 1)
+    return cache[blocks].flatten(0, 1)[:seq_len].to(_working(cache.dtype)).transpose(0, 1)
 
 
 def dipr_selection_reference(
@@ -280,13 +286,14 @@ def dipr_selection_reference(
     sink: int,
     local: int,
 ) -> DIPRSelection:
-    """The blocks and tokens the kernel reads and attends, and the exact DIPR set, computed plainly in fp32."""
+    """The blocks and tokens the kernel reads and attends, and the exact DIPR set, computed plainly in fp32 (float64
+    for float64 inputs)."""
     num_q_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     group, block_size = num_q_heads // num_kv_heads, key_cache.shape[1]
     betas = torch.as_tensor(beta, dtype=torch.float32).expand(len(seq_lens)).tolist()
     out = DIPRSelection([], [], [], [])
     for seq, seq_len in enumerate(seq_lens.tolist()):
-        q = query[seq].float()  # [heads, dim]
+        q = query[seq].to(_working(query.dtype))  # [heads, dim]
         keys = _sequence_kv(key_cache, block_table, seq, seq_len).repeat_interleave(group, dim=0)
         logits = torch.einsum("hd,hjd->hj", q, keys) * scale
         if seq_len == 0:
@@ -303,7 +310,7 @@ def dipr_selection_reference(
         if betas[seq] == float("inf"):
             read[:] = True
         else:
-            b = bounds[block_table[seq, :n_blocks].long()].float().transpose(0, 1)  # [kv, blocks, 2, dim]
+            b = bounds[block_table[seq, :n_blocks].long()].to(q.dtype).transpose(0, 1)  # [kv, blocks, 2, dim]
             b = b.repeat_interleave(group, dim=0)
             qs = (q * scale)[:, None, :]
             upper = torch.maximum(qs * b[:, :, 0], qs * b[:, :, 1]).sum(-1)  # [heads, blocks]
@@ -326,7 +333,8 @@ def masked_decode_reference(
     logits: list[torch.Tensor],
     masks: list[torch.Tensor],
 ) -> torch.Tensor:
-    """``[num_seqs, num_q_heads, head_dim]`` fp32: softmax over the tokens in ``masks[s]`` of ``logits[s]``."""
+    """``[num_seqs, num_q_heads, head_dim]`` fp32 (float64 for float64 values): softmax over the tokens in
+    ``masks[s]`` of ``logits[s]``."""
     num_q_heads = logits[0].shape[0] if logits else 0
     group = num_q_heads // value_cache.shape[2] if num_q_heads else 1
     outs = []
@@ -338,7 +346,7 @@ def masked_decode_reference(
 
 
 def dense_decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale) -> torch.Tensor:
-    """Dense paged decode attention, fp32 ``[num_seqs, num_q_heads, head_dim]``."""
+    """Dense paged decode attention, ``[num_seqs, num_q_heads, head_dim]`` fp32 (float64 for float64 inputs)."""
     sel = dipr_selection_reference(
         query,
         key_cache,

@@ -1,4 +1,4 @@
-"""The sparse backend's figures as stats keys of kvreuse's connectors (see ``kvreuse.vllm.connector_metrics``).
+"""The sparse backend's figures as stats keys of kvreuse's connectors (the channel: ``kvreuse.vllm.metrics``).
 
 Every step the worker's connector sends what the figures of this process's sparse attention grew by
 (``kvreuse.sparse.figures.FigureIncrements``: on a GPU a step late, so that the host never waits for the device),
@@ -20,10 +20,11 @@ are not counted.
 from __future__ import annotations
 
 from kvreuse.sparse.figures import FIGURES, FigureIncrements
+from kvreuse.sparse.paged import SparseAttention
 
 PREFIX = "sparse_"
 # Stats name -> (Prometheus name, documentation, label name); stats keys are "<name>:<layer>".
-SPARSE_COUNTERS = {
+SPARSE_COUNTERS: dict[str, tuple[str, str, str | None]] = {
     "sparse_blocks_read": (
         "kvreuse:sparse_blocks_read_total",
         "KV blocks (x KV heads) whose keys and values decodes read",
@@ -53,25 +54,22 @@ SPARSE_COUNTERS = {
 }
 
 
-def sparse_stats(increments: FigureIncrements) -> dict[str, float]:
-    """This process's sparse figures' growth as stats keys ``sparse_<figure>:<layer>`` (empty without the
-    backend, or when nothing grew)."""
-    from kvreuse.vllm.attention import sparse_attention
-
-    attention = sparse_attention()
+def sparse_increments(attention: SparseAttention | None, increments: FigureIncrements) -> dict[str, float]:
+    """What ``attention``'s figures grew by since ``increments`` last looked, as stats keys
+    ``sparse_<figure>:<layer>`` (empty without the backend, or when nothing grew)."""
     if attention is None:
         return {}
     return {f"{PREFIX}{name}:{layer}": value for (name, layer), value in increments.take(attention.figures).items()}
 
 
-def summarise(data: dict[str, float]) -> dict[str, float]:
+def sparse_fractions(data: dict[str, float]) -> dict[str, float]:
     """The fractions over all layers, for vLLM's log line (only those whose totals are not zero)."""
     total = {name: 0.0 for name in FIGURES}
     for key, value in data.items():
         name = key.partition(":")[0].removeprefix(PREFIX)
         if key.startswith(PREFIX) and name in total:
             total[name] += value
-    out = {}
+    out: dict[str, float] = {}
     for label, part, whole in (
         ("block_fraction", "blocks_read", "blocks_total"),
         ("token_fraction", "tokens_attended", "tokens_total"),

@@ -1,0 +1,44 @@
+"""The tolerance helpers themselves (``numerics.py``): each must fail where it should, or every test using it could
+pass vacuously."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from numerics import assert_close_to_exact, assert_within, settled_dipr_selection, summation_orders
+
+from kvreuse.kernels.block_bounds import recompute_bounds_reference
+
+
+def test_a_result_off_by_more_than_rounding_or_nan_fails():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(50, 64, generator=g), torch.randn(64, 30, generator=g)
+    exact = a.double() @ b.double()
+    references = [a[:, o] @ b[o] for o in summation_orders(64)]
+    assert_close_to_exact(a @ b, references, exact)
+    with pytest.raises(AssertionError, match="exceeds its bound"):
+        assert_close_to_exact((a @ b) * (1 + 1e-5), references, exact)
+    broken = a @ b
+    broken[3, 4] = float("nan")
+    with pytest.raises(AssertionError, match=r"1 of 1500 elements out"):
+        assert_close_to_exact(broken, references, exact)
+    with pytest.raises(AssertionError, match=r"at \(1, 2\)"):
+        assert_within(torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 1.0]]), torch.zeros(2, 3), 0.5, "worst element named")
+
+
+def test_a_dipr_decision_on_its_threshold_is_refused_and_one_with_a_margin_is_not():
+    """One sequence of two 16-token blocks; the window is token 0. Token 20's logit is set exactly ``beta`` below
+    token 0's, so its keep decision is a tie that rounding decides."""
+    g = torch.Generator().manual_seed(1)
+    keys = 0.05 * torch.randn(2, 16, 1, 8, generator=g)
+    query = torch.randn(1, 1, 8, generator=g)
+    keys[0, 0, 0] = query[0, 0]
+    keys[1, 4, 0] = 0.5 * query[0, 0]  # token 20: logit half of token 0's
+    table, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([32], dtype=torch.int32)
+    bounds = recompute_bounds_reference(keys, torch.tensor([0, 1]), torch.tensor([16, 16])).double()
+    logit = float(query[0, 0].double() @ query[0, 0].double())
+    args = (query, keys, bounds, table, lens)
+    settled_dipr_selection(*args, 0.25 * logit, 1.0, 1, 0)  # token 20 well outside
+    settled_dipr_selection(*args, 0.75 * logit, 1.0, 1, 0)  # well inside
+    with pytest.raises(AssertionError, match=r"within rounding .* of their threshold"):
+        settled_dipr_selection(*args, 0.5 * logit, 1.0, 1, 0)
