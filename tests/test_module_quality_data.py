@@ -15,13 +15,10 @@ from kvreuse.modules.trie import ModuleTrie  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def encode():
+def encode(smollm2_model):
     from transformers import AutoTokenizer
 
-    from kvreuse.localmodel import build_model
-
-    model = build_model("smollm2", Path(__file__).resolve().parents[1] / "build" / "models" / "smollm2")
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_model)
     return lambda text: tokenizer.encode(text, add_special_tokens=False)
 
 
