@@ -24,6 +24,7 @@ pass of the question picks the module tokens it attends to most, which are then 
 Per-case results are kept in ``build/module_quality/<set>.jsonl`` so an interrupted run resumes; the summary goes
 to ``benchmarks/results/module_quality_<set>.{json,png}``. Usage::
 
+    python benchmarks/module_quality.py --set mixed --cases 300 --arms key   # the README's arms
     python benchmarks/module_quality.py --set mixed --cases 300 --arms all
     python benchmarks/module_quality.py --set long --cases 48 --arms main
 """
