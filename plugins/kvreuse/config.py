@@ -76,7 +76,7 @@ def env_name(plugin: str, name: str) -> str:
     return f"KVREUSE_{plugin.upper()}_{name.upper()}"
 
 
-def settings_fields(cls: type) -> list[dataclasses.Field]:
+def settings_fields(cls: type) -> list[dataclasses.Field[Any]]:
     """The fields of a settings dataclass that are settings (declared with :func:`setting`)."""
     return [f for f in dataclasses.fields(cls) if "doc" in f.metadata]
 
@@ -112,7 +112,7 @@ def load(
         if key not in names:
             raise ConfigError(f"unknown {plugin} setting(s) {key}{suggest(str(key), names)}; known: {', '.join(names)}")
     check_variables(plugin, names, environ)
-    model = _model(cls, plugin)
+    model = _model(cls, plugin)  # type: ignore[arg-type]  # a class is hashable; mypy reads T as an instance
     token = _ENVIRON.set(environ)
     try:
         validated = model(**flags)
@@ -152,7 +152,8 @@ def plugin_config(plugin: str) -> type:
     import importlib
 
     module, name = PLUGINS[plugin]
-    return getattr(importlib.import_module(module), name)
+    cls: type = getattr(importlib.import_module(module), name)
+    return cls
 
 
 def load_sections(
@@ -196,11 +197,12 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
         if not upper.startswith("KVREUSE_") or upper in OTHER_VARIABLES:
             continue
         word = upper.removeprefix("KVREUSE_").split("_", 1)[0].lower()
-        plugin = word if word in PLUGINS else (difflib.get_close_matches(word, PLUGINS, n=1, cutoff=0.6) or [None])[0]
+        close = difflib.get_close_matches(word, PLUGINS, n=1, cutoff=0.6)
+        plugin = word if word in PLUGINS else (close[0] if close else None)
         known = list(OTHER_VARIABLES)
         if plugin is not None:
             known += [env_name(plugin, f.name) for f in settings_fields(plugin_config(plugin))]
-        if upper not in known:
+        if plugin is None or upper not in known:
             raise ConfigError(f"unknown variable {variable}{suggest(upper, known)}; see the README's settings tables")
         named[plugin] = None
     for plugin in named:
@@ -259,7 +261,7 @@ def _model(cls: type, plugin: str) -> type[BaseSettings]:
     return pydantic.create_model(f"{cls.__name__}Settings", __base__=base, __module__=__name__, **fields)
 
 
-def _field_type(kind: Any, f: dataclasses.Field) -> Any:
+def _field_type(kind: Any, f: dataclasses.Field[Any]) -> Any:
     """The annotated pydantic type of one setting (see the module's rules)."""
     low, high, choices = f.metadata["low"], f.metadata["high"], f.metadata["choices"]
     bounds = pydantic.Field(ge=low, le=high)
