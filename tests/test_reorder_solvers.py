@@ -223,6 +223,31 @@ def test_the_heap_and_the_rescanning_paths_choose_the_same_groups(monkeypatch):
         assert np.array_equal(a.rows, b.rows) and a.fields == b.fields
 
 
+def test_the_heap_and_the_small_paths_choose_the_same_groups_on_token_weights(monkeypatch):
+    # Token mode: integer weights per cell, block boundaries that stop groups, a lead order, pinned runs.
+    rng = np.random.default_rng(12)
+    cases = []
+    for _ in range(25):
+        encoded = encode_table(prepare_table(random_table(rng, int(rng.integers(13, 70)), int(rng.integers(2, 6)))))
+        weights = tuple(rng.integers(0, 9, len(lengths)) for lengths in encoded.lengths)
+        blocks = (int(rng.integers(0, 20)), int(rng.integers(2, 12)))
+        lead_order = tuple(int(c) for c in rng.permutation(encoded.n_cols))
+        pin = (int(rng.integers(encoded.n_cols)),) if rng.random() < 0.3 else ()
+        cases.append((encoded, weights, blocks, lead_order, pin))
+
+    def orderings():
+        return [
+            ggr.ggr_order(e, discover_fds(e.codes), ReorderConfig(), pin, w, b, None, lo) for e, w, b, lo, pin in cases
+        ]
+
+    monkeypatch.setattr(ggr, "SMALL_SUBPROBLEM", 1)
+    by_heap = orderings()
+    monkeypatch.setattr(ggr, "SMALL_SUBPROBLEM", 10**9)
+    by_small = orderings()
+    for a, b in zip(by_heap, by_small):
+        assert np.array_equal(a.rows, b.rows) and a.fields == b.fields
+
+
 def codes(table: pd.DataFrame) -> np.ndarray:
     return encode_table(prepare_table(table, None)).codes
 

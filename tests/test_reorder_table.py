@@ -44,6 +44,24 @@ def test_non_string_cells_go_through_str_and_bytes_are_decoded_with_replacement(
     assert prepare_table(df, None)["mixed"].tolist() == ["3", "2.5", "True", "café", "bad \ufffd", "('t', 1)"]
 
 
+def test_integer_and_boolean_columns_are_written_as_str_writes_their_values():
+    df = pd.DataFrame(
+        {
+            "i": np.array([1, -2, 30], dtype=np.int32),
+            "u": np.array([0, 7, 2**63], dtype=np.uint64),
+            "b": [True, False, True],
+            "nullable": pd.array([1, None, 3], dtype="Int64"),
+        }
+    )
+    table = prepare_table(df, None)
+    assert table.to_dict("list") == {
+        "i": ["1", "-2", "30"],
+        "u": ["0", "7", "9223372036854775808"],
+        "b": ["True", "False", "True"],
+        "nullable": ["1", "", "3"],
+    }
+
+
 def test_very_long_cells_are_kept_whole():
     long = "x" * 200_000
     assert prepare_table(pd.DataFrame({"doc": [long, "short"]}), None)["doc"][0] == long

@@ -9,7 +9,7 @@ import pytest
 
 from kvreuse.reorder import prepare_table, prompts, solve, token_hit_measure
 from kvreuse.reorder.stats import encode_table
-from kvreuse.reorder.tokens import order_block_hits, sorted_neighbour_order, tokenize_lines
+from kvreuse.reorder.tokens import order_block_hits, shared_start_order, sorted_neighbour_order, tokenize_lines
 
 INSTRUCTION = "Describe this car in one sentence."
 BLOCK = 8
@@ -102,3 +102,28 @@ def test_fields_whose_sorted_values_share_leading_tokens_come_first_in_the_neigh
     encoded = encode_table(table)
     tokens = tokenize_lines(table, encoded, INSTRUCTION, tokenize)
     assert sorted_neighbour_order(encoded, tokens) == (1, 0)
+
+
+def test_fields_that_lead_a_group_together_go_first_by_the_starts_their_values_share(tokenize):
+    # Each film's link, title and plot determine each other: its rows share all three whatever their order.
+    # Links share "link: m/movies/film-" at their start, plots and titles little past "plot: ", so the link leads,
+    # which lets a film's first prompt share the link's start with an earlier film's.
+    rng = np.random.default_rng(3)
+    words = ["Quiet", "Bright", "Long", "Dark", "Old", "Red", "Seven", "Winter", "Harbor", "Paper", "Iron", "Glass"]
+    films = [(f"m/movies/film-{w.lower()}", f"{w} Story", f"{w} people meet, {i} times") for i, w in enumerate(words)]
+    picks = rng.integers(0, len(films), 90)
+    df = pd.DataFrame(
+        {
+            "plot": [films[k][2] for k in picks],
+            "title": [films[k][1] for k in picks],
+            "link": [films[k][0] for k in picks],
+            "review": [f"review {i}" for i in range(90)],
+        }
+    )
+    table = prepare_table(df, None)
+    encoded = encode_table(table)
+    tokens = tokenize_lines(table, encoded, INSTRUCTION, tokenize)
+    assert shared_start_order(encoded, tokens, (0, 1, 2, 3))[0] == 2
+    measure = token_hit_measure(table, INSTRUCTION, "lines", tokenize, BLOCK)
+    ordering = solve(table, "ggr", measure=measure)
+    assert all(order[0] == 2 and set(order[:3]) == {0, 1, 2} for order in ordering.fields)

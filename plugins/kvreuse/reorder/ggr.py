@@ -23,15 +23,16 @@ The "go on with the other rows" half of the recursion is a loop that never resca
 lowers the counts of the values those rows hold, so a subproblem keeps its HVs in a lazy max-heap (an entry found
 stale when popped is pushed back with its current value) and updates counts from the removed rows alone. Each
 subproblem factorizes its cells once, so memory is ``O(rows x fields)``. Subproblems of at most
-``SMALL_SUBPROBLEM`` rows, the great majority, are solved in plain Python by rescanning, which for so few rows is
-cheaper than setting up arrays; both paths compute the same HVs with the same float operations and choose the same
-groups.
+``SMALL_SUBPROBLEM`` rows, the great majority, are solved with their whole recursion in plain Python on lists, by
+rescanning, which for so few rows is cheaper than setting up arrays; both paths compute the same HVs with the same
+float operations and choose the same groups.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import cast
 
 import numpy as np
 
@@ -54,6 +55,7 @@ def ggr_order(
     weights: tuple[np.ndarray, ...] | None = None,
     blocks: tuple[int, int] | None = None,
     field_order: tuple[int, ...] | None = None,
+    lead_order: tuple[int, ...] | None = None,
 ) -> Ordering:
     """The GGR send order of an encoded table, using the functional dependencies ``fds``.
 
@@ -64,17 +66,20 @@ def ggr_order(
     only full blocks are reused: a subproblem whose shared prefix already reaches the last block boundary any of
     its prompts can hit (a hit never covers a prompt's last token) cannot earn more, and is sorted, not searched.
     ``field_order`` is the fixed order rows are sent in where no group is formed (default: the statistics order,
-    :func:`fixed_field_order`); it also orders fields that lead together.
+    :func:`fixed_field_order`); it also orders fields that lead together, unless ``lead_order`` is given: then
+    the fields that lead a group together (shared by all its rows, the chosen field with the fields it
+    determines) follow ``lead_order``, which changes only what the group's first prompt shares with earlier
+    ones (by default the chosen field leads its determined fields).
     """
-    solver = _GreedyGroups(encoded, fds, config, weights, blocks, field_order)
+    solver = _GreedyGroups(encoded, fds, config, weights, blocks, field_order, lead_order)
     rest = tuple(c for c in range(encoded.n_cols) if c not in lead)
     for run in pinned_runs(encoded.codes, lead):
         solver.order(run, rest, lead, 0)
-    return Ordering.from_segments(solver.segments)
+    return Ordering(np.array(solver.sent_rows, dtype=np.int64), tuple(solver.sent_fields))
 
 
 class _GreedyGroups:
-    """One GGR run; ``segments`` collects (rows, field order) runs in send order.
+    """One GGR run; ``sent_rows`` and ``sent_fields`` collect rows and their field orders in send order.
 
     Every cell has a global key, its column's offset plus its value's code, so one integer names a
     (field, value) pair and keys sort by field, then by value.
@@ -88,6 +93,7 @@ class _GreedyGroups:
         weights: tuple[np.ndarray, ...] | None = None,
         blocks: tuple[int, int] | None = None,
         field_order: tuple[int, ...] | None = None,
+        lead_order: tuple[int, ...] | None = None,
     ) -> None:
         self.codes = encoded.codes
         self.exact = holding_fds(encoded.codes, fds)
@@ -112,28 +118,39 @@ class _GreedyGroups:
         if field_order is None:
             field_order = fixed_field_order(encoded.stats())
         self.rank = {c: i for i, c in enumerate(field_order)}
+        self.lead_rank = None if lead_order is None else {c: i for i, c in enumerate(lead_order)}
         self.dependents = {c: sorted(dependents, key=self.rank.__getitem__) for c, dependents in fds.items()}
-        self.segments: list[tuple[np.ndarray, tuple[int, ...]]] = []
+        self.sent_rows: list[int] = []
+        self.sent_fields: list[tuple[int, ...]] = []
+        # The same arrays as Python lists, for the small-subproblem path (a list index is cheaper than numpy's).
+        self.code_rows: list[list[int]] = encoded.codes.tolist()
+        self.weight_rows: list[list[int]] = cast(list[list[int]], self.cell_weight.tolist())
+        self.last_boundary_of: list[int] = self.last_boundary.tolist() if blocks is not None else []
+        self.offset_of: list[int] = self.offset.tolist()
+        self.key_weight_of: list[int] = self.key_weight.tolist()
+        self.key_card_of: list[int] = self.key_card.tolist()
+        self.key_neg_len_of: list[int] = self.key_neg_len.tolist()
 
     def fixed(self, rows: np.ndarray, cols: tuple[int, ...], prefix: tuple[int, ...]) -> None:
         """Send ``rows`` led by ``prefix``, then ``cols`` in the fixed order, rows sorted on it."""
         order = tuple(sorted(cols, key=self.rank.__getitem__))
-        self.segments.append((sort_rows(self.codes, rows, order), prefix + order))
+        self.sent_rows.extend(sort_rows(self.codes, rows, order).tolist())
+        self.sent_fields.extend([prefix + order] * len(rows))
 
     def order(self, rows: np.ndarray, cols: tuple[int, ...], prefix: tuple[int, ...], depth: int) -> None:
         """Send ``rows``, which share the cells of ``prefix``, over the fields ``cols``."""
-        if len(rows) < 2 or not cols or depth >= self.max_depth or self.filled(rows, prefix):
-            self.fixed(rows, cols, prefix)
+        if len(rows) <= SMALL_SUBPROBLEM:
+            self.small(rows.tolist(), cols, prefix, depth)
             return
-        if len(rows) == 2:
-            self.pair(rows, cols, prefix)
+        if not cols or depth >= self.max_depth or self.filled(rows, prefix):
+            self.fixed(rows, cols, prefix)
             return
         col_index = np.array(cols, dtype=np.int64)
         keys = self.codes[rows][:, col_index] + self.offset[col_index]
         weight = self.cell_weight[rows[0], col_index]
         shared = (keys == keys[0]).all(axis=0) & (weight > 0)
         if (len(rows) - 1) * int(weight[shared].sum()) > self.threshold:
-            lead = tuple(sorted((c for c, s in zip(cols, shared.tolist()) if s), key=self.rank.__getitem__))
+            lead = self.lead_fields(c for c, s in zip(cols, shared.tolist()) if s)
             cols, prefix, depth = tuple(c for c in cols if c not in lead), prefix + lead, depth + 1
             if not cols or depth >= self.max_depth:
                 self.fixed(rows, cols, prefix)
@@ -149,15 +166,20 @@ class _GreedyGroups:
                 if dependents:
                     fd_weight[:, j] = row_weight[:, dependents].sum(axis=1)
         alive = np.ones(len(rows), dtype=bool)
-        groups = self.groups_by_rescan if len(rows) <= SMALL_SUBPROBLEM else self.groups_by_heap
-        for members, key in groups(keys, fd_weight, alive):
+        for members, key in self.groups_by_heap(keys, fd_weight, alive):
             j = cols.index(self.key_column[key])
             group = rows[members]
             exact = self.exact.get(cols[j], frozenset())
             lead = (cols[j],) + tuple(d for d in determined[j] if d in exact or _constant(self.codes[group, d]))
+            if self.lead_rank is not None:
+                lead = tuple(sorted(lead, key=self.lead_rank.__getitem__))
             self.order(group, tuple(c for c in cols if c not in lead), prefix + lead, depth + 1)
         if alive.any():
             self.fixed(rows[alive], cols, prefix)
+
+    def lead_fields(self, fields: Iterable[int]) -> tuple[int, ...]:
+        """Fields that every row of a subproblem shares, in the order they lead it."""
+        return tuple(sorted(fields, key=(self.rank if self.lead_rank is None else self.lead_rank).__getitem__))
 
     def filled(self, rows: np.ndarray, prefix: tuple[int, ...]) -> bool:
         """Whether ``rows``' shared ``prefix`` reaches the last block boundary any of them can hit (token mode)."""
@@ -165,15 +187,6 @@ class _GreedyGroups:
             return False
         shared = self.blocks[0] + int(self.cell_weight[rows[0], list(prefix)].sum())
         return shared >= int(self.last_boundary[rows].max())
-
-    def pair(self, rows: np.ndarray, cols: tuple[int, ...], prefix: tuple[int, ...]) -> None:
-        """Two rows: the non-empty cells they share lead, all at once (the rest cannot earn), as in :meth:`order`."""
-        first, second = rows.tolist()
-        same = ((self.codes[first] == self.codes[second]) & (self.cell_weight[first] > 0)).tolist()
-        lead = tuple(sorted((c for c in cols if same[c]), key=self.rank.__getitem__))
-        if int(self.cell_weight[first, list(lead)].sum()) > self.threshold:
-            cols, prefix = tuple(c for c in cols if c not in lead), prefix + lead
-        self.fixed(rows, cols, prefix)
 
     def groups_by_heap(
         self, keys: np.ndarray, fd_weight: np.ndarray | None, alive: np.ndarray
@@ -226,36 +239,82 @@ class _GreedyGroups:
                 np.subtract.at(fd_sum, removed, fd_weight[members].ravel())
             yield members, int(unique[u])
 
-    def groups_by_rescan(
-        self, keys: np.ndarray, fd_weight: np.ndarray | None, alive: np.ndarray
-    ) -> Iterator[tuple[np.ndarray, int]]:
-        """What :meth:`groups_by_heap` yields, found by rescanning the live rows after each group."""
-        row_keys = keys.tolist()
-        row_fd = fd_weight.tolist() if fd_weight is not None else None
-        live = list(range(len(row_keys)))
+    def small(self, rows: list[int], cols: tuple[int, ...], prefix: tuple[int, ...], depth: int) -> None:
+        """:meth:`order` for at most ``SMALL_SUBPROBLEM`` rows, in plain Python on lists, its recursion included.
+
+        The same steps as :meth:`order`, :meth:`pair`, :meth:`filled` and :meth:`fixed` with the same integer and
+        float operations, so it sends exactly what they would; groups are found by rescanning the live rows.
+        """
+        codes, weights = self.code_rows, self.weight_rows
+        if len(rows) < 2 or not cols or depth >= self.max_depth or self.small_filled(rows, prefix):
+            self.small_fixed(rows, cols, prefix)
+            return
+        first = rows[0]
+        if len(rows) == 2:
+            second = rows[1]
+            lead = self.lead_fields(c for c in cols if codes[first][c] == codes[second][c] and weights[first][c] > 0)
+            if sum(weights[first][c] for c in lead) > self.threshold:
+                cols, prefix = tuple(c for c in cols if c not in lead), prefix + lead
+            self.small_fixed(rows, cols, prefix)
+            return
+        shared = [c for c in cols if weights[first][c] > 0 and all(codes[r][c] == codes[first][c] for r in rows)]
+        if (len(rows) - 1) * sum(weights[first][c] for c in shared) > self.threshold:
+            lead = self.lead_fields(shared)
+            cols, prefix, depth = tuple(c for c in cols if c not in lead), prefix + lead, depth + 1
+            if not cols or depth >= self.max_depth:
+                self.small_fixed(rows, cols, prefix)
+                return
+        determined = [[d for d in self.dependents[c] if d in cols] if c in self.dependents else [] for c in cols]
+        offsets = [self.offset_of[c] for c in cols]
+        live = rows
         while True:
             holders: dict[int, tuple[int, list[int]]] = {}
-            for i in live:
-                for j, key in enumerate(row_keys[i]):
-                    holders.setdefault(key, (j, []))[1].append(i)
+            for r in live:
+                row = codes[r]
+                for j, c in enumerate(cols):
+                    holders.setdefault(row[c] + offsets[j], (j, []))[1].append(r)
             best = None
             for key, (j, members) in holders.items():
                 n = len(members)
                 if n < 2:
                     continue
-                fd = sum(row_fd[i][j] for i in members) if row_fd is not None else 0.0
-                current = (n - 1) * (int(self.key_weight[key]) * n + fd) / n
+                fd = float(sum(weights[r][d] for r in members for d in determined[j]))
+                current = (n - 1) * (self.key_weight_of[key] * n + fd) / n
                 if current <= self.threshold:
                     continue
-                rank = (-current, int(self.key_card[key]), int(self.key_neg_len[key]), key)
+                rank = (-current, self.key_card_of[key], self.key_neg_len_of[key], key)
                 if best is None or rank < best[0]:
-                    best = (rank, members)
+                    best = (rank, j, members)
             if best is None:
-                return
-            (*_, key), members = best
-            alive[members] = False
-            live = [i for i in live if alive[i]]
-            yield np.array(members, dtype=np.int64), key
+                break
+            _, j, group = best
+            exact = self.exact.get(cols[j], frozenset())
+            lead = (cols[j],) + tuple(
+                d for d in determined[j] if d in exact or all(codes[r][d] == codes[group[0]][d] for r in group)
+            )
+            if self.lead_rank is not None:
+                lead = tuple(sorted(lead, key=self.lead_rank.__getitem__))
+            taken = set(group)
+            live = [r for r in live if r not in taken]
+            self.small(group, tuple(c for c in cols if c not in lead), prefix + lead, depth + 1)
+        if live:
+            self.small_fixed(live, cols, prefix)
+
+    def small_filled(self, rows: list[int], prefix: tuple[int, ...]) -> bool:
+        """:meth:`filled` on lists."""
+        if self.blocks is None:
+            return False
+        shared = self.blocks[0] + sum(self.weight_rows[rows[0]][c] for c in prefix)
+        return shared >= max(self.last_boundary_of[r] for r in rows)
+
+    def small_fixed(self, rows: list[int], cols: tuple[int, ...], prefix: tuple[int, ...]) -> None:
+        """:meth:`fixed` on lists (Python's sort is stable, as ``np.lexsort`` is)."""
+        order = tuple(sorted(cols, key=self.rank.__getitem__))
+        codes = self.code_rows
+        if len(rows) > 1 and order:
+            rows = sorted(rows, key=lambda r: [codes[r][c] for c in order])
+        self.sent_rows.extend(rows)
+        self.sent_fields.extend([prefix + order] * len(rows))
 
 
 def _constant(values: np.ndarray) -> bool:

@@ -46,6 +46,8 @@ class Ordering:
         ):
             raise TableError(f"ordering rows are not a permutation of 0..{n_rows - 1}")
         every = tuple(range(n_cols))
+        if all(tuple(sorted(order)) == every for order in set(self.fields)):
+            return  # each distinct field order checked once: a table's rows share a few
         for i, order in enumerate(self.fields):
             if tuple(sorted(order)) != every:
                 raise TableError(
@@ -58,8 +60,9 @@ def prompts(ordering: Ordering, table: pd.DataFrame, instruction: str, fmt: str 
     """The prompts of a prepared ``table`` in send order, each listing its fields in the ordering's order."""
     ordering.validate(*table.shape)
     names = [str(c) for c in table.columns]
-    cells = table.to_numpy(dtype=object)
+    cells = table.to_numpy(dtype=object).tolist()  # lists index faster than an object array, cell by cell
+    named = {order: [names[j] for j in order] for order in set(ordering.fields)}
     return [
-        render_prompt(instruction, [names[j] for j in order], [cells[row, j] for j in order], fmt)
+        render_prompt(instruction, named[order], [cells[row][j] for j in order], fmt)
         for row, order in zip(ordering.rows.tolist(), ordering.fields)
     ]

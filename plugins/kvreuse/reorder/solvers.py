@@ -17,7 +17,7 @@ from kvreuse.reorder.ordering import Ordering
 from kvreuse.reorder.pinning import resolve_pin
 from kvreuse.reorder.stats import encode_table
 from kvreuse.reorder.table import prepare_table
-from kvreuse.reorder.tokens import TokenHitMeasure, sorted_neighbour_order
+from kvreuse.reorder.tokens import TokenHitMeasure, shared_start_order, sorted_neighbour_order
 
 
 class Order(StrEnum):
@@ -65,7 +65,9 @@ def solve(
     each cell weighs its line's tokens, groups stop at the last block boundary their prompts can hit, and rows no
     group takes follow the fields whose sorted values share the most tokens
     (:func:`kvreuse.reorder.tokens.sorted_neighbour_order`: numbers with common leading digits, names with a
-    common first word); it replaces GGR on characters among the candidates (one GGR run, not two).
+    common first word); fields that lead a group together go first by the starts their values share
+    (:func:`kvreuse.reorder.tokens.shared_start_order`), so that a group's first prompt shares the most with
+    earlier ones; it replaces GGR on characters among the candidates (one GGR run, not two).
     """
     if method not in METHODS:
         raise ConfigError(f"unknown reordering method {method!r}; methods: {', '.join(METHODS)}")
@@ -87,7 +89,17 @@ def solve(
         tokens = measure.line_tokens
         neighbours = sorted_neighbour_order(encoded, tokens)
         blocks = (tokens.head_tokens, measure.block_size)
-        ggr = ggr_order(encoded, fds_used, config, lead, weights=tokens.lengths, blocks=blocks, field_order=neighbours)
+        starts = shared_start_order(encoded, tokens, neighbours)
+        ggr = ggr_order(
+            encoded,
+            fds_used,
+            config,
+            lead,
+            weights=tokens.lengths,
+            blocks=blocks,
+            field_order=neighbours,
+            lead_order=starts,
+        )
     else:
         ggr = ggr_order(encoded, fds_used, config, lead)
     if measure is None:

@@ -65,10 +65,13 @@ def prepare_table(df: pd.DataFrame, fields: Sequence[str] | None = None) -> pd.D
 
 
 def _column_text(column: pd.Series) -> np.ndarray:
-    """One column as an object array of ``str``; a column that already holds only text takes the fast path."""
+    """One column as an object array of ``str``; columns of text, integers or booleans take fast paths."""
     if pd.api.types.infer_dtype(column, skipna=True) in ("string", "empty"):
         text: np.ndarray = column.to_numpy(dtype=object, na_value="")
         return text
+    if isinstance(column.dtype, np.dtype) and column.dtype.kind in "iub":
+        # Plain numpy integers and booleans hold no NULLs: every cell is str() of its Python value.
+        return np.array(list(map(str, column.tolist())), dtype=object)
     return np.array([_cell_text(value) for value in column.tolist()], dtype=object)
 
 

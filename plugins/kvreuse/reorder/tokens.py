@@ -230,13 +230,37 @@ def sorted_neighbour_order(encoded: EncodedTable, tokens: LineTokens) -> tuple[i
     stats_rank = {c: i for i, c in enumerate(fixed_field_order(encoded.stats()))}
     shared = []
     for c in range(encoded.n_cols):
-        # Sorted on c, neighbours share a whole line where their values are equal, and the common start of two
-        # neighbouring values where they differ (codes number values in sorted order).
-        count = np.bincount(encoded.codes[:, c], minlength=len(encoded.lengths[c]))
-        keys = np.flatnonzero(count) + tokens.offsets[c]
-        whole = int(((count[count > 0] - 1) * tokens.key_lengths[keys]).sum())
-        a, b = keys[:-1], keys[1:]
-        same = tokens.starts[a] == tokens.starts[b]
-        partial = int(np.minimum(np.cumprod(same, axis=1).sum(axis=1), tokens.key_lengths[a]).sum())
+        whole, partial, _ = _sorted_neighbour_tokens(encoded, tokens, c)
         shared.append((whole + partial) / max(encoded.n_rows - 1, 1))
     return tuple(sorted(range(encoded.n_cols), key=lambda c: (-shared[c], stats_rank[c])))
+
+
+def shared_start_order(encoded: EncodedTable, tokens: LineTokens, field_order: Sequence[int]) -> tuple[int, ...]:
+    """Columns by how many leading tokens a line shares with the nearest other value of its field (sorted).
+
+    Fields that lead a group together are shared whole by all its rows whatever their order; what their order
+    changes is the group's first prompt, which can share only the start of the first line with an earlier
+    prompt (another group's line of the same field: ``"field: "`` and any common start of the values). So the
+    field whose distinct values share the longest starts leads (a link column of common ``m/`` paths before a
+    free-text one). Ties keep ``field_order``.
+    """
+    rank = {c: i for i, c in enumerate(field_order)}
+    start = []
+    for c in range(encoded.n_cols):
+        _, partial, distinct = _sorted_neighbour_tokens(encoded, tokens, c)
+        start.append(partial / max(distinct - 1, 1))
+    return tuple(sorted(range(encoded.n_cols), key=lambda c: (-start[c], rank[c])))
+
+
+def _sorted_neighbour_tokens(encoded: EncodedTable, tokens: LineTokens, c: int) -> tuple[int, int, int]:
+    """(whole, partial, distinct) for column ``c`` with rows sorted on it: tokens neighbours share in equal lines,
+    tokens neighbouring distinct values share at their start, and the number of distinct values."""
+    # Sorted on c, neighbours share a whole line where their values are equal, and the common start of two
+    # neighbouring values where they differ (codes number values in sorted order).
+    count = np.bincount(encoded.codes[:, c], minlength=len(encoded.lengths[c]))
+    keys = np.flatnonzero(count) + tokens.offsets[c]
+    whole = int(((count[count > 0] - 1) * tokens.key_lengths[keys]).sum())
+    a, b = keys[:-1], keys[1:]
+    same = tokens.starts[a] == tokens.starts[b]
+    partial = int(np.minimum(np.cumprod(same, axis=1).sum(axis=1), tokens.key_lengths[a]).sum())
+    return whole, partial, len(keys)
