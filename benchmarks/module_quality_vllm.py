@@ -1,0 +1,131 @@
+"""The offline study's reference against the real engine: kvreuse's splice in vLLM gives the reference's answers.
+
+``module_quality.py`` measures every arm with ``splice_reference`` (PyTorch, float32). This script checks that its
+``full``, ``naive`` and ``anchored`` arms are what vLLM serves: the engine on SmolLM2 with the
+``KVReuseModuleCache`` connector (kvreuse's attention backend over the plain layout on CPU, dense), the header
+and each module encoded through encode requests (alone; after the header for ``anchored``, in an engine of its
+own), each prompt sent after a prefix-cache reset so that its modules come from the connector. Greedy, 16 tokens,
+stopping at ``<|im_end|>``; ``full`` is the same engine with ``skip_reading_prefix_cache`` (the connector and the
+prefix cache ignored, every token computed).
+
+Prints, per arm, how many cases give the reference's tokens exactly (and, where not, the first output token that
+differs) and how many answers are right in both; writes ``benchmarks/results/module_quality_vllm_<set>.json``.
+Run after ``module_quality.py`` has measured the same cases::
+
+    python benchmarks/module_quality_vllm.py --set mixed --cases 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from module_quality import EOS_TEXT, MAX_NEW_TOKENS, RESULTS, RUNS
+from module_quality_data import HEADER, QA_SETS, is_correct, make_cases, tokenize_case
+
+from kvreuse.localmodel import local_engine_args
+
+REPO = Path(__file__).resolve().parents[1]
+CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+SETTINGS = {"kvreuse": {"sparse": {"beta": float("inf")}, "modules": {"gpu_bytes": 0, "cpu_bytes": 4 << 30}}}
+
+
+def _reference(set_name: str) -> dict[tuple[str, str], list[int]]:
+    log = RUNS / f"{set_name}.jsonl"
+    if not log.exists():
+        raise SystemExit(f"no reference results in {log}: run benchmarks/module_quality.py --set {set_name} first")
+    rows = (json.loads(line) for line in log.read_text().splitlines())
+    return {(r["case"], r["arm"]): r["tokens"] for r in rows}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", default="mixed", choices=sorted(QA_SETS))
+    parser.add_argument("--cases", type=int, default=20)
+    args = parser.parse_args(argv)
+    os.environ["KVREUSE_SPARSE_CPU_BACKEND"] = "1"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    reference = _reference(args.set)
+    results: dict[str, dict] = {}
+    # One engine per way of encoding the modules: the store refuses a module re-encoded under its name with
+    # another start (kvreuse.errors.ModuleConflict), so anchored encodings cannot replace the naive ones in place.
+    for arms in (("full", "naive"), ("anchored",)):
+        results.update(_run_engine(args.set, args.cases, arms, reference))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"module_quality_vllm_{args.set}.json"
+    path.write_text(json.dumps(results, indent=2))
+    print(f"wrote {path}")
+
+
+def _run_engine(
+    set_name: str, num_cases: int, arms: tuple[str, ...], reference: dict[tuple[str, str], list[int]]
+) -> dict[str, dict]:
+    """``arms`` in one engine: ``naive`` and ``anchored`` encode the header and the modules first."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvreuse.vllm.modules import encode_modules
+
+    model = REPO / "build" / "models" / "smollm2"
+    llm = LLM(**local_engine_args(model, kv_transfer_config=CONNECTOR, additional_config=SETTINGS))
+    tokenizer = llm.get_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids(EOS_TEXT)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    cases = [c for c in make_cases(QA_SETS[set_name], encode) if (c.key, "naive") in reference][:num_cases]
+    tokenized = [tokenize_case(c, encode) for c in cases]
+    header = encode(HEADER)
+    unique = list(dict.fromkeys(ids for tc in tokenized for ids in tc.modules))
+    modules = {f"module-{i}": list(ids) for i, ids in enumerate(unique)}
+    results: dict[str, dict] = {}
+    try:
+        sampling = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, stop_token_ids=[eos])
+        full = SamplingParams(
+            max_tokens=MAX_NEW_TOKENS, temperature=0.0, stop_token_ids=[eos], skip_reading_prefix_cache=True
+        )
+        for arm in arms:
+            started = time.perf_counter()
+            if arm == "naive":
+                encode_modules(llm, {"header": header, **modules})
+            elif arm == "anchored":
+                encode_modules(llm, {"header": header, **modules}, contexts={name: header for name in modules})
+            same = right_both = right_engine = 0
+            differ: dict[str, int] = {}  # case -> first output token that differs from the reference's
+            for case, tc in zip(cases, tokenized):
+                llm.reset_prefix_cache()
+                params = full if arm == "full" else sampling
+                out = llm.generate([TokensPrompt(prompt_token_ids=tc.prompt)], params, use_tqdm=False)[0]
+                tokens = list(out.outputs[0].token_ids)
+                expected = reference[(case.key, arm)]
+                ours = is_correct(tokenizer.decode(tokens, skip_special_tokens=True), case)
+                theirs = is_correct(tokenizer.decode(expected, skip_special_tokens=True), case)
+                same += tokens == expected
+                if tokens != expected:
+                    differ[case.key] = next(
+                        (i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), min(len(tokens), len(expected))
+                    )
+                right_engine += ours
+                right_both += ours and theirs
+                if arm != "full" and out.num_cached_tokens < len(tc.prompt) - len(tc.question):
+                    raise SystemExit(f"{case.key}: only {out.num_cached_tokens} prompt tokens came from the cache")
+            results[arm] = {
+                "cases": len(cases),
+                "same_tokens_as_reference": same,
+                "right_in_engine": right_engine,
+                "right_in_both": right_both,
+                "first_difference": differ,
+                "seconds": round(time.perf_counter() - started, 1),
+            }
+            print(f"{arm}: {same}/{len(cases)} outputs equal the reference's; {right_engine} right in the engine")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return results
+
+
+if __name__ == "__main__":
+    main()
