@@ -28,8 +28,9 @@ import enum
 import functools
 import math
 import os
+import secrets
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Annotated, Any, Literal, TypeVar
 
 import pydantic
@@ -49,7 +50,11 @@ FALSE_WORDS = ("0", "false", "no", "off")
 OTHER_VARIABLES = {
     "KVREUSE_SPARSE_CPU_BACKEND": "on vLLM's CPU build, the sparse attention backend takes CPU_ATTN's place",
     "KVREUSE_DATASETS": "where the real tables of the benchmarks and tests are",
+    "KVREUSE_MODULES_WRITE_KEY": "the module-write key: module writes over HTTP need it (kvreuse.modules.writes)",
+    "KVREUSE_MODULES_WRITE_KEY_FILE": "a file that holds the module-write key",
+    "KVREUSE_MODULES_LOCAL_SECRET": "set by kvreuse for the engine's processes: the offline API's write proofs",
 }
+LOCAL_SECRET_VARIABLE = "KVREUSE_MODULES_LOCAL_SECRET"
 
 
 def setting(
@@ -202,6 +207,16 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
         named[plugin] = None
     for plugin in named:
         load(plugin_config(plugin), plugin, {}, environ)
+
+
+def share_local_secret(environ: MutableMapping[str, str] | None = None) -> str:
+    """This process tree's local secret (``kvreuse.modules.writes``: the offline module API signs its writes with
+    it): the inherited one, or a new random one put into ``environ`` (default ``os.environ``) for the engine
+    processes started from here to inherit. Cheap: ``kvreuse.vllm.register`` calls it in every vLLM process."""
+    environ = os.environ if environ is None else environ
+    if len(environ.get(LOCAL_SECRET_VARIABLE, "")) < 32:
+        environ[LOCAL_SECRET_VARIABLE] = secrets.token_urlsafe(32)
+    return environ[LOCAL_SECRET_VARIABLE]
 
 
 def describe(cls: type, plugin: str) -> list[tuple[str, str, Any, str]]:
