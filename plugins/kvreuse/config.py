@@ -50,8 +50,9 @@ FALSE_WORDS = ("0", "false", "no", "off")
 OTHER_VARIABLES = {
     "KVREUSE_SPARSE_CPU_BACKEND": "on vLLM's CPU build, the sparse attention backend takes CPU_ATTN's place",
     "KVREUSE_DATASETS": "where the real tables of the benchmarks and tests are",
-    "KVREUSE_MODULES_WRITE_KEY": "the module-write key: module writes over HTTP need it (kvreuse.modules.writes)",
-    "KVREUSE_MODULES_WRITE_KEY_FILE": "a file that holds the module-write key",
+    "KVREUSE_MODULES_WRITE_KEY": "the module-write key of kvreuse.vllm.modules.guard (read from the environment only)",
+    "KVREUSE_MODULES_WRITE_KEY_FILE": "a file holding the module-write key",
+    "KVREUSE_ALLOW_UNTESTED_ENGINE": "start with an engine version kvreuse was not tested with (at your own risk)",
     "KVREUSE_MODULES_LOCAL_SECRET": "set by kvreuse for the engine's processes: the offline API's write proofs",
 }
 LOCAL_SECRET_VARIABLE = "KVREUSE_MODULES_LOCAL_SECRET"
@@ -78,7 +79,7 @@ def env_name(plugin: str, name: str) -> str:
     return f"KVREUSE_{plugin.upper()}_{name.upper()}"
 
 
-def settings_fields(cls: type) -> list[dataclasses.Field]:
+def settings_fields(cls: type) -> list[dataclasses.Field[Any]]:
     """The fields of a settings dataclass that are settings (declared with :func:`setting`)."""
     return [f for f in dataclasses.fields(cls) if "doc" in f.metadata]
 
@@ -114,7 +115,7 @@ def load(
         if key not in names:
             raise ConfigError(f"unknown {plugin} setting(s) {key}{suggest(str(key), names)}; known: {', '.join(names)}")
     check_variables(plugin, names, environ)
-    model = _model(cls, plugin)
+    model = _model(cls, plugin)  # type: ignore[arg-type]  # a class is hashable; mypy reads T as an instance
     token = _ENVIRON.set(environ)
     try:
         validated = model(**flags)
@@ -154,7 +155,8 @@ def plugin_config(plugin: str) -> type:
     import importlib
 
     module, name = PLUGINS[plugin]
-    return getattr(importlib.import_module(module), name)
+    cls: type = getattr(importlib.import_module(module), name)
+    return cls
 
 
 def load_sections(
@@ -198,11 +200,12 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
         if not upper.startswith("KVREUSE_") or upper in OTHER_VARIABLES:
             continue
         word = upper.removeprefix("KVREUSE_").split("_", 1)[0].lower()
-        plugin = word if word in PLUGINS else (difflib.get_close_matches(word, PLUGINS, n=1, cutoff=0.6) or [None])[0]
+        close = difflib.get_close_matches(word, PLUGINS, n=1, cutoff=0.6)
+        plugin = word if word in PLUGINS else (close[0] if close else None)
         known = list(OTHER_VARIABLES)
         if plugin is not None:
             known += [env_name(plugin, f.name) for f in settings_fields(plugin_config(plugin))]
-        if upper not in known:
+        if plugin is None or upper not in known:
             raise ConfigError(f"unknown variable {variable}{suggest(upper, known)}; see the README's settings tables")
         named[plugin] = None
     for plugin in named:
@@ -271,7 +274,7 @@ def _model(cls: type, plugin: str) -> type[BaseSettings]:
     return pydantic.create_model(f"{cls.__name__}Settings", __base__=base, __module__=__name__, **fields)
 
 
-def _field_type(kind: Any, f: dataclasses.Field) -> Any:
+def _field_type(kind: Any, f: dataclasses.Field[Any]) -> Any:
     """The annotated pydantic type of one setting (see the module's rules)."""
     low, high, choices = f.metadata["low"], f.metadata["high"], f.metadata["choices"]
     bounds = pydantic.Field(ge=low, le=high)

@@ -16,6 +16,7 @@ What the server says decides what happens, so that a job loses nothing and stops
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections.abc import Iterator, Sequence
@@ -118,8 +119,10 @@ class OpenAIServerBackend:
                     raise item
                 yield item
         finally:
-            if thread.is_alive():
-                loop.call_soon_threadsafe(_cancel_all, loop)
+            # The loop may close between the check and the call (its thread is finishing): nothing is left to cancel.
+            with contextlib.suppress(RuntimeError):
+                if thread.is_alive():
+                    loop.call_soon_threadsafe(_cancel_all, loop)
             thread.join()
 
     def _loop_main(self, loop: asyncio.AbstractEventLoop, prompts: list[str], max_tokens: int, results: Any) -> None:

@@ -126,7 +126,9 @@ def order_by_module_sets(
     Within a class the oldest request comes first and then each time the one whose module set differs least from
     the last one's, so no request waits behind more than the requests older than it of its class and better ones.
     """
-    key: Callable[[T], object] = (lambda r: (priority(r), arrival_time(r))) if priority is not None else arrival_time
+    key: Callable[[T], tuple[float, float]] = (
+        (lambda r: (priority(r), arrival_time(r))) if priority is not None else (lambda r: (0, arrival_time(r)))
+    )
     ordered = sorted(waiting, key=key)
     head, rest = ordered[:lookahead], ordered[lookahead:]
     out: list[T] = []

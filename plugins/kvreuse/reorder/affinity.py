@@ -33,7 +33,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from kvreuse.reorder.config import ReorderConfig
 
@@ -312,5 +312,5 @@ class PrefixAffinityQueue(Generic[T]):
         self._probes.pop(entry, None)
 
 
-def _order(entry: _Entry) -> tuple[float, ...]:
+def _order(entry: _Entry[Any]) -> tuple[float, ...]:
     return entry.order

@@ -19,7 +19,8 @@ def sort_rows(codes: np.ndarray, rows: np.ndarray, field_order: Sequence[int]) -
     if len(rows) < 2 or not len(field_order):
         return rows
     keys = codes[rows][:, list(field_order)[::-1]].T
-    return rows[np.lexsort(keys)]
+    ordered: np.ndarray = rows[np.lexsort(keys)]
+    return ordered
 
 
 def original_order(encoded: EncodedTable, lead: Sequence[int] = ()) -> Ordering:

@@ -45,7 +45,7 @@ def bucket_stream(
         or not 0.0 <= split_fraction <= 1.0
     ):
         raise ConfigError(f"split_fraction must be a number in [0, 1], got {split_fraction!r}")
-    buffer: list[_Entry] = []
+    buffer: list[_Entry[T]] = []
     kind = None
     for arrival, item in enumerate(items):
         raw = key(item)
@@ -66,13 +66,14 @@ def bucket_stream(
 
 
 def _release(
-    buffer: list[_Entry], split_fraction: float, min_bucket: int, min_freed: int
-) -> tuple[list[list[T]], list[_Entry]]:
+    buffer: list[_Entry[T]], split_fraction: float, min_bucket: int, min_freed: int
+) -> tuple[list[list[T]], list[_Entry[T]]]:
     """Buckets to yield (items, largest first) and the entries kept, releasing at least ``min_freed`` items."""
     buffer.sort(key=lambda entry: entry[:2])
     buckets = _cut(buffer, split_fraction)
     by_size = sorted(range(len(buckets)), key=lambda b: -len(buckets[b]))
-    released, freed = set(), 0
+    released: set[int] = set()
+    freed = 0
     for b in by_size:
         if len(buckets[b]) < min_bucket and freed >= min_freed:
             break
@@ -82,7 +83,7 @@ def _release(
     return [[item for *_, item in buckets[b]] for b in by_size if b in released], kept
 
 
-def _cut(entries: list[_Entry], split_fraction: float) -> list[list[_Entry]]:
+def _cut(entries: list[_Entry[T]], split_fraction: float) -> list[list[_Entry[T]]]:
     """Split sorted entries between neighbours whose common prefix is short relative to the shorter key."""
     buckets = [[entries[0]]]
     for previous, entry in zip(entries, entries[1:]):

@@ -181,10 +181,11 @@ class _GreedyGroups:
         """Yield (member rows, key) of each group in turn, marking its rows not ``alive``; a lazy max-heap."""
         unique, inverse, count = np.unique(keys, return_inverse=True, return_counts=True)
         inverse = inverse.reshape(keys.shape)
-        if fd_weight is None:
-            fd_sum = np.zeros(len(unique), dtype=np.float64)
-        else:
-            fd_sum = np.bincount(inverse.ravel(), weights=fd_weight.ravel(), minlength=len(unique))
+        fd_sum: np.ndarray = (
+            np.zeros(len(unique), dtype=np.float64)
+            if fd_weight is None
+            else np.bincount(inverse.ravel(), weights=fd_weight.ravel(), minlength=len(unique))
+        )
         weight = self.key_weight[unique]
         repeated = np.flatnonzero(count > 1)
         n = count[repeated]
@@ -207,10 +208,10 @@ class _GreedyGroups:
         start = np.concatenate([[0], np.cumsum(count)]).tolist()
         while heap:
             stored, card, neg_len, u = heapq.heappop(heap)
-            n = int(count[u])
-            if n < 2:
+            size = int(count[u])
+            if size < 2:
                 continue
-            current = (n - 1) * (weight_of[u] * n + float(fd_sum[u])) / n
+            current = (size - 1) * (weight_of[u] * size + float(fd_sum[u])) / size
             if current <= self.threshold:
                 continue
             if current != -stored:

@@ -23,7 +23,7 @@ from enum import StrEnum
 from kvreuse.errors import ConfigError
 
 
-class Router(StrEnum):
+class RouterName(StrEnum):
     """How batches are routed to replicas (``--router``); see :func:`make_router`."""
 
     RANDOM = "random"
@@ -32,7 +32,7 @@ class Router(StrEnum):
     PREFIX_AWARE = "prefix-aware"
 
 
-ROUTERS = tuple(Router)
+ROUTERS = tuple(RouterName)
 
 
 class LoadBoard:
@@ -93,7 +93,7 @@ class LoadBoard:
 class Router:
     """Base of the routing policies: picks a replica for a batch and counts the batch as its load."""
 
-    name = ""
+    name: RouterName
 
     def __init__(self, replicas: int) -> None:
         self.board = LoadBoard(replicas)
@@ -126,7 +126,7 @@ class Router:
 class RandomRouter(Router):
     """A live replica chosen uniformly at random (seeded)."""
 
-    name = "random"
+    name = RouterName.RANDOM
 
     def __init__(self, replicas: int, *, seed: int = 0) -> None:
         super().__init__(replicas)
@@ -140,7 +140,7 @@ class RandomRouter(Router):
 class RoundRobinRouter(Router):
     """Live replicas in turn, skipping removed ones."""
 
-    name = "round-robin"
+    name = RouterName.ROUND_ROBIN
 
     def __init__(self, replicas: int) -> None:
         super().__init__(replicas)
@@ -159,7 +159,7 @@ class RoundRobinRouter(Router):
 class LeastLoadedRouter(Router):
     """The replica with the fewest unfinished requests."""
 
-    name = "least-loaded"
+    name = RouterName.LEAST_LOADED
 
     def _pick(self, keys: Sequence[Hashable]) -> int:
         return self.board.least_loaded()
@@ -172,7 +172,7 @@ class PrefixAwareRouter(Router):
     ``O(replicas * recent_keys)`` however long the job.
     """
 
-    name = "prefix-aware"
+    name = RouterName.PREFIX_AWARE
 
     def __init__(self, replicas: int, *, slack: int = 16, recent_keys: int = 1024) -> None:
         super().__init__(replicas)
@@ -228,9 +228,11 @@ class PrefixAwareRouter(Router):
             del self._holders[key]
 
 
-def make_router(name: str, replicas: int, **options) -> Router:
+def make_router(name: str, replicas: int, **options: int) -> Router:
     """The router named ``name`` (one of :data:`ROUTERS`); ``options`` go to its constructor."""
-    classes = {cls.name: cls for cls in (RandomRouter, RoundRobinRouter, LeastLoadedRouter, PrefixAwareRouter)}
+    classes: dict[str, type[Router]] = {
+        cls.name: cls for cls in (RandomRouter, RoundRobinRouter, LeastLoadedRouter, PrefixAwareRouter)
+    }
     if name not in classes:
         raise ConfigError(f"unknown router {name!r}; routers: {', '.join(ROUTERS)}")
     return classes[name](replicas, **options)

@@ -37,11 +37,11 @@ class EncodedTable:
 
     @property
     def n_rows(self) -> int:
-        return self.codes.shape[0]
+        return int(self.codes.shape[0])
 
     @property
     def n_cols(self) -> int:
-        return self.codes.shape[1]
+        return int(self.codes.shape[1])
 
     def cell_lengths(self) -> np.ndarray:
         """``(n_rows, n_cols)`` int64 lengths of every cell."""

@@ -67,7 +67,8 @@ def prepare_table(df: pd.DataFrame, fields: Sequence[str] | None = None) -> pd.D
 def _column_text(column: pd.Series) -> np.ndarray:
     """One column as an object array of ``str``; a column that already holds only text takes the fast path."""
     if pd.api.types.infer_dtype(column, skipna=True) in ("string", "empty"):
-        return column.to_numpy(dtype=object, na_value="")
+        text: np.ndarray = column.to_numpy(dtype=object, na_value="")
+        return text
     return np.array([_cell_text(value) for value in column.tolist()], dtype=object)
 
 

@@ -73,20 +73,20 @@ def tokenize_lines(
     cells = table.to_numpy(dtype=object)
     uniques = []  # uniques[c][code]: the value, read at the first row holding that code
     for c in range(len(names)):
-        _, first = np.unique(encoded.codes[:, c], return_index=True)
-        uniques.append(cells[first, c])
+        _, first_rows = np.unique(encoded.codes[:, c], return_index=True)
+        uniques.append(cells[first_rows, c])
     texts = [f"{names[c]}: {value}\n" for c in range(len(names)) for value in uniques[c].tolist()]
     if not texts:
         return None
     # A line is tokenized between the line break before it and a field name after it, as in a prompt: a value's
     # trailing spaces tokenize differently before a letter and at the end of a text.
-    before, after = tokenize(["\n", "\nfield"])
-    before = list(before)
-    after = list(after)[len(before) :]
+    before_piece, after_piece = tokenize(["\n", "\nfield"])
+    before = list(before_piece)
+    after = list(after_piece)[len(before) :]
     pieces = tokenize([head + texts[0] + "field", *("\n" + text + "field" for text in texts)])
     line_ids = []
-    for ids in pieces[1:]:
-        ids = list(ids)
+    for piece in pieces[1:]:
+        ids = list(piece)
         if ids[: len(before)] != before or ids[len(ids) - len(after) :] != after:
             return None
         line_ids.append(ids[len(before) : len(ids) - len(after)])
@@ -109,7 +109,15 @@ def tokenize_lines(
     return tokens
 
 
-def _adds_up(table, encoded, instruction, tokenize, head_ids, line_ids, offsets) -> bool:
+def _adds_up(
+    table: pd.DataFrame,
+    encoded: EncodedTable,
+    instruction: str,
+    tokenize: Callable[[list[str]], Sequence[Sequence[int]]],
+    head_ids: list[int],
+    line_ids: list[list[int]],
+    offsets: np.ndarray,
+) -> bool:
     """Whether sampled whole prompts tokenize as the head's tokens followed by their lines' tokens.
 
     The last line is left out of the comparison: it ends the text, where trailing spaces of its value may
@@ -120,7 +128,8 @@ def _adds_up(table, encoded, instruction, tokenize, head_ids, line_ids, offsets)
     cells = table.to_numpy(dtype=object)
     sample = np.linspace(0, encoded.n_rows - 1, min(CHECKED_PROMPTS, encoded.n_rows)).astype(np.int64).tolist()
     orders = [list(range(encoded.n_cols)), list(range(encoded.n_cols))[::-1]]
-    texts, expected = [], []
+    texts: list[str] = []
+    expected: list[list[int]] = []
     for row in sample:
         for order in orders:
             texts.append(render_prompt(instruction, [names[c] for c in order], [cells[row, c] for c in order]))

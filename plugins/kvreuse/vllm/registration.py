@@ -34,9 +34,12 @@ def register() -> None:
 
     Raises ``EngineVersionError`` for an untested vLLM (unless ``KVREUSE_ALLOW_UNTESTED_ENGINE`` is set).
     """
+    from kvreuse.patches import vllm_0_32  # the version check; an untested vLLM stops here
+
+    # Before every engine start in this process, not only the first: numba may have been imported since.
+    vllm_0_32.shield_llvmlite_from_kernel_scan()
     if os.getpid() in _REGISTERED_PIDS:
         return
-    from kvreuse.patches import vllm_0_32  # the version check; an untested vLLM stops here
 
     # vLLM calls this first in the process the user started (while it parses its arguments): a misspelt or
     # out-of-range KVREUSE_* variable stops it there, before any engine process starts.
