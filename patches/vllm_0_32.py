@@ -406,8 +406,8 @@ def skip_prefix_cache_reads(request: Request) -> bool:
     skip_reading_prefix_cache=True)`` does); whether it read the cache until now.
 
     vLLM reads the flag from the request each time it looks the request up (``KVCacheManager.get_computed_blocks``,
-    before asking the connector), so a connector that sets it and answers ``None`` ("ask again") has the request
-    looked up again without the cache. Tested: vLLM 0.32.0.
+    before asking the connector, which then cannot undo that look-up: vLLM also turns the connector's answer into 0
+    for such a request), so a connector sets it in ``on_new_request``, before the first look-up. Tested: vLLM 0.32.0.
     """
     if request.skip_reading_prefix_cache:
         return False

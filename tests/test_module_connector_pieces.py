@@ -131,6 +131,7 @@ def test_a_write_without_a_proof_under_the_engines_keys_is_refused_and_counted()
     scheduler = module_scheduler()
     scheduler.write_keys = ("k" * 32,)
     forged = encode_request_of({**encode_params("doc"), WRITE_PROOF: write_proof("x" * 32, "doc", 0, "", False)})
+    scheduler.arrived(forged)
     assert scheduler.matched_tokens(forged, 0) == 0 and not forged.skip_reading_prefix_cache
     scheduler.allocated(forged, [0, 1], 0)
     assert scheduler._encodes == {}  # nothing will be stored
@@ -138,7 +139,8 @@ def test_a_write_without_a_proof_under_the_engines_keys_is_refused_and_counted()
     # The same write proven under the key (what the HTTP guard adds), but for another namespace: refused too.
     elsewhere = encode_request_of({**encode_params("doc"), WRITE_PROOF: write_proof("k" * 32, "doc", 0, "", False)})
     elsewhere.cache_salt = "tenant-a"
-    assert scheduler.matched_tokens(elsewhere, 0) == 0
+    scheduler.arrived(elsewhere)
+    assert not elsewhere.skip_reading_prefix_cache
     assert scheduler.take_stats() == {"writes_refused:unproven": 1}
 
 
@@ -149,8 +151,8 @@ def test_a_proven_write_is_computed_without_reading_the_prefix_cache():
     scheduler.write_keys = ("k" * 32,)
     proven = encode_request_of({**encode_params("doc", 2), WRITE_PROOF: write_proof("k" * 32, "doc", 2, "t", False)})
     proven.cache_salt = "t"
-    assert scheduler.matched_tokens(proven, 32) is None  # vLLM looks it up again ...
-    assert proven.skip_reading_prefix_cache  # ... without its prefix cache
+    scheduler.arrived(proven)
+    assert proven.skip_reading_prefix_cache  # set before vLLM's first look-up reads it
     assert scheduler.matched_tokens(proven, 0) == 0
     scheduler.allocated(proven, [0, 1], 0)
     assert scheduler._encodes["enc"][0] == ModuleWrite("doc", 2, "t", False)

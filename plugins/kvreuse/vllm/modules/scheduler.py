@@ -13,8 +13,8 @@ Who may write. An encode request is stored only if its ``kv_transfer_params`` ca
 engine's keys (``kvreuse.modules.writes``): the module-write key (the HTTP guard adds the proof to the writes it
 allowed) or the process tree's local secret (the offline API signs with it), unless the operator turned
 ``modules.open_writes`` on. Other writes are refused (logged, counted as ``writes_refused``) and the request runs as
-a plain one. An allowed encode request never reads vLLM's prefix cache: the first time vLLM asks about it, the
-scheduler side sets the request's ``skip_reading_prefix_cache`` and has vLLM look it up again.
+a plain one. An allowed encode request never reads vLLM's prefix cache: when it arrives (``on_new_request``, before
+vLLM's first look-up), the scheduler side sets the request's ``skip_reading_prefix_cache``.
 
 What vLLM's prefix cache may give. Blocks a splice filled enter vLLM's prefix cache like computed ones, and the
 blocks after them were computed attending to that KV. So that none of them is ever given for another module entry
@@ -122,17 +122,23 @@ class ModuleScheduler:
 
     # -- vLLM's calls ---------------------------------------------------------------------------------------------
     def arrived(self, request: Request) -> None:
-        """A new request: ``kv_transfer_params`` that are not an object are dropped (vLLM would fail on them)."""
+        """A new request, before vLLM first looks it up: ``kv_transfer_params`` that are not an object are dropped
+        (vLLM would fail on them); an encode request's write is decided, and an allowed one is computed without
+        reading vLLM's prefix cache (vLLM reads the flag in that first look-up, so it is set here)."""
         if vllm_0_32.drop_malformed_transfer_params(request):
             logger.warning("kvreuse: request %s: kv_transfer_params is not an object; ignored", request.request_id)
+        if self.enabled and marks_encode(request.kv_transfer_params):
+            write = self._writes[request.request_id] = self._authorise(request)
+            if write is not None:
+                vllm_0_32.skip_prefix_cache_reads(request)
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         """Prompt tokens after ``num_computed_tokens`` that cached modules cover, or ``None``: look the request up
         again (its block hashes changed, see the module docstring). Side-effect free for vLLM."""
         rid = request.request_id
-        if marks_encode(request.kv_transfer_params):
+        if marks_encode(request.kv_transfer_params):  # its write was decided on arrival; nothing is loaded
             self._plans.pop(rid, None)
-            return self._encode_asked(request)
+            return 0
         look = self._looks.get(rid)
         if not self.enabled or (look is None and not self.available):
             self._plans.pop(rid, None)
@@ -304,18 +310,6 @@ class ModuleScheduler:
                 request.request_id,
                 skip.reason,
             )
-
-    def _encode_asked(self, request: Request) -> int | None:
-        """vLLM asks about an encode request: decide its write once; an allowed one is computed without reading
-        the prefix cache (``None``: vLLM looks it up again, without the cache)."""
-        rid = request.request_id
-        if not self.enabled:
-            return 0
-        if rid not in self._writes:
-            self._writes[rid] = self._authorise(request)
-        if self._writes[rid] is not None and vllm_0_32.skip_prefix_cache_reads(request):
-            return None
-        return 0
 
     def _authorise(self, request: Request) -> ModuleWrite | None:
         """The encode request's write if it is well formed and proven (or writes are open), else ``None``."""
