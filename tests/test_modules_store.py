@@ -395,6 +395,7 @@ def test_every_modules_setting_is_documented():
         "modules.pin_cpu_memory",
         "modules.prefetch_depth",
         "modules.gpu_device",
+        "modules.open_writes",
         "modules.index_bytes",
     ]
     assert all(doc for *_, doc in rows)

@@ -28,8 +28,9 @@ import enum
 import functools
 import math
 import os
+import secrets
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Annotated, Any, Literal, TypeVar
 
 import pydantic
@@ -52,7 +53,9 @@ OTHER_VARIABLES = {
     "KVREUSE_MODULES_WRITE_KEY": "the module-write key of kvreuse.vllm.modules.guard (read from the environment only)",
     "KVREUSE_MODULES_WRITE_KEY_FILE": "a file holding the module-write key",
     "KVREUSE_ALLOW_UNTESTED_ENGINE": "start with an engine version kvreuse was not tested with (at your own risk)",
+    "KVREUSE_MODULES_LOCAL_SECRET": "set by kvreuse for the engine's processes: the offline API's write proofs",
 }
+LOCAL_SECRET_VARIABLE = "KVREUSE_MODULES_LOCAL_SECRET"
 
 
 def setting(
@@ -207,6 +210,16 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
         named[plugin] = None
     for plugin in named:
         load(plugin_config(plugin), plugin, {}, environ)
+
+
+def share_local_secret(environ: MutableMapping[str, str] | None = None) -> str:
+    """This process tree's local secret (``kvreuse.modules.writes``: the offline module API signs its writes with
+    it): the inherited one, or a new random one put into ``environ`` (default ``os.environ``) for the engine
+    processes started from here to inherit. Cheap: ``kvreuse.vllm.register`` calls it in every vLLM process."""
+    environ = os.environ if environ is None else environ
+    if len(environ.get(LOCAL_SECRET_VARIABLE, "")) < 32:
+        environ[LOCAL_SECRET_VARIABLE] = secrets.token_urlsafe(32)
+    return environ[LOCAL_SECRET_VARIABLE]
 
 
 def describe(cls: type, plugin: str) -> list[tuple[str, str, Any, str]]:

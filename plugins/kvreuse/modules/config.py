@@ -61,6 +61,12 @@ class ModulesConfig:
     gpu_device: str = config.setting(
         "cuda", "store: torch device of the device tier; a cuda device without CUDA means no device tier"
     )
+    open_writes: bool = config.setting(
+        False,
+        "engine: take module writes that carry no write proof, i.e. let every client that can send "
+        "kv_transfer_params register or replace modules (off: writes need the module-write key through the "
+        "HTTP guard, or come from the offline API)",
+    )
     index_bytes: int = config.setting(
         256 * 1024**2,
         "index: bytes the token index that finds modules in prompts may use (32 per registered token); "

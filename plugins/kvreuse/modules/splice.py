@@ -16,6 +16,10 @@ A module found in a prompt but not spliced is reported, with the reason (:func:`
 :class:`SkipReason`), so an operator can tell a layout that defeats the cache from a store that is too small;
 so is a module the prompt holds all but the last token of (``ModuleTrie.near_misses``): the text after it merged
 with its last token, so its tokens differ from the module's and it cannot be found at all.
+
+An engine's prefix cache must never give a block that holds spliced KV to a request that did not ask for exactly
+that module entry: :func:`block_modules` names, per cache block, the modules whose tokens lie in it, so an adapter
+can fold their entries' keys into the block's hash (the blocks after them chain from that hash).
 """
 
 from __future__ import annotations
@@ -116,6 +120,20 @@ def skipped_modules(
         skipped.append(Skipped(match.name, match.start, reason))
     skipped += [Skipped(m.name, m.start, SkipReason.TOKEN_BOUNDARY) for m in near_misses]
     return sorted(skipped, key=lambda s: s.start)
+
+
+def block_modules(
+    matches: Sequence[ModuleMatch], block_size: int, first_block: int, num_blocks: int
+) -> dict[int, tuple[Hashable, ...]]:
+    """For each block ``first_block <= b < num_blocks`` (tokens ``[b * block_size, (b + 1) * block_size)``) that
+    holds tokens of a module of ``matches`` (sorted and disjoint), the names of those modules in prompt order."""
+    blocks: dict[int, list[Hashable]] = {}
+    for match in matches:
+        first = max(match.start // block_size, first_block)
+        last = min((match.end - 1) // block_size, num_blocks - 1)
+        for block in range(first, last + 1):
+            blocks.setdefault(block, []).append(match.name)
+    return {block: tuple(names) for block, names in blocks.items()}
 
 
 def token_slots(block_ids: Sequence[int], block_size: int, start: int, stop: int) -> list[int]:

@@ -5,8 +5,9 @@ the engine, and only if the plugin is allowed by ``VLLM_PLUGINS`` (unset = all p
 boundary with vLLM (``kvreuse.patches.vllm_0_32``), which refuses a vLLM version kvreuse was not tested with
 (``EngineVersionError``, one line): in the front-end process that happens while vLLM reads its arguments, before any
 engine process starts. It must stay cheap: it only adds names to vLLM's registries (the sparse attention backend, the
-module-cache KV connector ``KVReuseModuleCache`` and the sparse figures' connector ``KVReuseSparseFigures``);
-choosing a plugin is left to the user's own engine flags.
+module-cache KV connector ``KVReuseModuleCache`` and the sparse figures' connector ``KVReuseSparseFigures``) and
+makes sure the process tree has the local secret the offline module API signs its writes with
+(``kvreuse.config.share_local_secret``); choosing a plugin is left to the user's own engine flags.
 
 The sparse attention backend (``kvreuse.vllm.sparse.backend``) is registered as ``AttentionBackendEnum.CUSTOM``,
 which ``--attention-backend CUSTOM`` selects on a GPU. vLLM's CPU platform ignores ``--attention-backend`` and always
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 
-from kvreuse.config import TRUE_WORDS, check_environment
+from kvreuse.config import TRUE_WORDS, check_environment, share_local_secret
 from kvreuse.vllm.names import SPARSE_BACKEND, SPARSE_CPU_SWITCH, ConnectorName
 
 # Under vLLM's logger namespace so the line is printed in vLLM's format, tagged with the process it runs in.
@@ -43,6 +44,8 @@ def register() -> None:
     # vLLM calls this first in the process the user started (while it parses its arguments): a misspelt or
     # out-of-range KVREUSE_* variable stops it there, before any engine process starts.
     check_environment()
+    # Before any engine process starts, so they inherit it: the key the offline module API signs writes with.
+    share_local_secret()
     _register_sparse_backend()
     for name in ConnectorName:
         vllm_0_32.register_kv_connector(name, name.module, name)

@@ -6,48 +6,80 @@ Both sides import this module, never each other (nor the connector facade), as i
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from kvreuse.errors import ModuleRegistrationError
+from kvreuse.modules.namespace import GLOBAL
 from kvreuse.modules.splice import Piece
 from kvreuse.modules.store import ModuleKey
+from kvreuse.modules.writes import WRITE_PROOF, check_module_name, proven
 
-# The keys of an encode request's kv_transfer_params.
+# The keys of an encode request's kv_transfer_params (and WRITE_PROOF, which the guard or the offline API adds).
 ENCODE_MODULE = "kvreuse_module"
 ENCODE_CONTEXT = "kvreuse_context"
+ENCODE_REPLACE = "kvreuse_replace"  # an explicit replacement of the module stored under the name
 
 
-def encode_params(name: str, context_tokens: int = 0) -> dict[str, Any]:
-    """The ``kv_transfer_params`` of an encode request for module ``name`` after ``context_tokens`` tokens."""
-    return {ENCODE_MODULE: name, ENCODE_CONTEXT: int(context_tokens)}
+def encode_params(name: str, context_tokens: int = 0, *, replace: bool = False) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of an encode request for module ``name`` after ``context_tokens`` tokens (with
+    ``replace``: replacing the module stored under ``name`` in the request's namespace)."""
+    params: dict[str, Any] = {ENCODE_MODULE: name, ENCODE_CONTEXT: int(context_tokens)}
+    if replace:
+        params[ENCODE_REPLACE] = True
+    return params
 
 
-def marks_encode(params: Mapping[str, Any] | None) -> bool:
-    """Whether a request's ``kv_transfer_params`` make it an encode request (well formed or not)."""
-    return params is not None and ENCODE_MODULE in params
+def marks_encode(params: object) -> bool:
+    """Whether a request's ``kv_transfer_params`` ask to encode a module (well formed or not; anything but a
+    mapping asks nothing)."""
+    return isinstance(params, Mapping) and ENCODE_MODULE in params
 
 
-def encode_request(params: Mapping[str, Any] | None, num_prompt_tokens: int) -> tuple[Hashable, int] | None:
-    """``(module name, context length)`` if ``kv_transfer_params`` mark an encode request, else ``None``.
+@dataclass(frozen=True)
+class ModuleWrite:
+    """An encode request's write: store the prompt's tokens after ``context`` as module ``name`` of ``namespace``
+    (replacing the entry stored under the name there if ``replace``)."""
+
+    name: str
+    context: int
+    namespace: str
+    replace: bool
+
+
+def encode_request(params: object, num_prompt_tokens: int, namespace: str = GLOBAL) -> ModuleWrite | None:
+    """The write ``kv_transfer_params`` ask for, else ``None``; ``namespace`` is the request's
+    (``kvreuse.modules.namespace.namespace_of`` its cache salt).
 
     Raises :class:`ModuleRegistrationError` for malformed parameters (the request then runs as a plain one).
+    Whether the write is allowed is :func:`write_allowed`'s question.
     """
-    if params is None or not marks_encode(params):
+    if not marks_encode(params):
         return None
-    name, context = params[ENCODE_MODULE], params.get(ENCODE_CONTEXT, 0)
-    if not isinstance(name, str) or not name:
-        raise ModuleRegistrationError(f"{ENCODE_MODULE} must be a non-empty string, got {name!r}")
+    assert isinstance(params, Mapping)
+    name = check_module_name(params[ENCODE_MODULE])
+    context = params.get(ENCODE_CONTEXT, 0)
     if isinstance(context, bool) or not isinstance(context, int) or not 0 <= context < num_prompt_tokens:
         raise ModuleRegistrationError(
             f"{ENCODE_CONTEXT} of module {name!r} must be an integer in "
             f"0..{num_prompt_tokens - 1} (the prompt has {num_prompt_tokens} tokens), "
-            f"got {context!r}"
+            f"got {repr(context)[:32]}"
         )
-    return name, context
+    replace = params.get(ENCODE_REPLACE, False)
+    if not isinstance(replace, bool):
+        raise ModuleRegistrationError(f"{ENCODE_REPLACE} of module {name!r} must be true or false")
+    return ModuleWrite(name, context, namespace, replace)
+
+
+def write_allowed(write: ModuleWrite, params: Mapping[str, Any], keys: Sequence[str]) -> bool:
+    """Whether the request proves its write under one of the engine's ``keys`` (``WRITE_PROOF`` in its
+    ``kv_transfer_params``: the HTTP guard's under the module-write key, the offline API's under the local
+    secret)."""
+    proof = params.get(WRITE_PROOF)
+    return proven(keys, proof, write.name, write.context, write.namespace, write.replace)
 
 
 @dataclass(frozen=True)
@@ -62,13 +94,17 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """After this step, copy tokens at ``slots`` of request ``req_id`` into the store as module ``name``."""
+    """After this step, copy tokens at ``slots`` of request ``req_id`` into the store as module ``name`` of
+    ``namespace`` (replacing the entry stored under the name if ``replace``)."""
 
     req_id: str
-    name: Hashable
+    name: str
     token_ids: tuple[int, ...]
     start: int  # position of the module's first token (the context's length)
     slots: tuple[int, ...]
+    context: str  # context_fingerprint of the tokens before the module
+    namespace: str
+    replace: bool
 
 
 @dataclass
@@ -90,7 +126,7 @@ class ModuleCacheWorkerMeta(KVConnectorWorkerMetadata):
 
     stored: dict[ModuleKey, tuple[int, ...]] = field(default_factory=dict)
     dropped: set[ModuleKey] = field(default_factory=set)
-    failed: dict[str, str] = field(default_factory=dict)  # module name -> why its encoding was not stored
+    failed: dict[str, str] = field(default_factory=dict)  # module (name, namespace label) -> why it was not stored
 
     def aggregate(self, other: ModuleCacheWorkerMeta) -> ModuleCacheWorkerMeta:
         return ModuleCacheWorkerMeta(

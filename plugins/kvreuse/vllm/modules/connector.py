@@ -91,7 +91,10 @@ class KVReuseModuleCache(KVReuseMetrics, KVConnectorBase_V1):
         super().bind_kv_cache_manager(kv_cache_manager)
         self._scheduler.kv_cache_manager = kv_cache_manager
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler.arrived(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

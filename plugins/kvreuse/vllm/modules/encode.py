@@ -6,7 +6,11 @@ whose ``kv_transfer_params`` name the module. :func:`encode_modules` sends them 
 to them, as in TableCache), :func:`encode_schema` for every cached run of a PML schema. Afterwards any prompt that
 contains a module's tokens is served from the cache; :func:`pml_prompt` turns a PML prompt into such token ids.
 Over HTTP, send the same ``kv_transfer_params`` (:func:`encode_params`) with a completion request whose prompt is
-the module's token ids.
+the module's token ids, and the module-write key (``kvreuse.vllm.modules.guard``).
+
+These helpers run in the engine's own process tree, so they are the operator's: they sign each write with the
+process tree's local secret (``kvreuse.modules.writes.local_write_proof``), which the engine accepts as it accepts
+the HTTP guard's proofs. Their modules are global (every request sees them).
 
 Plain text must keep a module's tokens the same alone and inside prompts: :func:`module_token_ids` applies the
 boundary rules of ``kvreuse.modules.trie`` (text stripped, one trailing newline, no special tokens).
@@ -19,12 +23,14 @@ from typing import Any
 
 from kvreuse.modules.layout import SchemaLayout, layout_schema, resolve_prompt
 from kvreuse.modules.linear import prompt_token_ids, schema_runs
+from kvreuse.modules.namespace import GLOBAL
 from kvreuse.modules.pml import parse_prompt, parse_schema
 from kvreuse.modules.schemas import DatabaseSchema
 from kvreuse.modules.trie import module_text
+from kvreuse.modules.writes import WRITE_PROOF, local_write_proof
 from kvreuse.vllm.modules.common import encode_params
 
-SPECIAL_PREFIX = "<special-prefix>"
+SPECIAL_PREFIX = "_special-prefix"  # a valid module name (check_module_name) no schema run can take
 
 
 def special_prefix(tokenizer: Any) -> list[int]:
@@ -39,10 +45,25 @@ def module_token_ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(module_text(text), add_special_tokens=False))
 
 
+def signed_encode_params(name: str, context_tokens: int = 0, *, replace: bool = False) -> dict[str, Any]:
+    """:func:`encode_params` of a global module with this process tree's write proof (offline writes only)."""
+    params = encode_params(name, context_tokens, replace=replace)
+    params[WRITE_PROOF] = local_write_proof(name, int(context_tokens), GLOBAL, replace)
+    return params
+
+
 def encode_modules(
-    llm: Any, modules: Mapping[str, str | Sequence[int]], contexts: Mapping[str, Sequence[int]] | None = None
+    llm: Any,
+    modules: Mapping[str, str | Sequence[int]],
+    contexts: Mapping[str, Sequence[int]] | None = None,
+    *,
+    replace: bool = False,
 ) -> dict[str, list[int]]:
     """Encode each module (text, or token ids taken as they are) after its context's token ids (default none).
+
+    A name already stored with other content (other tokens or context) is refused (the engine logs
+    ``ModuleConflict``) unless ``replace``: then the new entry takes the name, and no block of vLLM's prefix cache
+    computed from the old entry can match a prompt again.
 
     Returns the module token ids by name; prompts must contain exactly these ids for the module to be found.
     Encode requests bypass vLLM's prefix cache, so each module is computed from its own tokens.
@@ -71,7 +92,7 @@ def encode_modules(
                 max_tokens=1,
                 temperature=0.0,
                 skip_reading_prefix_cache=True,
-                extra_args={"kv_transfer_params": encode_params(name, len(context))},
+                extra_args={"kv_transfer_params": signed_encode_params(name, len(context), replace=replace)},
             )
         )
     if prompts:

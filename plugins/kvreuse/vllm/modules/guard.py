@@ -41,12 +41,11 @@ from kvreuse.modules.writes import (
     load_write_key,
     write_proof,
 )
-from kvreuse.vllm.modules.common import ENCODE_CONTEXT, ENCODE_MODULE
+from kvreuse.vllm.modules.common import ENCODE_CONTEXT, ENCODE_MODULE, ENCODE_REPLACE
 
 logger = logging.getLogger("vllm.plugins.kvreuse")
 
 TRANSFER_PARAMS = "kv_transfer_params"
-REPLACE_PARAM = "kvreuse_replace"  # an explicit replacement of a stored module (honoured by the engine side)
 MODULE_ENDPOINTS = ("/kvreuse/", "/v1/kvreuse/")  # future module endpoints: every non-GET is a write
 READ_METHODS = ("GET", "HEAD", "OPTIONS")
 _FROM_ENVIRONMENT = object()
@@ -139,9 +138,9 @@ class ModuleWriteGuard:
             context = params.get(ENCODE_CONTEXT, 0)
             if isinstance(context, bool) or not isinstance(context, int) or context < 0:
                 raise GuardRefusal(400, "BadRequestError", f"{ENCODE_CONTEXT} must be an integer >= 0")
-            replace = params.get(REPLACE_PARAM, False)
+            replace = params.get(ENCODE_REPLACE, False)
             if not isinstance(replace, bool):
-                raise GuardRefusal(400, "BadRequestError", f"{REPLACE_PARAM} must be true or false")
+                raise GuardRefusal(400, "BadRequestError", f"{ENCODE_REPLACE} must be true or false")
             assert self.key is not None  # _authorise passed
             params[WRITE_PROOF] = write_proof(self.key, name, context, namespace, replace)
         return json.dumps(document).encode()

@@ -10,8 +10,9 @@ Prometheus logger, adds them to these counters:
 * ``kvreuse:module_encoded_total``, ``kvreuse:module_encode_failures_total``;
 * ``kvreuse:module_bytes_moved_total`` (label ``move``, e.g. ``cpu->gpu``), ``kvreuse:module_evictions_total``
   (label ``tier``), ``kvreuse:module_drops_total``;
-* ``kvreuse:module_splice_skipped_total`` (label ``reason``, see ``kvreuse.modules.splice.SkipReason``), counted
-  by the scheduler side.
+* ``kvreuse:module_splice_skipped_total`` (label ``reason``, see ``kvreuse.modules.splice.SkipReason``) and
+  ``kvreuse:module_writes_refused_total`` (label ``reason``, see ``kvreuse.vllm.modules.scheduler.WriteRefusal``),
+  counted by the scheduler side.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ MODULE_COUNTERS: dict[str, tuple[str, str, str | None]] = {
     "splice_skipped": (
         "kvreuse:module_splice_skipped_total",
         "Registered modules found in a prompt (or all but their last token) but not spliced, by reason",
+        "reason",
+    ),
+    "writes_refused": (
+        "kvreuse:module_writes_refused_total",
+        "Encode requests whose module was not stored: no valid write proof, or malformed parameters",
         "reason",
     ),
 }

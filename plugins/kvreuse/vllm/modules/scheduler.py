@@ -5,30 +5,59 @@ It runs in vLLM's engine-core process and never touches KV. It knows the modules
 per-step reports), finds them in new prompts with a :class:`~kvreuse.modules.trie.ModuleTrie`, plans each load
 with :func:`~kvreuse.modules.splice.plan_splice`, turns the plan into slots once vLLM has allocated the request's
 blocks, and asks the workers to store the module of every encode request once its prompt has been computed.
+
+Who sees what. A request sees the global modules and those of its own ``cache_salt`` (its namespace,
+``kvreuse.modules.namespace``); a write goes to the namespace of the encode request's salt.
+
+Who may write. An encode request is stored only if its ``kv_transfer_params`` carry a write proof under one of the
+engine's keys (``kvreuse.modules.writes``): the module-write key (the HTTP guard adds the proof to the writes it
+allowed) or the process tree's local secret (the offline API signs with it), unless the operator turned
+``modules.open_writes`` on. Other writes are refused (logged, counted as ``writes_refused``) and the request runs as
+a plain one. An allowed encode request never reads vLLM's prefix cache: when it arrives (``on_new_request``, before
+vLLM's first look-up), the scheduler side sets the request's ``skip_reading_prefix_cache``.
+
+What vLLM's prefix cache may give. Blocks a splice filled enter vLLM's prefix cache like computed ones, and the
+blocks after them were computed attending to that KV. So that none of them is ever given for another module entry
+(an entry replaced since, another tenant's), the first time vLLM asks about a request the scheduler side folds, into
+the hash of every block from vLLM's prefix hit on that holds tokens of a registered module, the identity of the
+module's entry (``ModuleKey.identity``: namespace, name, fingerprint, version; ``vllm_0_32.fold_into_block_hashes``).
+The hashes of later blocks chain from these, so only a request that finds the same entries in the same places
+computes them again: a replaced or dropped entry's blocks are never matched again (they age out of vLLM's cache).
+If the folded hashes are in the cache beyond vLLM's hit, the scheduler side answers "ask again" (``None``) once, so
+vLLM looks the request up with them: identical prompts still share their spliced blocks. A request whose folded
+entries left the store while it waited is folded again the same way.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from kvreuse.errors import ConfigError, ModuleRegistrationError, UnsupportedPositionalEncoding
 from kvreuse.kernels.rerotate import rope_spec_from_hf_config
-from kvreuse.modules.splice import Piece, plan_splice, skipped_modules, token_slots
-from kvreuse.modules.store import ModuleKey
+from kvreuse.modules.config import ModulesConfig
+from kvreuse.modules.namespace import namespace_label, namespace_of
+from kvreuse.modules.splice import Piece, block_modules, plan_splice, skipped_modules, token_slots
+from kvreuse.modules.store import ModuleKey, context_fingerprint
 from kvreuse.modules.trie import ModuleMatch, ModuleTrie
+from kvreuse.modules.writes import engine_write_keys
 from kvreuse.patches import vllm_0_32
 from kvreuse.vllm.modules.common import (
     LoadSpec,
     ModuleCacheMetadata,
     ModuleCacheWorkerMeta,
+    ModuleWrite,
     SaveSpec,
     encode_request,
     marks_encode,
+    write_allowed,
 )
 from kvreuse.vllm.names import ConnectorName
+from kvreuse.vllm.settings import kvreuse_flags
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -37,6 +66,23 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm.plugins.kvreuse")
+
+
+class WriteRefusal(StrEnum):
+    """Why an encode request's module was not stored (label of ``kvreuse:module_writes_refused_total``)."""
+
+    UNPROVEN = "unproven"  # no write proof under the module-write key or the local secret (open_writes off)
+    MALFORMED = "malformed"  # a bad name, context length or replace flag
+
+
+@dataclass(frozen=True)
+class _Look:
+    """What the scheduler found in a waiting request's prompt, and the entries folded into its block hashes from
+    block ``first_block`` on."""
+
+    matches: list[ModuleMatch]
+    first_block: int
+    folded: frozenset[ModuleKey]
 
 
 class ModuleScheduler:
@@ -50,6 +96,9 @@ class ModuleScheduler:
                 f'{ConnectorName.MODULE_CACHE} needs "kv_load_failure_policy": "recompute" in --kv-transfer-config, so '
                 f"that a module that cannot be loaded is computed instead (got {transfer.kv_load_failure_policy!r})"
             )
+        self.vllm_config = vllm_config
+        self.config = ModulesConfig.load(kvreuse_flags(vllm_config.additional_config, "modules"))
+        self.write_keys = engine_write_keys()
         self.block_size = vllm_config.cache_config.block_size
         self.enabled = True
         try:
@@ -57,48 +106,71 @@ class ModuleScheduler:
         except UnsupportedPositionalEncoding as why:
             self.enabled = False
             logger.error("kvreuse module cache is off for this model: %s", why)
-        self.trie = ModuleTrie()
+        if not self.write_keys and not self.config.open_writes:
+            logger.warning("kvreuse: no module-write key or local secret in the engine's environment; no writes")
+        self.trie = ModuleTrie(budget_bytes=self.config.index_bytes)
         self.available: set[ModuleKey] = set()
-        self._matches: dict[str, list[ModuleMatch]] = {}
+        self._looks: dict[str, _Look] = {}
+        self._counted: set[str] = set()  # requests whose skipped modules were counted
         self._plans: dict[str, list[Piece]] = {}  # asked about, not yet allocated
         self._loads: list[LoadSpec] = []  # allocated, for the next step's metadata
-        self._encodes: dict[str, tuple[Hashable, int, tuple[int, ...]]] = {}  # req id -> name, context, prompt
+        self._writes: dict[str, ModuleWrite | None] = {}  # encode requests asked about: the write, None if refused
+        self._encodes: dict[str, tuple[ModuleWrite, tuple[int, ...]]] = {}  # req id -> write, prompt
         self.skipped: Counter[str] = Counter()  # modules found but not spliced, by reason (since take_stats)
+        self.refused: Counter[str] = Counter()  # encode requests not stored, by WriteRefusal (since take_stats)
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM (KVConnectorBase_V1.bind_kv_cache_manager)
 
     # -- vLLM's calls ---------------------------------------------------------------------------------------------
-    def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """Prompt tokens after ``num_computed_tokens`` that cached modules cover (side-effect free for vLLM)."""
-        if not self.enabled or not self.available or marks_encode(request.kv_transfer_params):
-            self._plans.pop(request.request_id, None)
+    def arrived(self, request: Request) -> None:
+        """A new request, before vLLM first looks it up: ``kv_transfer_params`` that are not an object are dropped
+        (vLLM would fail on them); an encode request's write is decided, and an allowed one is computed without
+        reading vLLM's prefix cache (vLLM reads the flag in that first look-up, so it is set here)."""
+        if vllm_0_32.drop_malformed_transfer_params(request):
+            logger.warning("kvreuse: request %s: kv_transfer_params is not an object; ignored", request.request_id)
+        if self.enabled and marks_encode(request.kv_transfer_params):
+            write = self._writes[request.request_id] = self._authorise(request)
+            if write is not None:
+                vllm_0_32.skip_prefix_cache_reads(request)
+
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
+        """Prompt tokens after ``num_computed_tokens`` that cached modules cover, or ``None``: look the request up
+        again (its block hashes changed, see the module docstring). Side-effect free for vLLM."""
+        rid = request.request_id
+        if marks_encode(request.kv_transfer_params):  # its write was decided on arrival; nothing is loaded
+            self._plans.pop(rid, None)
+            return 0
+        look = self._looks.get(rid)
+        if not self.enabled or (look is None and not self.available):
+            self._plans.pop(rid, None)
             return 0
         prompt = request.prompt_token_ids or []
-        matches = self._matches.get(request.request_id)
-        first_look = matches is None
-        if matches is None:
-            matches = self._matches[request.request_id] = self.trie.find(prompt)
+        hit_block = num_computed_tokens // self.block_size
+        stale = look is not None and not look.folded <= self.available
+        if look is None or stale or hit_block < look.first_block:
+            matches = look.matches if look is not None and not stale else self._find(request, prompt)
+            first_block = hit_block if look is None else min(hit_block, look.first_block)
+            look = self._looks[rid] = self._fold(request, matches, first_block)
+            if look.folded and (
+                num_computed_tokens > first_block * self.block_size  # vLLM's hit used hashes just changed
+                or vllm_0_32.prefix_cache_hit(self.kv_cache_manager, request) > num_computed_tokens
+            ):
+                self._plans.pop(rid, None)
+                return None
         stop = min(len(prompt), request.num_tokens) - 1  # vLLM computes at least the last token
-        pieces = plan_splice(matches, num_computed_tokens, stop, self.available.__contains__)
-        self._plans[request.request_id] = pieces
-        if first_look:  # counted once per request (vLLM may ask again while it waits)
-            misses = self.trie.near_misses(prompt, matches)
-            available = self.available.__contains__
-            for skip in skipped_modules(matches, pieces, num_computed_tokens, stop, available, misses):
-                self.skipped[skip.reason] += 1
-                logger.debug(
-                    "kvreuse module %r at token %d of request %s not spliced: %s",
-                    getattr(skip.name, "name", skip.name),
-                    skip.start,
-                    request.request_id,
-                    skip.reason,
-                )
+        pieces = plan_splice(look.matches, num_computed_tokens, stop, self.available.__contains__)
+        self._plans[rid] = pieces
+        if rid not in self._counted:  # counted once per request (vLLM may ask again while it waits)
+            self._counted.add(rid)
+            self._count_skipped(request, prompt, look.matches, pieces, num_computed_tokens, stop)
         return sum(piece.length for piece in pieces)
 
     def allocated(self, request: Request, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM gave the request its blocks and took ``num_external_tokens`` of the planned tokens."""
         rid = request.request_id
         pieces = self._plans.pop(rid, [])
-        self._remember_encode(request)
+        write = self._writes.pop(rid, None)
+        if write is not None:
+            self._encodes[rid] = (write, tuple(request.prompt_token_ids or ()))
         if num_external_tokens <= 0:
             return
         kept: list[Piece] = []
@@ -141,7 +213,7 @@ class ModuleScheduler:
             encode = self._encodes.get(rid)
             if encode is None:
                 continue
-            name, context, prompt = encode
+            write, prompt = encode
             if computed + scheduler_output.num_scheduled_tokens.get(rid, 0) < len(prompt):
                 continue  # chunked prefill: the module is complete in a later step
             del self._encodes[rid]
@@ -150,48 +222,115 @@ class ModuleScheduler:
             saves.append(
                 SaveSpec(
                     rid,
-                    name,
-                    prompt[context:],
-                    context,
-                    tuple(token_slots(block_ids, self.block_size, context, len(prompt))),
+                    write.name,
+                    prompt[write.context :],
+                    write.context,
+                    tuple(token_slots(block_ids, self.block_size, write.context, len(prompt))),
+                    context=context_fingerprint(prompt[: write.context]),
+                    namespace=write.namespace,
+                    replace=write.replace,
                 )
             )
         return saves
 
     def worker_reported(self, report: ModuleCacheWorkerMeta) -> None:
         for key in report.dropped:  # first: a module encoded again comes back under a new version, same tokens
-            self.trie.remove(key)
+            self.trie.remove(key, namespace=key.namespace)
         for key, token_ids in report.stored.items():
             try:
-                self.trie.add(key, token_ids)
-            except ModuleRegistrationError as why:
+                self.trie.add(key, token_ids, namespace=key.namespace)
+            except ModuleRegistrationError as why:  # ModuleIndexFull too
                 logger.error("kvreuse module %r is stored but cannot be found in prompts: %s", key.name, why)
                 continue
             self.available.add(key)
-            logger.info("kvreuse module %r (%d tokens) is cached", key.name, len(token_ids))
+            logger.info(
+                "kvreuse module %r of namespace %s (%d tokens) is cached",
+                key.name,
+                namespace_label(key.namespace),
+                len(token_ids),
+            )
         self.available -= report.dropped
         for name, why in report.failed.items():
-            logger.error("kvreuse module %r was not stored: %s", name, why)
+            logger.error("kvreuse module %s was not stored: %s", name, why)
 
     def take_stats(self) -> dict[str, int]:
-        """The skipped-module counts since the last call, as stats keys ``splice_skipped:<reason>``."""
+        """The skipped-module and refused-write counts since the last call, as stats keys
+        ``splice_skipped:<reason>`` and ``writes_refused:<reason>``."""
         stats = {f"splice_skipped:{reason}": count for reason, count in self.skipped.items() if count}
+        stats.update({f"writes_refused:{reason}": count for reason, count in self.refused.items() if count})
         self.skipped.clear()
+        self.refused.clear()
         return stats
 
     def finished(self, request_id: str) -> None:
-        for state in (self._matches, self._plans, self._encodes):
+        for state in (self._looks, self._plans, self._writes, self._encodes):
             state.pop(request_id, None)
+        self._counted.discard(request_id)
 
     # -- helpers ----------------------------------------------------------------------------------------------------
-    def _remember_encode(self, request: Request) -> None:
-        if not self.enabled or request.request_id in self._encodes or not marks_encode(request.kv_transfer_params):
-            return
-        prompt = tuple(request.prompt_token_ids or ())
+    def _find(self, request: Request, prompt: Sequence[int]) -> list[ModuleMatch]:
+        """The modules of the global namespace and of the request's in its prompt."""
+        return self.trie.find(prompt, namespace=namespace_of(request.cache_salt))
+
+    def _fold(self, request: Request, matches: list[ModuleMatch], first_block: int) -> _Look:
+        """Fold the entries of ``matches`` into the request's block hashes from ``first_block`` on (module doc)."""
+        manager = self.kv_cache_manager
+        if manager is None or not vllm_0_32.caches_prefixes(manager):
+            return _Look(matches, first_block, frozenset())  # nothing is cached: no block to tell apart
+        stored = [match for match in matches if match.name in self.available]
+        num_blocks = request.num_tokens // self.block_size
+        blocks = block_modules(stored, self.block_size, first_block, num_blocks)
+        keys = {block: tuple(key.identity for key in names) for block, names in blocks.items()}
+        if keys and not vllm_0_32.fold_into_block_hashes(self.vllm_config, manager, request, first_block, keys):
+            logger.warning(
+                "kvreuse: request %s: this engine's prefix-cache hashes cannot name module entries (hybrid "
+                "KV cache); no module is spliced into it",
+                request.request_id,
+            )
+            return _Look([], first_block, frozenset())
+        return _Look(matches, first_block, frozenset(key for names in blocks.values() for key in names))
+
+    def _count_skipped(
+        self,
+        request: Request,
+        prompt: Sequence[int],
+        matches: list[ModuleMatch],
+        pieces: list[Piece],
+        num_computed_tokens: int,
+        stop: int,
+    ) -> None:
+        misses = self.trie.near_misses(prompt, matches, namespace=namespace_of(request.cache_salt))
+        available = self.available.__contains__
+        for skip in skipped_modules(matches, pieces, num_computed_tokens, stop, available, misses):
+            self.skipped[skip.reason] += 1
+            logger.debug(
+                "kvreuse module %r at token %d of request %s not spliced: %s",
+                getattr(skip.name, "name", skip.name),
+                skip.start,
+                request.request_id,
+                skip.reason,
+            )
+
+    def _authorise(self, request: Request) -> ModuleWrite | None:
+        """The encode request's write if it is well formed and proven (or writes are open), else ``None``."""
+        params = request.kv_transfer_params
         try:
-            found = encode_request(request.kv_transfer_params, len(prompt))
+            namespace = namespace_of(request.cache_salt)
+            write = encode_request(params, len(request.prompt_token_ids or ()), namespace)
         except ModuleRegistrationError as why:
+            self.refused[WriteRefusal.MALFORMED] += 1
             logger.error("kvreuse: request %s runs without encoding a module: %s", request.request_id, why)
-            return
-        if found is not None:
-            self._encodes[request.request_id] = (found[0], found[1], prompt)
+            return None
+        assert write is not None and params is not None  # marks_encode held
+        if not self.config.open_writes and not write_allowed(write, params, self.write_keys):
+            self.refused[WriteRefusal.UNPROVEN] += 1
+            logger.warning(
+                "kvreuse: request %s asked to write module %r of namespace %s without a valid write proof; "
+                "refused (over HTTP, module writes need the module-write key through "
+                "kvreuse.vllm.modules.guard.ModuleWriteGuard; see the README's Security model)",
+                request.request_id,
+                write.name,
+                namespace_label(namespace),
+            )
+            return None
+        return write

@@ -29,6 +29,7 @@ from kvreuse.errors import (
 )
 from kvreuse.kernels.rerotate import RopeSpec, check_rerotation
 from kvreuse.modules.config import ModulesConfig
+from kvreuse.modules.namespace import namespace_label
 from kvreuse.modules.splice import Piece, piece_kv
 from kvreuse.modules.store import EncodedModule, ModuleKey, ModuleStore
 from kvreuse.patches import vllm_0_32
@@ -196,23 +197,32 @@ class ModuleWorker:
             kv = torch.stack([torch.stack(pair) for pair in copies])  # [layers, 2, tokens, kv_heads, head_dim]
             try:
                 module = EncodedModule(
-                    save.name, self.store.model_id, self.store.tokenizer_id, save.token_ids, save.start, kv
+                    save.name,
+                    self.store.model_id,
+                    self.store.tokenizer_id,
+                    save.token_ids,
+                    save.start,
+                    kv,
+                    context=save.context,
+                    namespace=save.namespace,
                 )
-                tier = self.store.put(module)
-            except (ModuleRegistrationError, ModuleTooLarge) as why:
-                self._report.failed[str(save.name)] = str(why)
+                tier = self.store.put(module, replace=save.replace)
+            except (ModuleRegistrationError, ModuleTooLarge) as why:  # ModuleConflict: other content, no replace
+                self._report.failed[f"{save.name!r} of namespace {namespace_label(save.namespace)}"] = str(why)
                 self.figures.encode_failures += 1
                 continue
             self._report.stored[module.key] = module.token_ids
             self._known.add(module.key)
             self.figures.modules_encoded += 1
             logger.info(
-                "kvreuse module %r: %d tokens at position %d, %d bytes, stored in %s",
+                "kvreuse module %r of namespace %s: %d tokens at position %d, %d bytes, stored in %s (version %d)",
                 save.name,
+                namespace_label(save.namespace),
                 len(save.token_ids),
                 save.start,
                 module.nbytes,
                 tier,
+                module.version,
             )
 
     # -- reports --------------------------------------------------------------------------------------------------
