@@ -6,6 +6,7 @@ schemas (Spider, SQLite, DuckDB) into table modules and Text-to-SQL prompts, and
 inside a plain prompt's tokens. Keys are moved between positions by ``kvreuse.kernels.rerotate``.
 """
 
+from kvreuse.errors import ModuleRegistrationError, PMLError, UnknownTable
 from kvreuse.modules.layout import (
     FreeText,
     ModuleSpan,
@@ -16,12 +17,11 @@ from kvreuse.modules.layout import (
     layout_schema,
     resolve_prompt,
 )
-from kvreuse.modules.pml import PMLError, parse, parse_prompt, parse_schema, render
+from kvreuse.modules.pml import parse, parse_prompt, parse_schema, render
 from kvreuse.modules.schemas import (
     DatabaseSchema,
     ForeignKey,
     Table,
-    UnknownTable,
     duckdb_schema,
     spider_schema,
     spider_schemas,
@@ -29,7 +29,7 @@ from kvreuse.modules.schemas import (
     text_to_sql_pml,
     text_to_sql_prompt,
 )
-from kvreuse.modules.trie import ModuleMatch, ModuleRegistrationError, ModuleTrie, module_text
+from kvreuse.modules.trie import ModuleMatch, ModuleTrie, module_text
 
 __all__ = [
     "DatabaseSchema",

@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvreuse.modules.pml import Import, Module, ModuleUnion, Param, PMLError, Prompt, Role, Schema, Text
+from kvreuse.errors import PMLError
+from kvreuse.modules.pml import Import, Module, ModuleUnion, Node, Param, Prompt, Role, Schema, Text
 
 Tokenize = Callable[[str], Sequence[int]]
 
@@ -95,7 +96,7 @@ def layout_schema(
             segments[owner].append(Segment(kind, owner, pos, len(ids), ids, name))
         return pos + len(ids)
 
-    def walk(nodes, owner: str | None, pos: int, union: int | None = None) -> int:
+    def walk(nodes: Sequence[Node], owner: str | None, pos: int, union: int | None = None) -> int:
         nonlocal unions
         for node in nodes:
             if isinstance(node, Text):
@@ -185,14 +186,14 @@ def resolve_prompt(
     union_member: dict[int, str] = {}
     high = max((s.start + s.length for s in layout.scaffold), default=0)
 
-    def free(text: str, role: str | None):
+    def free(text: str, role: str | None) -> None:
         nonlocal high
         ids = tuple(tokenize(text)) if text else ()
         if ids:
             items.append(FreeText(text, ids, high, role))
             high += len(ids)
 
-    def use(imp: Import, parent: str | None):
+    def use(imp: Import, parent: str | None) -> None:
         nonlocal high
         span = layout.modules.get(imp.name)
         if span is None:
@@ -228,9 +229,9 @@ def resolve_prompt(
         items.append(UsedModule(imp.name, span.start, span.end, args))
         high = max(high, span.end)
         for child in imp.children:
-            use(child, imp.name)
+            use(_as_import(child), imp.name)
 
-    def walk(nodes, role: str | None):
+    def walk(nodes: Sequence[Node], role: str | None) -> None:
         for node in nodes:
             if isinstance(node, Text):
                 free(node.text, role)
@@ -240,7 +241,14 @@ def resolve_prompt(
                 walk(node.children, node.role)
                 free(closing, node.role)
             else:
-                use(node, None)
+                use(_as_import(node), None)
 
     walk(prompt.children, None)
     return Resolution(layout.name, layout.scaffold, tuple(items))
+
+
+def _as_import(node: Node) -> Import:
+    """A prompt's node that is neither text nor a role: ``parse_prompt`` builds only imports there."""
+    if not isinstance(node, Import):
+        raise TypeError(f"a prompt holds text, roles and imports, not {node!r}")
+    return node

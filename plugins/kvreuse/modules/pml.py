@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import bisect
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvreuse.errors import PMLError
@@ -96,7 +96,7 @@ class Schema:
         """Every module of the schema by name, nested ones included, in document order."""
         found: dict[str, Module] = {}
 
-        def walk(nodes):
+        def walk(nodes: Iterable[Node]) -> None:
             for node in nodes:
                 if isinstance(node, Module):
                     found[node.name] = node
@@ -150,7 +150,7 @@ class _Element:
     name: str
     attrs: list[tuple[str, str, int]]
     offset: int
-    children: list = field(default_factory=list)  # _Element or (text, offset)
+    children: list[_Element | tuple[str, int]] = field(default_factory=list)
 
 
 class _Source:
@@ -182,7 +182,7 @@ def _unescape(src: _Source, raw: str, offset: int) -> str:
         i = end + 1
 
 
-def _lex(src: _Source):
+def _lex(src: _Source) -> Iterator[tuple[str, int] | _Tag]:
     text, i, n = src.text, 0, len(src.text)
     while i < n:
         j = text.find("<", i)
@@ -346,7 +346,7 @@ class _SchemaBuilder:
             return Module(name, children, at)
         if el.name == "union":
             _attrs(src, el, [])
-            members = []
+            members: list[Module] = []
             for child in el.children:
                 if isinstance(child, tuple):
                     if child[0].strip():
@@ -354,7 +354,9 @@ class _SchemaBuilder:
                 elif child.name != "module":
                     raise src.error(f"a <union> holds only <module> members, not <{child.name}>", child.offset)
                 else:
-                    members.append(self.node(child, in_module=in_module, in_role=in_role))
+                    member = self.node(child, in_module=in_module, in_role=in_role)
+                    assert isinstance(member, Module)  # a <module> element builds a Module
+                    members.append(member)
             if not members:
                 raise src.error("empty <union>: it needs at least one <module>", el.offset)
             return ModuleUnion(tuple(members), at)
@@ -447,10 +449,10 @@ def escape(text: str, quote: bool = False) -> str:
 def render(doc: Schema | Prompt | Node) -> str:
     """PML text of a tree; ``parse(render(t)) == t``."""
 
-    def attr(name, value):
+    def attr(name: str, value: str) -> str:
         return f' {name}="{escape(value, quote=True)}"'
 
-    def inner(nodes):
+    def inner(nodes: Iterable[Node]) -> str:
         return "".join(render(n) for n in nodes)
 
     if isinstance(doc, Text):

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvreuse.errors import UnknownTable
 from kvreuse.modules.pml import RESERVED_NAMES, escape
@@ -182,7 +184,7 @@ def spider_schema(path: str | Path, db_id: str) -> DatabaseSchema:
     return schemas[db_id]
 
 
-def sqlite_schema(connection, name: str = "main") -> DatabaseSchema:
+def sqlite_schema(connection: sqlite3.Connection, name: str = "main") -> DatabaseSchema:
     """Tables of a SQLite database (a ``sqlite3`` connection): columns, declared types, primary and foreign keys."""
     rows = connection.execute(
         "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY rowid"
@@ -191,7 +193,7 @@ def sqlite_schema(connection, name: str = "main") -> DatabaseSchema:
     for (table,) in rows:
         info = connection.execute(f"PRAGMA table_info({_ident(table)})").fetchall()  # cid, name, type, ., ., pk
         pk = tuple(col for _, col, _, _, _, order in sorted(info, key=lambda r: r[5]) if order)
-        groups: dict[int, list] = {}
+        groups: dict[int, list[tuple[Any, ...]]] = {}
         for fk in connection.execute(f"PRAGMA foreign_key_list({_ident(table)})").fetchall():
             groups.setdefault(fk[0], []).append(fk)  # id, seq, table, from, to, ...
         fks = tuple(
@@ -202,7 +204,7 @@ def sqlite_schema(connection, name: str = "main") -> DatabaseSchema:
     return DatabaseSchema(name, tuple(tables))
 
 
-def duckdb_schema(connection, name: str | None = None, schema: str = "main") -> DatabaseSchema:
+def duckdb_schema(connection: Any, name: str | None = None, schema: str = "main") -> DatabaseSchema:
     """Tables of one DuckDB schema (``duckdb_columns()``, ``duckdb_constraints()``)."""
     tables = [
         t
