@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from kvreuse.errors import check_kernel_argument as _check
+from kvreuse.sparse import cpu_attention
 from kvreuse.sparse.config import SparseConfig
-from kvreuse.sparse.figures import AttendedFractions, recovery_ratio, sample_recovery, should_sample
+from kvreuse.sparse.figures import AttendedFractions, sample_recovery, should_sample
 from kvreuse.sparse.policy import INF, RuleBasedPolicy
 
 
@@ -274,30 +275,29 @@ class SparseAttention:
 
     def _dense(self, query, key_cache, value_cache, sub: SubBatch, out) -> None:
         """Dense causal attention of a sub-batch (prefill, chunked prefill, dense decode) into its rows."""
-        from kvreuse.kernels.paged_causal import PagedCausalAttention, paged_causal_reference
-
         if self._use_kernels(query):
+            from kvreuse.kernels.paged_causal import PagedCausalAttention
+
             launcher = PagedCausalAttention(
                 self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size, scale=self.scale
             )
             launcher.plan(sub.query_starts, sub.query_ends, sub.seq_lens, sub.block_table, sub.max_query_len)
             launcher.run(query, key_cache, value_cache, out)
-        else:
-            paged_causal_reference(
-                query,
-                key_cache,
-                value_cache,
-                sub.query_starts,
-                sub.query_ends,
-                sub.seq_lens,
-                sub.block_table,
-                self.scale,
-                out,
-            )
+            return
+        key_pages, value_pages = cpu_attention.token_rows(key_cache), cpu_attention.token_rows(value_cache)
+        for i, (first, last, seq_len) in enumerate(
+            zip(sub.query_starts.tolist(), sub.query_ends.tolist(), sub.seq_lens.tolist())
+        ):
+            blocks = sub.block_table[i, : -(-seq_len // self.block_size)]
+            if last - first == 1:
+                result = cpu_attention.dense_decode(query[first], key_pages, value_pages, blocks, seq_len, self.scale)
+            else:
+                keys = cpu_attention.gather_sequence(key_pages, blocks, seq_len)
+                values = cpu_attention.gather_sequence(value_pages, blocks, seq_len)
+                result = cpu_attention.dense_causal(query[first:last], keys, values, self.scale)
+            out[first:last] = result.to(out.dtype)
 
     def _dipr_decode(self, layer, query, key_cache, value_cache, bounds, sub: SubBatch, max_seq_len: int, out) -> None:
-        from kvreuse.kernels.dipr_decode import DIPRCounters
-
         rows, seq_lens, block_table = sub.query_starts.long(), sub.seq_lens, sub.block_table
         q = query.index_select(0, rows)
         betas = torch.full((len(sub.reqs),), self.policy.layer_beta(layer), dtype=torch.float32, device=query.device)
@@ -319,27 +319,41 @@ class SparseAttention:
             )
             launcher.plan(seq_lens, block_table, max_seq_len=max_seq_len)
             result, counters = launcher.run(q.contiguous(), key_cache, value_cache, bounds, betas, return_counters=True)
-            if sampled:
-                self.figures.add_recovery(
-                    layer, sample_recovery(q, key_cache, bounds, block_table, seq_lens, betas, self.scale, sink, local)
-                )
         else:
-            from kvreuse.kernels.dipr_decode import dipr_selection_reference, masked_decode_reference
-
-            seq_lens_cpu = seq_lens.cpu()
-            sel = dipr_selection_reference(
-                q, key_cache, bounds, block_table, seq_lens_cpu, betas, self.scale, sink, local
+            result, counters = self._dipr_decode_cpu(q, key_cache, value_cache, bounds, sub, betas)
+        if sampled:
+            self.figures.add_recovery(
+                layer, sample_recovery(q, key_cache, bounds, block_table, seq_lens, betas, self.scale, sink, local)
             )
-            result = masked_decode_reference(value_cache, block_table, seq_lens_cpu, sel.logits, sel.attended)
-            counters = DIPRCounters(
-                torch.stack([read.sum(-1, dtype=torch.int32) for read in sel.blocks_read]),
-                (seq_lens_cpu + self.block_size - 1) // self.block_size,
-                torch.stack([att.sum(-1, dtype=torch.int32) for att in sel.attended]),
-                seq_lens_cpu.clone(),
-            )
-            if sampled:
-                self.figures.add_recovery(
-                    layer, torch.stack([recovery_ratio(lg, at) for lg, at in zip(sel.logits, sel.attended)])
-                )
         out.index_copy_(0, rows, result.to(out.dtype))
         self.figures.add(layer, counters)
+
+    def _dipr_decode_cpu(self, q, key_cache, value_cache, bounds, sub: SubBatch, betas: torch.Tensor):
+        """``_dipr_decode``'s work in PyTorch, sequence by sequence (``cpu_attention.dipr_decode``)."""
+        from kvreuse.kernels.dipr_decode import BOUND_SLACK, DIPRCounters
+
+        key_pages, value_pages = cpu_attention.token_rows(key_cache), cpu_attention.token_rows(value_cache)
+        seq_lens = sub.seq_lens.tolist()
+        results = [
+            cpu_attention.dipr_decode(
+                q[i],
+                key_pages,
+                value_pages,
+                bounds,
+                sub.block_table[i],
+                seq_len,
+                beta,
+                self.scale,
+                self.config.sink,
+                self.config.local,
+                BOUND_SLACK,
+            )
+            for i, (seq_len, beta) in enumerate(zip(seq_lens, betas.tolist()))
+        ]
+        counters = DIPRCounters(
+            torch.stack([r.blocks_read for r in results]).to(torch.int32),
+            (sub.seq_lens + self.block_size - 1) // self.block_size,
+            torch.stack([r.tokens_attended for r in results]).to(torch.int32),
+            sub.seq_lens.clone(),
+        )
+        return torch.stack([r.out for r in results]), counters
