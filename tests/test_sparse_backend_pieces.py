@@ -229,7 +229,7 @@ def test_a_step_is_split_once_per_kind_of_layer_and_again_after_new_settings(mon
     assert calls == [True, False]  # layers 0-1 dense, 2-3 sparse
     plan = engine.attention._plan(batch, False)
     assert plan.dipr.reqs == (0,) and plan.dense.reqs == (1,)  # request 1 (46 tokens) is under min_context
-    assert plan.dense_decodes == (2, 46)
+    assert plan.dense_decodes == (1, 2, 46)  # one decode, its 2 blocks and 46 tokens
     engine.attention.configure(sparse(4.0, dense_layers=2, min_context=10))
     torch.testing.assert_close(engine.attend(2, query, batch), outs[2], atol=1e-5, rtol=0)
     assert calls == [True, False, False] and engine.attention._plan(batch, False).dipr.reqs == (0, 1)

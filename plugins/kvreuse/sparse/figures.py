@@ -53,8 +53,10 @@ def sample_recovery(
 
 
 COUNTERS = ("blocks_read", "blocks_total", "tokens_attended", "tokens_total")
-# Cumulative figures per layer: the kernel's COUNTERS, then the sum of the sampled recovery ratios and their number.
-FIGURES = COUNTERS + ("recovery_kept", "recovery_samples")
+# Cumulative figures per layer: the kernel's COUNTERS, the number of decodes (sequence x layer) that ran DIPR and
+# that the policy kept dense, then the sum of the sampled recovery ratios and their number.
+DECODES = ("dipr_decodes", "dense_decodes")
+FIGURES = COUNTERS + DECODES + ("recovery_kept", "recovery_samples")
 
 
 @dataclass
@@ -62,6 +64,8 @@ class _LayerSums:
     counts: torch.Tensor | None = None  # DIPR decodes' int64 [len(COUNTERS)], on the device the kernel ran on
     dense_blocks: int = 0  # decodes kept dense read every block (x KV heads) and token (x query heads): host ints
     dense_tokens: int = 0
+    dipr_decodes: int = 0  # host ints: how many sequences decoded with DIPR / densely in this layer
+    dense_decodes: int = 0
     recovery_kept: float = 0.0
     recovery_samples: int = 0
     recovery_min: float = math.inf
@@ -94,13 +98,15 @@ class AttendedFractions:
             )
         )
         sums.counts = step if sums.counts is None else sums.counts + step
+        sums.dipr_decodes += counters.blocks_total.shape[0]  # a shape: known on the host without a device read
 
-    def add_dense(self, layer: int, blocks: int, tokens: int) -> None:
-        """Dense decodes of ``layer`` that read ``blocks`` KV blocks x KV heads and ``tokens`` tokens x query heads
-        (all of their contexts)."""
+    def add_dense(self, layer: int, blocks: int, tokens: int, decodes: int) -> None:
+        """``decodes`` dense decodes of ``layer`` that read ``blocks`` KV blocks x KV heads and ``tokens`` tokens x
+        query heads (all of their contexts)."""
         sums = self._layers.setdefault(layer, _LayerSums())
         sums.dense_blocks += blocks
         sums.dense_tokens += tokens
+        sums.dense_decodes += decodes
 
     def add_recovery(self, layer: int, ratios: torch.Tensor) -> None:
         ratios = ratios.detach().flatten().double().cpu()
@@ -126,6 +132,10 @@ class AttendedFractions:
             if sums.dense_blocks or sums.dense_tokens
         }
 
+    def decode_totals(self) -> dict[int, tuple[int, int]]:
+        """Per layer: how many decodes ran DIPR and how many the policy kept dense (``DECODES``, host values)."""
+        return {layer: (sums.dipr_decodes, sums.dense_decodes) for layer, sums in sorted(self._layers.items())}
+
     def recovery_totals(self) -> dict[int, tuple[float, int]]:
         """Per layer with samples: the sum of the sampled recovery ratios and their number (host values)."""
         return {
@@ -135,7 +145,8 @@ class AttendedFractions:
         }
 
     def rows(self) -> list[dict[str, float | int | None]]:
-        """One row per layer: ``layer, block_fraction, token_fraction, recovery_mean, recovery_min, samples``."""
+        """One row per layer: ``layer``, its ``COUNTERS`` (DIPR and dense decodes) and ``DECODES``, ``block_fraction``,
+        ``token_fraction``, ``recovery_mean``, ``recovery_min``, ``samples``."""
         rows = []
         for layer in sorted(self._layers):
             sums = self._layers[layer]
@@ -147,6 +158,12 @@ class AttendedFractions:
             rows.append(
                 {
                     "layer": layer,
+                    "blocks_read": blocks_read,
+                    "blocks_total": blocks_total,
+                    "tokens_attended": tokens_attended,
+                    "tokens_total": tokens_total,
+                    "dipr_decodes": sums.dipr_decodes,
+                    "dense_decodes": sums.dense_decodes,
                     "block_fraction": blocks_read / blocks_total if blocks_total else None,
                     "token_fraction": tokens_attended / tokens_total if tokens_total else None,
                     "recovery_mean": sums.recovery_kept / sums.recovery_samples if sampled else None,
@@ -217,6 +234,8 @@ class FigureIncrements:
         for layer, dense in fractions.dense_totals().items():
             for name, value in zip(COUNTERS, dense):
                 now[(name, layer)] = now.get((name, layer), 0) + value
+        for layer, decodes in fractions.decode_totals().items():
+            now.update({(name, layer): value for name, value in zip(DECODES, decodes)})
         for layer, (kept, samples) in fractions.recovery_totals().items():
             now.update({("recovery_kept", layer): kept, ("recovery_samples", layer): samples})
         grown = {key: value - self._reported.get(key, 0) for key, value in now.items()}

@@ -81,12 +81,12 @@ class SubBatch:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """How one step's batch splits in a layer: dense requests, DIPR decodes, and the blocks and tokens of the
-    decodes kept dense (for the figures)."""
+    """How one step's batch splits in a layer: dense requests, DIPR decodes, and the number, blocks and tokens of
+    the decodes kept dense (for the figures)."""
 
     dense: SubBatch | None
     dipr: SubBatch | None
-    dense_decodes: tuple[int, int]
+    dense_decodes: tuple[int, int, int]
 
 
 def gather(batch: PagedBatch, reqs: list[int], max_query_len: int) -> SubBatch:
@@ -115,7 +115,7 @@ def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_si
     lens = batch.seq_lens_cpu.tolist()
     dense_reqs: list[int] = []
     dipr_reqs: list[int] = []
-    dense_blocks = dense_tokens = 0
+    dense_count = dense_blocks = dense_tokens = 0
     for req in range(batch.num_reqs):
         new_tokens = starts[req + 1] - starts[req]
         if new_tokens <= 0:
@@ -125,13 +125,14 @@ def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_si
             continue
         dense_reqs.append(req)
         if new_tokens == 1:
+            dense_count += 1
             dense_blocks += -(-lens[req] // block_size)
             dense_tokens += lens[req]
     max_query_len = max((starts[req + 1] - starts[req] for req in dense_reqs), default=0)
     return StepPlan(
         dense=gather(batch, dense_reqs, max_query_len) if dense_reqs else None,
         dipr=gather(batch, dipr_reqs, 1) if dipr_reqs else None,
-        dense_decodes=(dense_blocks, dense_tokens),
+        dense_decodes=(dense_count, dense_blocks, dense_tokens),
     )
 
 
@@ -254,9 +255,9 @@ class SparseAttention:
     ) -> torch.Tensor:
         """Attention of every real token of ``batch`` in ``layer``, written into ``out[num_tokens, hq, d]``."""
         plan = self._plan(batch, self.dense_layer(layer))
-        if plan.dense_decodes != (0, 0):
-            blocks, tokens = plan.dense_decodes
-            self.figures.add_dense(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads)
+        count, blocks, tokens = plan.dense_decodes
+        if count:
+            self.figures.add_dense(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads, count)
         if plan.dense is not None:
             self._dense(query, key_cache, value_cache, plan.dense, out)
         if plan.dipr is not None:
