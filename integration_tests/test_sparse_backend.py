@@ -61,16 +61,13 @@ def _figures(llm):
     return llm.collective_rpc(call)[0]
 
 
-def _sparse_counters() -> dict[tuple[str, int], float]:
-    """The ``kvreuse:sparse_*`` counters of the offline front end (this process's Prometheus registry; vLLM's
-    ``LLM.get_metrics`` lists only its own ``vllm:`` metrics), by name and layer."""
-    from prometheus_client import REGISTRY
-
+def _sparse_counters(llm) -> dict[tuple[str, int], float]:
+    """The ``vllm:kvreuse_sparse_*`` counters as ``LLM.get_metrics()`` lists them, by name and layer."""
+    prefix = "vllm:kvreuse_sparse_"
     return {
-        (s.name, int(s.labels["layer"])): s.value
-        for family in REGISTRY.collect()
-        for s in family.samples
-        if s.name.startswith("kvreuse:sparse_") and s.name.endswith("_total")
+        (m.name.removeprefix(prefix), int(m.labels["layer"])): m.value
+        for m in llm.get_metrics()
+        if m.name.startswith(prefix)
     }
 
 
@@ -182,16 +179,16 @@ def test_block_bounds_are_one_padding_row_of_each_kv_page_inside_the_cache_budge
     assert layout["written_blocks"] >= 1600 // 32 and layout["max_is_key_max"]
 
 
-def test_the_figures_reach_vllms_metrics_per_layer_through_the_figures_connector(sparse_llm):
+def test_the_figures_and_decode_counts_reach_llm_get_metrics_per_layer_through_the_figures_connector(sparse_llm):
     sparse_llm.collective_rpc(_configure({**EXACT, "beta": 2.0, "sample_recovery": 4}))
-    before = _sparse_counters()
+    before = _sparse_counters(sparse_llm)
     greedy_tokens(sparse_llm, [LONG_PROMPT], max_tokens=8)
-    after = _sparse_counters()
+    after = _sparse_counters(sparse_llm)
     rows = _figures(sparse_llm)
     assert {layer for _, layer in after} == {row["layer"] for row in rows} == {0, 1}
 
     def grown(name: str, layer: int) -> float:
-        return after[(f"kvreuse:sparse_{name}_total", layer)] - before.get((f"kvreuse:sparse_{name}_total", layer), 0)
+        return after[(name, layer)] - before.get((name, layer), 0)
 
     for row in rows:
         layer = row["layer"]
@@ -199,7 +196,8 @@ def test_the_figures_reach_vllms_metrics_per_layer_through_the_figures_connector
         assert grown("blocks_read", layer) / grown("blocks", layer) == pytest.approx(row["block_fraction"])
         assert grown("tokens_attended", layer) / grown("tokens", layer) == pytest.approx(row["token_fraction"])
         assert grown("recovery_samples", layer) == row["samples"] > 0
-        assert grown("recovery_kept", layer) / row["samples"] == pytest.approx(row["recovery_mean"])
+        assert grown("recovery_kept_ppm", layer) / 1e6 / row["samples"] == pytest.approx(row["recovery_mean"], rel=1e-5)
+        assert grown("dipr_decodes", layer) == row["dipr_decodes"] == 7  # 8 tokens: the first comes from prefill
 
 
 def test_the_triton_path_in_the_engine_gives_the_pytorch_paths_tokens_and_figures(sparse_llm):
