@@ -233,3 +233,21 @@ def test_a_step_is_split_once_per_kind_of_layer_and_again_after_new_settings(mon
     engine.attention.configure(sparse(4.0, dense_layers=2, min_context=10))
     torch.testing.assert_close(engine.attend(2, query, batch), outs[2], atol=1e-5, rtol=0)
     assert calls == [True, False, False] and engine.attention._plan(batch, False).dipr.reqs == (0, 1)
+
+
+def test_a_decode_kept_dense_by_min_context_is_said_once_per_setting_with_the_fix(caplog):
+    engine = Engine(sparse(4.0, min_context=100))
+    engine.step(PROMPTS)
+    with caplog.at_level("INFO", logger="kvreuse.sparse"):
+        for _ in range(2):
+            query, _, _, batch = engine.step([1, 1])
+            for layer in range(2):
+                engine.attend(layer, query, batch)
+        notes = [r.getMessage() for r in caplog.records if "min_context" in r.getMessage()]
+        assert len(notes) == 1
+        assert "min_context = 100" in notes[0] and "(first one: 46 tokens)" in notes[0]
+        assert "KVREUSE_SPARSE_MIN_CONTEXT" in notes[0]
+        engine.attention.configure(sparse(4.0, min_context=10))  # nothing under it now: nothing said
+        query, _, _, batch = engine.step([1, 1])
+        engine.attend(0, query, batch)
+        assert len([r for r in caplog.records if "min_context" in r.getMessage()]) == 1

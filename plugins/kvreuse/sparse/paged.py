@@ -30,6 +30,7 @@ sequences the policy keeps dense add every block and token, so the fractions are
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,7 @@ class StepPlan:
     dense: SubBatch | None
     dipr: SubBatch | None
     dense_decodes: tuple[int, int, int]
+    under_min_context: int = 0  # the longest context of a decode kept dense only for being under min_context
 
 
 def gather(batch: PagedBatch, reqs: list[int], max_query_len: int) -> SubBatch:
@@ -115,7 +117,7 @@ def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_si
     lens = batch.seq_lens_cpu.tolist()
     dense_reqs: list[int] = []
     dipr_reqs: list[int] = []
-    dense_count = dense_blocks = dense_tokens = 0
+    dense_count = dense_blocks = dense_tokens = under_min_context = 0
     for req in range(batch.num_reqs):
         new_tokens = starts[req + 1] - starts[req]
         if new_tokens <= 0:
@@ -125,6 +127,8 @@ def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_si
             continue
         dense_reqs.append(req)
         if new_tokens == 1:
+            if not dense_layer:
+                under_min_context = max(under_min_context, lens[req])
             dense_count += 1
             dense_blocks += -(-lens[req] // block_size)
             dense_tokens += lens[req]
@@ -133,6 +137,7 @@ def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_si
         dense=gather(batch, dense_reqs, max_query_len) if dense_reqs else None,
         dipr=gather(batch, dipr_reqs, 1) if dipr_reqs else None,
         dense_decodes=(dense_count, dense_blocks, dense_tokens),
+        under_min_context=under_min_context,
     )
 
 
@@ -189,6 +194,7 @@ class SparseAttention:
         )
         self.scale = float(scale)
         self.kernels = kernels
+        self.log = logging.getLogger("kvreuse.sparse")  # an adapter may hand its engine's logger instead
         self.figures = AttendedFractions()
         self._dipr_steps: dict[int, int] = {}  # DIPR decode calls per layer, for sample_recovery
         self._plans: tuple[PagedBatch, dict[bool, StepPlan]] | None = None  # the current step's, by dense_layer
@@ -198,6 +204,7 @@ class SparseAttention:
         self.config = config
         self.policy = RuleBasedPolicy(config)
         self._plans = None
+        self._told_min_context = False
 
     def allocate_bounds(self, num_blocks: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         """Empty bounds (maxima ``-inf``, minima ``+inf``) for a cache of ``num_blocks`` blocks."""
@@ -272,6 +279,15 @@ class SparseAttention:
         plans = self._plans[1]
         if dense_layer not in plans:
             plans[dense_layer] = split_batch(batch, dense_layer, self.config.min_context, self.block_size)
+            if plans[dense_layer].under_min_context and not self._told_min_context:
+                self._told_min_context = True
+                self.log.info(
+                    "kvreuse sparse: decodes of contexts shorter than min_context = %d tokens attend densely in every "
+                    "layer (first one: %d tokens); lower sparse.min_context (KVREUSE_SPARSE_MIN_CONTEXT) to prune "
+                    "them. Said once per setting.",
+                    self.config.min_context,
+                    plans[dense_layer].under_min_context,
+                )
         return plans[dense_layer]
 
     def _dense(self, query, key_cache, value_cache, sub: SubBatch, out) -> None:
