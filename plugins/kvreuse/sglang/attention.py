@@ -200,6 +200,7 @@ class SparseAttnBackend(AttentionBackend):
             self.attention = SparseAttention(
                 layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, self.page_size, layer.scaling, self.config
             )
+            self.attention.log = logger
         return self.attention
 
     def _caches(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -108,6 +108,7 @@ def _shared_attention(num_heads: int, num_kv_heads: int, head_size: int, scale: 
         config = SparseConfig.load(kvreuse_flags(vllm_config.additional_config, "sparse"))
         block_size = vllm_config.cache_config.block_size
         _ATTENTION = SparseAttention(num_heads, num_kv_heads, head_size, block_size, scale, config)
+        _ATTENTION.log = logger
         _OWNER = vllm_config
         logger.info("kvreuse sparse attention: %s", config)
     return _ATTENTION
