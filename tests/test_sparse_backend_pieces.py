@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvreuse.kernels.block_bounds import merge_written_keys_reference, recompute_bounds_reference
 from kvreuse.kernels.dipr_decode import dense_decode_reference, dipr_selection_reference, masked_decode_reference
+from kvreuse.kernels.key_sketch import sketch_reference
 from kvreuse.kernels.paged_write import store_kv_reference
 from kvreuse.sparse.config import SparseConfig
-from kvreuse.sparse.paged import PagedBatch, SparseAttention, merge_bounds
+from kvreuse.sparse.paged import PagedBatch, SparseAttention
 
 BLOCK, KV_HEADS, Q_HEADS, DIM, POOL = 32, 2, 4, 64, 40
 SCALE = DIM**-0.5
@@ -29,7 +29,7 @@ class Engine:
         # One tensor like vLLM's LBNHC layer view: [blocks, tokens, heads, K|V].
         kv = torch.zeros(POOL, BLOCK, KV_HEADS, 2 * DIM)
         self.key_cache, self.value_cache = kv.split(DIM, dim=-1)
-        self.bounds = self.attention.allocate_bounds(POOL, torch.float32, "cpu")
+        self.sketch = self.attention.allocate_sketch(POOL, "cpu")
         self.order = torch.randperm(POOL, generator=self.g).to(torch.int32)
         self.table = torch.zeros(len(PROMPTS), 16, dtype=torch.int32)
         self.lens = [0] * len(PROMPTS)
@@ -77,12 +77,12 @@ class Engine:
             total,
             max(self.lens),
         )
-        self.attention.write(key, value, self.key_cache, self.value_cache, self.bounds, batch.slot_mapping)
+        self.attention.write(key, value, self.key_cache, self.value_cache, self.sketch, batch.slot_mapping)
         return query, key, value, batch
 
     def attend(self, layer: int, query: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         out = torch.empty_like(query)
-        return self.attention.attend(layer, query, self.key_cache, self.value_cache, self.bounds, batch, out)
+        return self.attention.attend(layer, query, self.key_cache, self.value_cache, self.sketch, batch, out)
 
 
 def sparse(beta: float, **settings) -> SparseConfig:
@@ -104,26 +104,33 @@ def test_cache_write_skips_padding_slots():
     assert int((cache[0] != 0).any(-1).sum()) == 2 and torch.equal(cache[1][1, 2, 0], torch.tensor([2.0, 2.0]))
 
 
-def test_bounds_stay_equal_to_bounds_recomputed_from_the_cache_after_prefill_and_every_decode():
+def test_the_sketch_is_the_sketch_of_every_stored_key_after_prefill_and_each_decode():
     engine = Engine(sparse(6.0))
-    expected = engine.attention.allocate_bounds(POOL, torch.float32, "cpu")
-    for new_tokens in (PROMPTS, [1, 1], [1, 1], *([[1, 1]] * 40)):  # request 1 crosses block boundaries
-        *_, batch = engine.step(new_tokens)
-        merge_written_keys_reference(expected, engine.key_cache, batch.slot_mapping)
-        assert torch.equal(engine.bounds, expected)
-    filled = torch.tensor([min(BLOCK, max(0, n - i * BLOCK)) for n in engine.lens for i in range(16)])
-    blocks = engine.table.flatten().long()
-    used = filled > 0
-    assert torch.equal(
-        engine.bounds[blocks[used]], recompute_bounds_reference(engine.key_cache, blocks[used], filled[used])
+    for new_tokens in (PROMPTS, [1, 1], *([[1, 1]] * 40)):  # request 1 crosses block boundaries
+        engine.step(new_tokens)
+        slots = torch.tensor(
+            [int(engine.table[r, p // BLOCK]) * BLOCK + p % BLOCK for r, n in enumerate(engine.lens) for p in range(n)]
+        )
+        codes, scales = sketch_reference(engine.key_cache.flatten(0, 1)[slots])
+        assert torch.equal(engine.sketch.codes.flatten(0, 1)[slots], codes)
+        assert torch.equal(engine.sketch.scales.flatten(0, 1)[slots], scales)
+
+
+def test_a_reused_slot_gets_its_new_keys_sketch():
+    attention = SparseAttention(1, 1, 2, 4, 1.0)
+    cache, sketch = torch.zeros(1, 4, 1, 2), attention.allocate_sketch(1, "cpu")
+    attention.write(
+        torch.tensor([[[100.0, -100.0]]]),
+        torch.zeros(1, 1, 2),
+        cache,
+        torch.zeros_like(cache),
+        sketch,
+        torch.tensor([0]),
     )
-
-
-def test_a_reused_block_forgets_its_previous_owners_keys():
-    bounds = SparseAttention(1, 1, 2, 4, 1.0).allocate_bounds(1, torch.float32, "cpu")
-    merge_bounds(bounds, torch.tensor([[[100.0, -100.0]]]), torch.tensor([0]), 4)
-    merge_bounds(bounds, torch.tensor([[[1.0, 2.0]], [[3.0, 0.0]]]), torch.tensor([0, 1]), 4)
-    assert bounds[0, 0].tolist() == [[3.0, 2.0], [1.0, 0.0]]
+    attention.write(
+        torch.tensor([[[1.0, 2.0]]]), torch.zeros(1, 1, 2), cache, torch.zeros_like(cache), sketch, torch.tensor([0])
+    )
+    assert sketch.codes[0, 0, 0].tolist() == [64, 127] and sketch.scales[0, 0, 0] == pytest.approx(2 / 127)
 
 
 def test_prefill_is_dense_and_causal():
@@ -158,7 +165,7 @@ def test_finite_beta_attends_a_superset_of_the_exact_dipr_set_and_reads_fewer_bl
     query, _, _, batch = engine.step([1, 1])
     out = engine.attend(1, query, batch)
     sel = dipr_selection_reference(
-        query, engine.key_cache, engine.bounds, batch.block_table, batch.seq_lens, 4.0, SCALE, 4, 8
+        query, engine.key_cache, engine.sketch, batch.block_table, batch.seq_lens, 4.0, SCALE, 4, 8
     )
     for attended, exact in zip(sel.attended, sel.exact):
         assert bool((attended | ~exact).all()), "a token of the exact DIPR set was not attended"
@@ -185,7 +192,8 @@ def test_the_triton_path_computes_what_the_pytorch_path_computes_step_by_step():
             torch.testing.assert_close(
                 engines[1].attend(layer, q1, batch1), engines[0].attend(layer, q0, batch0), atol=1e-5, rtol=0
             )
-        assert torch.equal(engines[1].bounds, engines[0].bounds)
+        assert torch.equal(engines[1].sketch.codes, engines[0].sketch.codes)
+        assert torch.equal(engines[1].sketch.scales, engines[0].sketch.scales)
     assert engines[1].attention.figures.rows() == engines[0].attention.figures.rows()
     assert engines[1].attention.figures.rows()[1]["block_fraction"] < 0.8
 

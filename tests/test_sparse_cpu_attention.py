@@ -1,7 +1,9 @@
 """The sparse backend's CPU attention (``kvreuse.sparse.cpu_attention``) against the kernels' PyTorch references.
 
-The caches have vLLM's page layout with kvreuse's bounds row: ``[blocks, block_size + 1, kv_heads, K|V]`` of
-which the first ``block_size`` rows are tokens; block size 32, head_dim 64, 6 query heads on 2 KV heads.
+The caches have vLLM's page layout with kvreuse's key sketch after the tokens: ``[blocks, block_size + 5, kv_heads,
+K|V]`` of which the first ``block_size`` rows are tokens and the rest hold NaN here (as floats, the sketch's bytes
+may read as anything), so that a computation touching them would show; block size 32, head_dim 64, 6 query heads on
+2 KV heads.
 Tolerances follow from the dtype and the length of the sums: a softmax-weighted sum of ``n`` values computed in
 two summation orders differs by at most about ``n * eps`` times the largest value.
 """
@@ -11,13 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvreuse.kernels.block_bounds import recompute_bounds_reference
 from kvreuse.kernels.dipr_decode import (
-    BOUND_SLACK,
     dense_decode_reference,
     dipr_selection_reference,
     masked_decode_reference,
 )
+from kvreuse.kernels.key_sketch import KeySketch, sketch_reference
 from kvreuse.kernels.paged_causal import causal_attention_reference
 from kvreuse.sparse import cpu_attention
 
@@ -34,22 +35,22 @@ def tolerance(dtype: torch.dtype, n: int, magnitude: float) -> float:
 
 
 def caches(dtype=torch.float32, seed=0, peaked=False):
-    """Key and value caches as views of one padded page tensor (as vLLM hands them), and exact bounds.
+    """Key and value caches as views of one padded page tensor (as vLLM hands them), the sketch rows NaN.
 
-    ``peaked``: small keys, except a key along the queries' direction at positions 0 and 200 of every sequence
-    (set by ``place``), so that DIPR has something to keep and much to prune.
+    ``peaked``: small keys, so that the keys ``peaked_sequence`` aligns with the query stand out.
     """
     g = torch.Generator().manual_seed(seed)
-    pages = torch.randn(POOL, BLOCK + 1, KV_HEADS, 2 * DIM, generator=g)
+    pages = torch.randn(POOL, BLOCK + 5, KV_HEADS, 2 * DIM, generator=g)
     if peaked:
         pages *= 0.05
+    pages[:, BLOCK:] = float("nan")
     pages = pages.to(dtype)
     key_cache, value_cache = pages[:, :BLOCK].split(DIM, dim=-1)
     return key_cache, value_cache, g
 
 
-def bounds_of(key_cache):
-    return recompute_bounds_reference(key_cache, torch.arange(POOL), torch.full((POOL,), BLOCK))
+def sketch_of(key_cache) -> KeySketch:
+    return KeySketch(*sketch_reference(key_cache))
 
 
 def table(n: int, consecutive: bool, g: torch.Generator) -> torch.Tensor:
@@ -58,12 +59,14 @@ def table(n: int, consecutive: bool, g: torch.Generator) -> torch.Tensor:
     return ids.to(torch.int32)
 
 
-def test_token_rows_view_vllm_pages_in_place_with_the_bounds_row_as_an_extra_row():
-    key_cache, _, _ = caches()
-    pages = cpu_attention.token_rows(key_cache)
-    assert pages.per_page == BLOCK + 1
-    assert pages.rows.untyped_storage().data_ptr() == key_cache.untyped_storage().data_ptr()
-    assert torch.equal(pages.rows[7 * (BLOCK + 1) + 3], key_cache[7, 3])
+def test_gather_blocks_copies_whole_pages_or_takes_the_view_of_consecutive_ones():
+    key_cache, value_cache, _ = caches()
+    scattered = torch.tensor([7, 2, 30])
+    for cache in (key_cache, value_cache):
+        gathered = cpu_attention.gather_blocks(cache, scattered)
+        assert torch.equal(gathered, cache[scattered]) and gathered.stride()[1:] == cache.stride()[1:]
+        run = cpu_attention.gather_blocks(cache, torch.tensor([4, 5, 6]))
+        assert run.data_ptr() == cache[4].data_ptr() and torch.equal(run, cache[4:7])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -73,8 +76,8 @@ def test_dense_causal_equals_the_reference(dtype, n, q_len, consecutive):
     key_cache, value_cache, g = caches(dtype)
     blocks = table(n, consecutive, g)
     query = torch.randn(q_len, Q_HEADS, DIM, generator=g).to(dtype)
-    keys = cpu_attention.gather_sequence(cpu_attention.token_rows(key_cache), blocks, n)
-    values = cpu_attention.gather_sequence(cpu_attention.token_rows(value_cache), blocks, n)
+    keys = cpu_attention.sequence_tokens(key_cache, blocks, n)
+    values = cpu_attention.sequence_tokens(value_cache, blocks, n)
     got = cpu_attention.dense_causal(query, keys, values, SCALE).float()
     want = causal_attention_reference(query, key_cache, value_cache, blocks, n, SCALE)
     assert got.shape == want.shape
@@ -84,13 +87,11 @@ def test_dense_causal_equals_the_reference(dtype, n, q_len, consecutive):
 
 @pytest.mark.parametrize("n", [1, 31, 32, 300])
 @pytest.mark.parametrize("consecutive", [True, False])
-def test_dense_decode_reads_the_pages_in_place_and_equals_the_reference(n, consecutive):
+def test_dense_decode_equals_the_reference(n, consecutive):
     key_cache, value_cache, g = caches()
     blocks = table(n, consecutive, g)
     query = torch.randn(Q_HEADS, DIM, generator=g)
-    got = cpu_attention.dense_decode(
-        query, cpu_attention.token_rows(key_cache), cpu_attention.token_rows(value_cache), blocks, n, SCALE
-    )
+    got = cpu_attention.dense_decode(query, key_cache, value_cache, blocks, n, SCALE)
     want = dense_decode_reference(query[None], key_cache, value_cache, blocks[None], torch.tensor([n]), SCALE)[0]
     assert (got - want).abs().max() <= tolerance(torch.float32, n, float(value_cache.abs().max()))
 
@@ -106,29 +107,28 @@ def peaked_sequence(n: int, consecutive: bool, seed: int = 0):
         if pos < n:
             key_cache[blocks[pos // BLOCK], pos % BLOCK] = 3 * direction
     query = 16 * direction.repeat_interleave(Q_HEADS // KV_HEADS, 0) + 0.5 * torch.randn(Q_HEADS, DIM, generator=g)
-    return query, key_cache, value_cache, bounds_of(key_cache), blocks
+    return query, key_cache, value_cache, sketch_of(key_cache), blocks
 
 
 @pytest.mark.parametrize("beta", [float("inf"), 8.0, 2.0, 0.5])
 @pytest.mark.parametrize("consecutive", [True, False])
 @pytest.mark.parametrize("n", [300, 700])
 def test_dipr_decode_attends_the_references_set_and_computes_its_output(beta, consecutive, n):
-    query, key_cache, value_cache, bounds, blocks = peaked_sequence(n, consecutive)
+    query, key_cache, value_cache, sketch, blocks = peaked_sequence(n, consecutive)
     got = cpu_attention.dipr_decode(
         query,
-        cpu_attention.token_rows(key_cache),
-        cpu_attention.token_rows(value_cache),
-        bounds,
+        key_cache,
+        value_cache,
+        sketch,
         blocks,
         n,
         beta,
         SCALE,
         SINK,
         LOCAL,
-        BOUND_SLACK,
     )
     lens = torch.tensor([n])
-    sel = dipr_selection_reference(query[None], key_cache, bounds, blocks[None], lens, beta, SCALE, SINK, LOCAL)
+    sel = dipr_selection_reference(query[None], key_cache, sketch, blocks[None], lens, beta, SCALE, SINK, LOCAL)
     want = masked_decode_reference(value_cache, blocks[None], lens, sel.logits, sel.attended)[0]
     assert got.blocks_read.tolist() == sel.blocks_read[0].sum(1).tolist()
     assert got.tokens_attended.tolist() == sel.attended[0].sum(1).tolist()

@@ -19,6 +19,7 @@ import torch
 
 if TYPE_CHECKING:  # the kernels need Triton; the figures import them only when sampling
     from kvreuse.kernels.dipr_decode import DIPRCounters
+    from kvreuse.kernels.key_sketch import KeySketch
 
 
 def should_sample(step: int, every: int) -> bool:
@@ -35,7 +36,7 @@ def recovery_ratio(logits: torch.Tensor, attended: torch.Tensor) -> torch.Tensor
 def sample_recovery(
     query: torch.Tensor,
     key_cache: torch.Tensor,
-    bounds: torch.Tensor,
+    sketch: KeySketch,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     beta: float | torch.Tensor,
@@ -46,7 +47,7 @@ def sample_recovery(
     """Recovery ratio ``[num_seqs, num_q_heads]`` of the set the DIPR kernel attends, by the reference."""
     from kvreuse.kernels.dipr_decode import dipr_selection_reference
 
-    sel = dipr_selection_reference(query, key_cache, bounds, block_table, seq_lens, beta, scale, sink, local)
+    sel = dipr_selection_reference(query, key_cache, sketch, block_table, seq_lens, beta, scale, sink, local)
     if not sel.logits:
         return torch.zeros(0, query.shape[1])
     return torch.stack([recovery_ratio(lg, at) for lg, at in zip(sel.logits, sel.attended)])
