@@ -1,6 +1,7 @@
-"""The vLLM sparse backend keeps block bounds in one padding row of each KV page (``kvreuse.vllm.attention``).
+"""The vLLM sparse backend keeps each block's key sketch in padding rows of its KV page (``kvreuse.vllm.attention``).
 
-Shapes: 2 KV heads x head_dim 64, 32-token blocks, fp32: a page is 32 x 2 x 128 x 4 = 32 KiB, its bounds row 1 KiB.
+Shapes: 2 KV heads x head_dim 64, 32-token blocks, fp32: a page is 32 x 2 x 128 x 4 = 32 KiB, a token row 1 KiB,
+a block's sketch 32 x 2 x (64 + 4) = 4,352 bytes, so 5 rows.
 """
 
 from __future__ import annotations
@@ -10,18 +11,19 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvreuse.errors import ConfigError
-from kvreuse.vllm.attention import SparseAttentionBackend, page_bounds
+from kvreuse.vllm.attention import SparseAttentionBackend, page_sketch, sketch_rows
 
 BLOCK, KV_HEADS, DIM, BLOCKS = 32, 2, 64, 5
 PAGE = BLOCK * KV_HEADS * 2 * DIM * 4
 ROW = KV_HEADS * 2 * DIM * 4
+SKETCH_ROWS = 5
 
 
-def spec(**fields) -> FullAttentionSpec:
-    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=DIM, dtype=torch.float32, **fields)
+def spec(dtype=torch.float32, **fields) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=DIM, dtype=dtype, **fields)
 
 
-def padded_layer_view(pad_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_layer_view(pad_rows: int = SKETCH_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """A flat buffer and vLLM's ``[blocks, heads, tokens, K|V]`` LBNHC view of it, pages padded by ``pad_rows``."""
     row = KV_HEADS * 2 * DIM
     buffer = torch.zeros(BLOCKS * (BLOCK + pad_rows) * row)
@@ -29,34 +31,39 @@ def padded_layer_view(pad_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return buffer, view
 
 
-def test_customize_spec_pads_each_page_by_exactly_one_bounds_row():
+def test_customize_spec_pads_each_page_by_the_rows_of_its_sketch():
+    assert sketch_rows(spec()) == SKETCH_ROWS and sketch_rows(spec(torch.bfloat16)) == 9
     custom = SparseAttentionBackend.customize_spec(spec())
     assert spec().page_size_bytes == PAGE
-    assert custom.page_size_bytes == PAGE + ROW
+    assert custom.page_size_bytes == PAGE + SKETCH_ROWS * ROW
     assert SparseAttentionBackend.customize_spec(custom) == custom  # asked again, nothing changes
 
 
 def test_customize_spec_keeps_a_larger_padding_and_refuses_a_smaller_one():
-    assert (
-        SparseAttentionBackend.customize_spec(spec(page_size_padded=PAGE + 4 * ROW)).page_size_bytes == PAGE + 4 * ROW
-    )
-    with pytest.raises(ConfigError, match=f"needs {PAGE + ROW} bytes per KV page .* padded the page to {PAGE + 8}"):
+    larger = PAGE + 8 * ROW
+    assert SparseAttentionBackend.customize_spec(spec(page_size_padded=larger)).page_size_bytes == larger
+    with pytest.raises(ConfigError, match=f"needs {PAGE + SKETCH_ROWS * ROW} bytes .* padded the page to {PAGE + 8}"):
         SparseAttentionBackend.customize_spec(spec(page_size_padded=PAGE + 8))
 
 
-def test_page_bounds_are_the_padding_row_max_in_the_k_half_min_in_the_v_half():
+def test_page_sketch_views_the_padding_rows_codes_then_scales_and_touches_no_token():
     buffer, view = padded_layer_view()
-    bounds = page_bounds(view, DIM)
-    assert tuple(bounds.shape) == (BLOCKS, KV_HEADS, 2, DIM)
-    bounds[3, 1, 0] = 7.0  # block 3, KV head 1, maxima
-    bounds[3, 1, 1] = -7.0  # minima
-    row = buffer.view(BLOCKS, BLOCK + 1, KV_HEADS, 2 * DIM)[3, BLOCK, 1]
-    assert (row[:DIM] == 7.0).all() and (row[DIM:] == -7.0).all()
+    sketch = page_sketch(view, DIM)
+    assert tuple(sketch.codes.shape) == (BLOCKS, BLOCK, KV_HEADS, DIM) and sketch.codes.dtype == torch.int8
+    assert tuple(sketch.scales.shape) == (BLOCKS, BLOCK, KV_HEADS) and sketch.scales.dtype == torch.float32
+    sketch.codes[3, 2, 1] = 7  # block 3, token 2, KV head 1
+    sketch.scales[3, 31, 1] = 0.5  # the last scale of block 3
+    page = buffer.view(BLOCKS, -1)[3].view(torch.int8)
+    padding = page[BLOCK * ROW :]
+    codes_at = (2 * KV_HEADS + 1) * DIM
+    assert (padding[codes_at : codes_at + DIM] == 7).all()
+    scales = padding[BLOCK * KV_HEADS * DIM :].view(torch.float32)
+    assert scales[31 * KV_HEADS + 1] == 0.5
     assert (view == 0).all()  # no token of any page was touched
-    assert int((buffer != 0).sum()) == 2 * DIM
+    assert int((buffer.view(torch.int8) != 0).sum()) == DIM + 1  # 64 codes, and 0.5 = 0x3f000000: one byte
 
 
-def test_page_bounds_refuses_a_page_without_a_padding_row():
-    _, view = padded_layer_view(pad_rows=0)
-    with pytest.raises(ConfigError, match="has no such row"):
-        page_bounds(view, DIM)
+def test_page_sketch_refuses_a_page_without_room_for_it():
+    _, view = padded_layer_view(pad_rows=1)
+    with pytest.raises(ConfigError, match="has no such rows"):
+        page_sketch(view, DIM)

@@ -174,18 +174,19 @@ def test_the_metadata_is_sglangs_batch_in_pages():
     assert engine.backend.forward_metadata.seq_lens_cpu.tolist() == [301, 46]
 
 
-def test_the_kv_and_the_page_bounds_are_written_into_sglangs_pool():
+def test_the_kv_and_the_key_sketch_are_written_into_sglangs_pool():
+    from kvreuse.kernels.key_sketch import sketch_reference
+
     engine = Engine(sparse(8.0))
     engine.step(PROMPTS)
     for layer in range(LAYERS):
         keys = engine.kv_pool.get_key_buffer(layer)
         slots = engine.req_pool.req_to_token[engine.rows[0], :300].long()
         torch.testing.assert_close(keys[slots], torch.cat(engine.history[layer][0]["k"]))
-        bounds = engine.backend.bounds[layer]
-        page = int(slots[0]) // PAGE
-        page_keys = keys[page * PAGE : (page + 1) * PAGE]
-        torch.testing.assert_close(bounds[page, :, 0], page_keys.amax(0))
-        torch.testing.assert_close(bounds[page, :, 1], page_keys.amin(0))
+        sketch = engine.backend.sketches[layer]
+        codes, scales = sketch_reference(keys[slots])
+        assert torch.equal(sketch.codes.flatten(0, 1)[slots], codes)
+        assert torch.equal(sketch.scales.flatten(0, 1)[slots], scales)
 
 
 def test_decode_with_finite_beta_reads_fewer_tokens_and_keeps_the_heavy_hitters():
@@ -212,11 +213,11 @@ def test_the_triton_kernel_reads_sglangs_pool_pages_as_the_backend_does():
     q, k, v = engine.qkv([1, 1], 1)
     with forward_context(ForwardContext(attn_backend=engine.backend)):
         out = engine.layers[1](q.reshape(2, -1), k.reshape(2, -1), v.reshape(2, -1), fb).view(2, Q_HEADS, DIM)
-    key_cache, value_cache, bounds = engine.backend._caches(engine.layers[1])
+    key_cache, value_cache, sketch = engine.backend._caches(engine.layers[1])
     batch = engine.backend.forward_metadata
     kernel = DIPRDecode(Q_HEADS, KV_HEADS, DIM, PAGE, scale=SCALE, sink=16, local=32)
     kernel.plan(batch.seq_lens.to(torch.int32), batch.block_table, max_seq_len=batch.max_seq_len)
-    result = kernel.run(q.contiguous(), key_cache, value_cache, bounds, torch.full((2,), 6.0))
+    result = kernel.run(q.contiguous(), key_cache, value_cache, sketch, torch.full((2,), 6.0))
     torch.testing.assert_close(result, out, atol=1e-4, rtol=1e-4)
 
 
