@@ -10,22 +10,28 @@ best logit over the window of the first ``sink`` and last ``local`` tokens) and,
 the window, whether the block must be read (its true best logit reaches ``tau`` for a query head of the group:
 the oracle) and whether each bound says it may (then it is read). Bounds compared:
 
-- ``box``: Quest's channel-wise max/min box per KV block (what the kernels use today);
+- ``box``: Quest's channel-wise max/min box per KV block (what the kernels used before the sketch);
 - ``box/16``, ``box/8``: the same box per sub-block of 16 or 8 tokens;
 - ``pair``: per RoPE channel pair (the two channels one frequency rotates together) the smaller of the box and
   ``|q_pair| * max |k_pair|`` (a disc instead of a square);
 - ``pca``: the box in a per-layer, per-KV-head orthonormal basis (the principal axes of that head's keys on
   another prompt), in which keys are compact;
 - ``box-top1``: the box of each block without its single best-scoring token: how much one token per block (a
-  sink-like token) widens the bound.
+  sink-like token) widens the bound;
+- ``int4-box``, ``int8-box``: each key as 4- or 8-bit codes within its block's box (tight, but a code goes stale
+  when its block's box widens);
+- ``sketch``: kvreuse's key sketch (``kvreuse.kernels.key_sketch``: int8 codes, one scale per token);
+- ``kvreuse``: the sketch with the threshold the kernels use, the sketch's largest lower bound minus beta (closer
+  to the true maximum than the window's best logit).
 
 Also per layer: how far the window's best logit ``s`` lies below the true maximum, the share of the bound's
 excess over the block's true best logit (``U - max``) carried by each RoPE frequency band, and the keys' spread
 per channel (outlier channels).
 
-Run: ``KVREUSE_DATASETS=/work/shared/datasets .venv/bin/python benchmarks/sparse_real_keys.py`` (dumps once, then
-analyses; ``--fixture`` also writes the small real-key fixture the unit tests use). Writes
-``benchmarks/results/sparse_real_keys.json`` and prints the tables.
+Run: ``KVREUSE_DATASETS=/work/shared/datasets .venv/bin/python benchmarks/sparse_real_keys.py`` (dumps once into
+``build/real_keys/``, ~1 GB, then analyses; ``--fixture`` also writes the small real-key fixture of the unit tests
+and of ``sparse_decode_gpu.py``). Writes ``benchmarks/results/sparse_real_keys.json`` and prints per-layer tables
+at beta 4 and a summary over layer groups.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from retrieval_cases import make_case  # noqa: E402
+
+from kvreuse.kernels.key_sketch import logit_bounds_reference, sketch_reference  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "build" / "models" / "smollm2"
@@ -153,10 +161,10 @@ def box_without_best(q: torch.Tensor, keys: torch.Tensor, best: torch.Tensor) ->
     return torch.maximum(q[:, None] * hi, q[:, None] * lo).sum(-1)
 
 
-def sketch_upper(q: torch.Tensor, keys: torch.Tensor, levels: int) -> torch.Tensor:
+def box_code_upper(q: torch.Tensor, keys: torch.Tensor, levels: int) -> torch.Tensor:
     """Per block, the largest per-token bound when each key is kept as a code of ``levels + 1`` steps within its
     block's box: ``q . k_j <= q . k~_j + sum_c |q_c| step_c / 2`` with ``k~ = m + code * step``,
-    ``step = (M - m) / levels``. ``[Q, blocks]``."""
+    ``step = (M - m) / levels``. ``[Q, blocks]``. (Tight, but a code goes stale when its block's box widens.)"""
     g = grouped(keys, BLOCK)  # [blocks, B, d]
     hi, lo = g.amax(1, keepdim=True), g.amin(1, keepdim=True)
     step = (hi - lo) / levels
@@ -164,6 +172,18 @@ def sketch_upper(q: torch.Tensor, keys: torch.Tensor, levels: int) -> torch.Tens
     approx = lo + codes * step  # [blocks, B, d]
     slack = q.abs() @ (step[:, 0] / 2).T  # [Q, blocks]
     return torch.einsum("qd,bjd->qbj", q, approx).amax(-1) + slack
+
+
+def sketch_upper(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Per block, the largest upper bound of kvreuse's key sketch (``kvreuse.kernels.key_sketch``: int8 codes with
+    one scale per token). ``[Q, blocks]``."""
+    codes, scales = sketch_reference(keys)
+    upper, _ = logit_bounds_reference(q, codes, scales)
+    n = len(keys)
+    blocks = -(-n // BLOCK)
+    return (
+        torch.cat([upper, upper.new_full((len(q), blocks * BLOCK - n), -math.inf)], 1).view(len(q), blocks, -1).amax(-1)
+    )
 
 
 def analyse_case(path: Path, basis: dict[tuple[int, int], torch.Tensor] | None) -> dict:
@@ -201,13 +221,16 @@ def analyse_case(path: Path, basis: dict[tuple[int, int], torch.Tensor] | None) 
                 "box": box_upper(q, keys, BLOCK),
                 "pair": pair_upper(q, keys, BLOCK),
                 "box-top1": box_without_best(q, keys, best),
-                "int8": sketch_upper(q, keys, 255),
-                "int4": sketch_upper(q, keys, 15),
+                "int8-box": box_code_upper(q, keys, 255),
+                "int4-box": box_code_upper(q, keys, 15),
+                "sketch": sketch_upper(q, keys),
             }
             for sub in (16, 8):  # a block is read if one of its sub-blocks' bounds reaches tau
                 u = box_upper(q, keys, sub)
                 u = torch.cat([u, u.new_full((len(q), blocks * (BLOCK // sub) - u.shape[1]), -math.inf)], 1)
                 uppers[f"box/{sub}"] = u.view(len(q), blocks, BLOCK // sub).amax(-1)
+            codes, code_scales = sketch_reference(keys)
+            sketch_lower = logit_bounds_reference(q, codes, code_scales)[1].amax(1)  # the kernels' max for tau
             if basis is not None:
                 rot = basis[(layer, h)].float()
                 uppers["pca"] = box_upper(q @ rot, keys @ rot, BLOCK)
@@ -228,6 +251,9 @@ def analyse_case(path: Path, basis: dict[tuple[int, int], torch.Tensor] | None) 
                     hit = (u >= tau).view(-1, group, blocks).any(1) & outside
                     counts.setdefault(name, {}).setdefault(beta, 0.0)
                     counts[name][beta] += float(hit.sum())
+                hit = (uppers["sketch"] >= (sketch_lower - beta)[:, None]).view(-1, group, blocks).any(1) & outside
+                counts.setdefault("kvreuse", {}).setdefault(beta, 0.0)
+                counts["kvreuse"][beta] += float(hit.sum())
         steps = len(queries)
         total = float(outside.sum()) * steps * kv_heads
         spread = keys_all.amax(0) - keys_all.amin(0)  # [kv, d]
@@ -266,14 +292,15 @@ def main() -> None:
     basis = pca_basis(calibration)
     results = [analyse_case(p, basis) for p in paths]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "sparse_real_keys.json").write_text(json.dumps(results, indent=1))
     report(results)
+    summary = summarise(results)
+    (RESULTS / "sparse_real_keys.json").write_text(json.dumps({"summary": summary, "cases": results}, indent=1))
     if "--fixture" in sys.argv:
         write_fixture()
 
 
 def report(results: list[dict], beta: str = "4.0") -> None:
-    names = ["oracle", "box", "box/16", "box/8", "pair", "pca", "box-top1", "int4", "int8"]
+    names = ["oracle", "box", "box/16", "box/8", "pair", "pca", "box-top1", "int4-box", "int8-box", "sketch", "kvreuse"]
     for res in results:
         case = res["case"]
         print(
@@ -291,6 +318,33 @@ def report(results: list[dict], beta: str = "4.0") -> None:
                 f"{st['layer']:>5} {st['window_gap_nats']:>6.2f} {st['max_in_sink_share']:>5.2f} "
                 f"{st['box_excess_nats']:>7.2f} {bands:>23} {fr}"
             )
+
+
+GROUPS = {"layer 0": range(0, 1), "layers 1-11": range(1, 12), "layers 12-29": range(12, 30), "all": range(0, 30)}
+
+
+def summarise(results: list[dict], betas=("4.0", "2.0")) -> list[dict]:
+    """Per case, beta and group of layers: the mean fraction of blocks outside the window each bound reads."""
+    rows = []
+    for res in results:
+        for beta in betas:
+            for group, layers in GROUPS.items():
+                chosen = [st for st in res["layers"] if st["layer"] in layers]
+                row = {"case": f"{res['case']['kind']} {res['tokens']}", "beta": float(beta), "layers": group}
+                for name in chosen[0]["read_fraction"]:
+                    row[name] = sum(st["read_fraction"][name][beta] for st in chosen) / len(chosen)
+                row["box_excess_nats"] = sum(st["box_excess_nats"] for st in chosen) / len(chosen)
+                rows.append(row)
+    names = ["oracle", "box", "box/8", "pair", "pca", "box-top1", "int4-box", "int8-box", "sketch", "kvreuse"]
+    print("\n| case | beta | layers | box excess (nats) | " + " | ".join(names) + " |")
+    print("|" + "---|" * (4 + len(names)))
+    for r in rows:
+        print(
+            f"| {r['case']} | {r['beta']:g} | {r['layers']} | {r['box_excess_nats']:.1f} | "
+            + " | ".join(f"{r[n]:.3f}" for n in names)
+            + " |"
+        )
+    return rows
 
 
 FIXTURE_CASE = ("needle", 1024, 0)
