@@ -72,8 +72,8 @@ def head_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 def softmax_attend(logits: torch.Tensor, keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Softmax of ``logits[kv, g, m]`` over the tokens where ``keep`` (broadcast to it), applied to ``values``
-    (``head_values``); a row that keeps nothing gives zeros."""
-    weights = torch.softmax(logits.masked_fill(~keep, NEG_INF), dim=-1).nan_to_num_(0.0)
+    (``head_values``). Every row keeps a token (a decode's window is never empty)."""
+    weights = torch.softmax(logits.masked_fill(~keep, NEG_INF), dim=-1)
     return head_values(weights, values)
 
 
@@ -134,17 +134,21 @@ def window_positions(seq_len: int, sink: int, local: int) -> torch.Tensor:
     return torch.cat([torch.arange(sink_end), torch.arange(max(seq_len - local, sink_end), seq_len)])
 
 
-def _sketch_bound(q: torch.Tensor, sketch: KeySketch, blocks: torch.Tensor, positions: torch.Tensor, sign: float):
-    """The sketch's upper (``sign = 1``) or lower (``-1``) bound on ``q[g, d] . k`` for the keys of one KV head at
-    ``positions`` of the sequence (``blocks`` its block table row, ``sketch`` already that head's ``codes[...,
-    h]``/``scales[..., h]``): ``[g, len(positions)]``, as ``logit_bounds_reference`` computes it."""
+def sketch_bounds_at(
+    q: torch.Tensor, sketch: KeySketch, blocks: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sketch's upper and lower bounds ``[kv, g, len(positions)]`` on ``q[kv, g, d] . k`` for the keys at
+    ``positions`` of a sequence (``blocks`` its block-table row), as ``logit_bounds_reference`` computes them."""
     from kvreuse.kernels.key_sketch import CODE_SLACK
 
     block_size = sketch.codes.shape[1]
-    which, offset = blocks[positions // block_size], positions % block_size
-    codes, scales = sketch.codes[which, offset].float(), sketch.scales[which, offset]
-    approx = (q @ codes.T) * scales
-    return approx + sign * q.abs().sum(-1, keepdim=True) * scales * (0.5 + CODE_SLACK)
+    used, local = torch.unique(positions // block_size, return_inverse=True)
+    offset = positions % block_size
+    codes = gather_blocks(sketch.codes, blocks[used])[local, offset].float()  # [c, kv, d]
+    scales = gather_blocks(sketch.scales, blocks[used])[local, offset].T[:, None, :]  # [kv, 1, c]
+    approx = torch.einsum("kgd,ckd->kgc", q, codes) * scales
+    half = q.abs().sum(-1, keepdim=True) * scales * (0.5 + CODE_SLACK)
+    return approx + half, approx - half
 
 
 def dipr_decode(
@@ -181,27 +185,27 @@ def dipr_decode(
         return DecodeResult(
             out, torch.full((kv,), n_blocks, dtype=torch.int64), torch.full((kv * group,), seq_len, dtype=torch.int64)
         )
-    from kvreuse.kernels.key_sketch import CODE_SLACK, KeySketch
+    from kvreuse.kernels.key_sketch import CODE_SLACK
 
     n = n_blocks * block_size
     in_seq = torch.arange(n) < seq_len
     logits = head_logits(q, gather_blocks(key_cache, blocks)).masked_fill_(~in_seq, NEG_INF)  # [kv, g, n]
     scales = gather_blocks(sketch.scales, blocks).reshape(n, kv).T[:, None, :]  # [kv, 1, n]
-    half = (q.abs().sum(-1, keepdim=True) * scales * (0.5 + CODE_SLACK)).masked_fill_(~in_seq, 0.0)  # w_j
-    best = logits.amax(-1, keepdim=True)
-    tau = torch.empty(kv, group, 1)
-    read = torch.zeros(kv, n_blocks, dtype=torch.bool)
-    for h in range(kv):
-        head = KeySketch(sketch.codes[..., h, :], sketch.scales[..., h])
-        # tau: the largest lower bound, among the tokens that can hold it
-        near = (logits[h] >= best[h] - 2 * half[h].amax(-1, keepdim=True)).any(0).nonzero().flatten()
-        tau[h] = _sketch_bound(q[h], head, blocks, near, -1.0).amax(-1, keepdim=True) - beta
-        # blocks read: those with a logit at or above tau, and those where the sketch's upper bound reaches it
-        sure = (logits[h] >= tau[h]).any(0)
-        open_ = ((logits[h] + 2 * half[h] >= tau[h]).any(0) & ~sure).nonzero().flatten()
-        reach = (_sketch_bound(q[h], head, blocks, open_, 1.0) >= tau[h]).any(0)
-        read[h] = sure.view(n_blocks, block_size).any(-1)
-        read[h, open_[reach] // block_size] = True
+    reach = 2 * (0.5 + CODE_SLACK) * q.abs().sum(-1, keepdim=True) * scales  # 2 w_j: |bound - l_j| <= 2 w_j
+    reach.masked_fill_(~in_seq, 0.0)  # slots past the sequence may hold anything
+    # tau: the largest lower bound, attained among the tokens within 2 max_j w_j of the largest logit
+    near = logits >= logits.amax(-1, keepdim=True) - reach.amax(-1, keepdim=True)
+    at = near.any(1).any(0).nonzero().flatten()
+    lower = sketch_bounds_at(q, sketch, blocks, at)[1].masked_fill_(~near[..., at], NEG_INF)
+    tau = lower.amax(-1, keepdim=True) - beta  # [kv, g, 1]
+    # blocks read: a logit at or above tau, or an upper bound that reaches it (open only within 2 w_j below tau)
+    sure = logits >= tau
+    open_ = (logits + reach >= tau) & ~sure
+    at = open_.any(1).any(0).nonzero().flatten()
+    reached = (sketch_bounds_at(q, sketch, blocks, at)[0] >= tau) & open_[..., at]
+    hit = sure.any(1)  # [kv, n]
+    hit[:, at] |= reached.any(1)
+    read = hit.view(kv, n_blocks, block_size).any(-1)
     read[:, window_positions(seq_len, sink, local) // block_size] = True
     pos = torch.arange(n)
     is_window = (pos < sink) | (pos >= seq_len - local)
