@@ -207,8 +207,7 @@ def test_the_figures_and_decode_counts_reach_llm_get_metrics_per_layer_through_t
 
 def test_the_triton_path_in_the_engine_gives_the_pytorch_paths_tokens_and_figures(sparse_llm):
     """The kernels a GPU runs, fed by the real engine: same greedy tokens and same attended fractions as the CPU
-    path, at a finite beta with DIPR in every layer. (Random weights: the bounds prune no block, and DIPR attends
-    ~0.30 of the tokens; about 20 s in the interpreter.)"""
+    path, at a finite beta with DIPR in every layer. (Random weights; about 20 s in the interpreter.)"""
     prompts = [PROMPTS[1], LONG_PROMPT[:900]]
     flags = {**EXACT, "beta": 2.0}
     results = {}
