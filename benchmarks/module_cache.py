@@ -50,14 +50,9 @@ def _connected_tables(schema, rng: random.Random, size: int) -> list[str]:
     names = [t.name for t in schema.tables]
     links: dict[str, set[str]] = {n: set() for n in names}
     for table in schema.tables:
-        for fk in table.foreign_keys:
-            try:
-                other = schema.table(fk.table).name
-            except LookupError:
-                continue
-            if other != table.name:
-                links[table.name].add(other)
-                links[other].add(table.name)
+        for other in schema.references(table):
+            links[table.name].add(other)
+            links[other].add(table.name)
     chosen = [rng.choice([n for n in names if links[n]])]
     while len(chosen) < size:
         frontier = sorted({o for n in chosen for o in links[n]} - set(chosen))
@@ -131,7 +126,7 @@ def pml_workload(tokenizer, n: int, seed: int = 0):
 # ---------------------------------------------------------------------------------------------------- engines
 def _figures(llm) -> dict:
     def call(worker):
-        from kvreuse.vllm.module_worker import module_figures
+        from kvreuse.vllm.runtime import module_figures
 
         return module_figures()
 

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     import ray
 
-    from kvreuse.batch.ray_replicas import RayVLLMReplicas
+    from kvreuse.vllm.ray_replicas import RayVLLMReplicas
 
     model = build_model("small", REPO / "build" / "models" / "small")
     table = movies_table(args.rows)

@@ -1,7 +1,7 @@
 """Every row order end to end on the real vLLM engine (prefix caching on), one table at a time.
 
-Same tables and orders as ``reorder_orders.py`` (``ggr`` is what kvreuse sends: GGR checked against the baselines
-with the engine's tokenizer and block size). All orders of a table share one engine, its prefix cache reset
+Same tables and orders as ``reorder_orders.py`` (``ggr`` is what kvreuse sends: token-exact GGR with the engine's
+tokenizer and block size). All orders of a table share one engine, its prefix cache reset
 between them. ``fec`` is cut to its first ``--fec-rows`` rows (default 3,000) to keep the run to minutes on a
 2-core machine. Usage: ``python benchmarks/reorder_engine.py [--tables movies,fec,airports,penguins]``.
 """

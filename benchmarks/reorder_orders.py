@@ -1,142 +1,149 @@
-"""Every row order on real tables, without an engine: PHC, token prefix hit rate, solver time, GGR vs OPHR.
+"""Every row order on real tables, without an engine: token hit rate, PHC, time, and GGR's gap to OPHR.
 
-Tables: ``movies_small.csv`` and ``fec_contributions.csv`` (``shared/datasets``), vega_datasets' ``airports`` and
-palmerpenguins' ``penguins`` (PyPI data packages, offline). Orders: original, sorted (lexicographic in the
-table's field order), stats (fixed field order by statistics, then sorted), ggr-phc (GGR on PHC alone) and ggr
-(what kvreuse sends: GGR checked against the baselines with the engine's tokenizer and block size, the best
-kept, see ``solve(measure=...)``). The token hit rate is what
-vLLM's prefix cache can reuse: prompts tokenized with the local model's tokenizer, full blocks of 32 tokens,
-a hit only for a leading run of blocks an earlier prompt already computed (``block_hit_stats``), both with an
-unbounded cache and with the demo engine's cache size. OPHR only finishes on tiny tables, so it is compared on
-random 8-row x 4-field samples of each table. Usage: ``python benchmarks/reorder_orders.py``.
+Tables: ``reorder_tables.load_tables`` (shared/datasets and PyPI data packages). Orders: original, stats (fixed
+field order by statistics, rows sorted), ``paper`` (the paper's GGR as written, ``reference_ggr.py``), ggr-phc
+(kvreuse's GGR on characters alone) and ggr (what kvreuse sends: ``solve(measure=...)`` with the engine's
+tokenizer and block size, i.e. token-exact GGR and its candidates). Token hit rates: prompts tokenized with the
+real model's tokenizer (SmolLM2), replayed through vLLM's block cache model (``block_hit_stats``, full blocks of
+32 tokens, an unbounded cache). Times: ``plan s`` is what ``llm_map`` spends before generating (tokenize each
+distinct cell once + solve + choose), ``render s`` the prompts' text. OPHR is exact on 16-row x 6-field samples
+(rows drawn from two values of one field, so that samples share something); the gap is GGR's PHC over OPHR's.
+Usage: ``python benchmarks/reorder_orders.py [--tables cars,...] [--samples 8]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
+from reference_ggr import reference_ggr
+from reorder_tables import load_tables
 
-from kvreuse.localmodel import DATASETS, build_model
 from kvreuse.reorder import block_hit_stats, prefix_hit_count, prepare_table, prompts, solve, token_hit_measure
+
+__all__ = ["BLOCK", "INSTRUCTION", "load_tables"]
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-ORDERS = ("original", "sorted", "stats", "ggr-phc", "ggr")
+ORDERS = ("original", "stats", "paper", "ggr-phc", "ggr")
 INSTRUCTION = "Read the record below and answer in one word: is anything in it unusual?"
 BLOCK = 32
-# The demo engine's KV cache: 256 MiB / (2 layers x 2 KV heads x 64 dims x 2 (K and V) x 4 bytes) per token.
-ENGINE_CACHE_BLOCKS = (256 << 20) // (2 * 2 * 64 * 2 * 4) // BLOCK
 
 
-def load_tables() -> dict[str, pd.DataFrame]:
-    from palmerpenguins import load_penguins
-    from vega_datasets import data
-
-    read = dict(dtype=str, keep_default_na=False)
-    movies = pd.read_csv(DATASETS / "movies_small.csv", **read).drop(columns=["id"])
-    return {
-        "movies": movies,
-        "fec": pd.read_csv(DATASETS / "fec_contributions.csv", **read),
-        "airports": data.airports(),
-        "penguins": load_penguins(),
-    }
-
-
-def measure(name: str, df: pd.DataFrame, tokenizer) -> list[dict]:
+def measure(name: str, df, tokenize) -> list[dict]:
     table = prepare_table(df, None)
-    tokenize = lambda texts: tokenizer(texts)["input_ids"]  # noqa: E731
-    engine_measure = token_hit_measure(table, INSTRUCTION, "lines", tokenize, BLOCK)
-    rows = []
+    out = []
     for method in ORDERS:
-        t0 = time.perf_counter()
-        if method == "ggr-phc":
+        start = time.perf_counter()
+        if method == "paper":
+            ordering = reference_ggr(table)
+        elif method == "ggr-phc":
             ordering = solve(table, "ggr")
+        elif method == "ggr":
+            ordering = solve(table, "ggr", measure=token_hit_measure(table, INSTRUCTION, "lines", tokenize, BLOCK))
         else:
-            ordering = solve(table, method, measure=engine_measure if method == "ggr" else None)
-        solve_s = time.perf_counter() - t0
-        ids = tokenizer(prompts(ordering, table, INSTRUCTION, "lines"))["input_ids"]
-        unbounded = block_hit_stats(ids, BLOCK)
-        bounded = block_hit_stats(ids, BLOCK, capacity_blocks=ENGINE_CACHE_BLOCKS)
-        rows.append(
+            ordering = solve(table, method)
+        plan_s = time.perf_counter() - start
+        start = time.perf_counter()
+        texts = prompts(ordering, table, INSTRUCTION)
+        render_s = time.perf_counter() - start
+        stats = block_hit_stats(tokenize(texts), BLOCK)
+        out.append(
             dict(
                 table=name,
-                order=method,
                 rows=len(table),
                 fields=table.shape[1],
+                order=method,
+                hit_rate=stats.hit_rate,
+                prompt_tokens=stats.prompt_tokens,
                 phc=prefix_hit_count(table, ordering),
-                prompt_tokens=unbounded.prompt_tokens,
-                hit_rate=unbounded.hit_rate,
-                hit_rate_engine_cache=bounded.hit_rate,
-                solve_s=solve_s,
+                plan_s=plan_s,
+                render_s=render_s,
             )
         )
-    return rows
+    return out
 
 
-def ggr_vs_ophr(df: pd.DataFrame, samples: int = 40, seed: int = 0) -> float:
-    """Mean of GGR's PHC over OPHR's on random 8-row x 4-field samples (samples without any hit skipped)."""
+def ophr_gaps(df, samples: int, seed: int = 0) -> list[dict]:
+    """GGR's PHC over OPHR's, and OPHR's time, on random 16-row x 6-field samples."""
     rng = np.random.default_rng(seed)
     table = prepare_table(df, None)
-    ratios = []
-    for _ in range(samples):
-        cols = rng.choice(table.shape[1], size=min(4, table.shape[1]), replace=False)
-        # Draw rows from a few values of one field so that samples have something to share.
+    out = []
+    while len(out) < samples:
+        cols = rng.choice(table.shape[1], size=min(6, table.shape[1]), replace=False)
         key = table.columns[cols[0]]
-        values = rng.choice(table[key].unique(), size=2)
-        pool = table[table[key].isin(values)]
-        sample = pool.sample(n=min(8, len(pool)), random_state=int(rng.integers(1 << 30))).iloc[:, cols]
-        sample = sample.reset_index(drop=True)
+        pool = table[table[key].isin(rng.choice(table[key].unique(), size=2))]
+        if len(pool) < 16:
+            pool = table
+        sample = pool.sample(n=16, random_state=int(rng.integers(1 << 30))).iloc[:, cols].reset_index(drop=True)
+        start = time.perf_counter()
         best = prefix_hit_count(sample, solve(sample, "ophr"))
+        seconds = time.perf_counter() - start
         if best:
-            ratios.append(prefix_hit_count(sample, solve(sample, "ggr")) / best)
-    return float(np.mean(ratios)) if ratios else float("nan")
+            out.append(dict(ratio=prefix_hit_count(sample, solve(sample, "ggr")) / best, ophr_s=seconds))
+    return out
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Token hit rate of every order, grouped by table."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     tables = list(dict.fromkeys(r["table"] for r in rows))
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     width = 0.8 / len(ORDERS)
     for i, method in enumerate(ORDERS):
         rates = [next(r["hit_rate"] for r in rows if r["table"] == t and r["order"] == method) for t in tables]
         ax.bar(np.arange(len(tables)) + i * width, rates, width, label=method)
     ax.set_xticks(np.arange(len(tables)) + width * (len(ORDERS) - 1) / 2, tables)
-    ax.set_ylabel("token prefix hit rate (block 32)")
-    ax.set_title("Prefix hit rate by row/field order")
+    ax.set_ylabel("token hit rate (SmolLM2 tokens, blocks of 32)")
+    ax.set_title("Token prefix hit rate by order")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tables", default=None)
+    parser.add_argument("--samples", type=int, default=8)
+    args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(build_model("small", REPO / "build" / "models" / "small"))
-    rows, ophr = [], {}
-    for name, df in load_tables().items():
-        rows += measure(name, df, tokenizer)
-        ophr[name] = ggr_vs_ophr(df)
+    from kvreuse.vllm.backend import batch_tokenizer
+
+    tokenize = batch_tokenizer(AutoTokenizer.from_pretrained(REPO / "build" / "models" / "smollm2"))
+    rows, gaps = [], {}
+    for name, df in load_tables(args.tables).items():
+        rows += measure(name, df, tokenize)
+        gaps[name] = ophr_gaps(df, args.samples)
+        print(f"{name} done", flush=True)
     print(
-        f"{'table':9} {'order':9} {'rows':>6} {'PHC':>14} {'prompt tok':>11} {'hit rate':>9} "
-        f"{'hit (cache)':>11} {'solve s':>8}"
+        f"{'table':9} {'rows x fields':>14} " + " ".join(f"{o:>9}" for o in ORDERS) + "  plan s (paper, ggr)  render s"
     )
-    for r in rows:
+    for name in dict.fromkeys(r["table"] for r in rows):
+        mine = {r["order"]: r for r in rows if r["table"] == name}
+        first = mine["ggr"]
         print(
-            f"{r['table']:9} {r['order']:9} {r['rows']:>6} {r['phc']:>14,} {r['prompt_tokens']:>11,} "
-            f"{r['hit_rate']:>9.1%} {r['hit_rate_engine_cache']:>11.1%} {r['solve_s']:>8.3f}"
+            f"{name:9} {first['rows']:>7,} x {first['fields']:<4} "
+            + " ".join(f"{mine[o]['hit_rate']:9.1%}" for o in ORDERS)
+            + f"  {mine['paper']['plan_s']:7.2f} {mine['ggr']['plan_s']:7.2f}  {mine['ggr']['render_s']:8.2f}"
         )
-    print("GGR PHC / OPHR PHC on 8x4 samples: " + ", ".join(f"{t} {v:.3f}" for t, v in ophr.items()))
+    print("\nGGR PHC / OPHR PHC on 16 x 6 samples: min / median / mean, OPHR max s")
+    for name, g in gaps.items():
+        ratios = [x["ratio"] for x in g]
+        print(
+            f"{name:9} {min(ratios):.3f} / {np.median(ratios):.3f} / {np.mean(ratios):.3f}  "
+            f"{max(x['ophr_s'] for x in g):.1f}"
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "reorder_orders.json").write_text(json.dumps({"orders": rows, "ggr_over_ophr": ophr}, indent=2))
+    (RESULTS / "reorder_orders.json").write_text(json.dumps({"orders": rows, "ggr_over_ophr": gaps}, indent=2))
     plot(rows, RESULTS / "reorder_orders.png")
     print(f"wrote {RESULTS / 'reorder_orders.json'} and {RESULTS / 'reorder_orders.png'}")
 

@@ -51,16 +51,16 @@ def _configure(beta: float, settings: dict):
     """A ``collective_rpc`` call: the worker's sparse settings (``settings`` with ``beta``), its figures emptied."""
 
     def call(worker):
-        from kvreuse.vllm import attention
+        from kvreuse.vllm import runtime
 
-        attention.configure_sparse({**settings, "beta": beta})
-        attention.reset_sparse_figures()
+        runtime.configure_sparse({**settings, "beta": beta})
+        runtime.reset_sparse_figures()
 
     return call
 
 
 def _figures(worker):
-    from kvreuse.vllm.attention import sparse_attention
+    from kvreuse.vllm.runtime import sparse_attention
 
     attention = sparse_attention()
     return {"rows": attention.figures.rows(), "dense_layers": attention.config.dense_layers}

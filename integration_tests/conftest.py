@@ -22,6 +22,12 @@ def small_model() -> Path:
     return build_model("small", REPO / "build" / "models" / "small")
 
 
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """The real trained model (SmolLM2-135M-Instruct, the ``smollm2`` preset): every test about answers uses it."""
+    return build_model("smollm2", REPO / "build" / "models" / "smollm2")
+
+
 @pytest.fixture(scope="module")
 def llm(request, small_model):
     engine = start_llm(small_model, **getattr(request.module, "ENGINE_ARGS", {}))

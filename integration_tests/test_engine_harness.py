@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvreuse.vllm.figures import prefix_cache_counters, sum_request_cached_tokens
+from kvreuse.vllm.prefix_cache import prefix_cache_counters, sum_request_cached_tokens
 
 pytestmark = pytest.mark.engine
 
@@ -18,6 +18,9 @@ def test_stock_engine_generates_greedy_tokens_deterministically(llm):
     first = llm.generate(["name: Mighty Joe Young"], params, use_tqdm=False)[0]
     again = llm.generate(["name: Mighty Joe Young"], params, use_tqdm=False)[0]
     assert len(first.outputs[0].token_ids) == 6
+    # Bitwise: the prompt is shorter than one KV block, so nothing comes from the prefix cache and the second request
+    # runs the same operations, in the same order, on the same numbers as the first.
+    assert len(first.prompt_token_ids) < BLOCK
     assert first.outputs[0].token_ids == again.outputs[0].token_ids
 
 

@@ -6,6 +6,14 @@ harness's engine arguments and ``--enable-prompt-tokens-details`` so that respon
 It runs kvreuse's sparse backend (``KVREUSE_SPARSE_CPU_BACKEND=1``) with DIPR in every layer at beta = inf, which
 attends to everything, and the figures' connector ``KVReuseSparseFigures``, so that its ``/metrics`` carry the
 sparse figures as a user of ``vllm serve`` reads them.
+
+The reference is the server's answer to the prompt asked alone (``alone``). Answers are compared with it as text,
+exactly, which the arithmetic does not promise: concurrent requests share the server's batches, so vLLM may take a
+prompt in other chunks or next to other requests, other matrix shapes and summation orders (log-probabilities were
+seen ~1e-6 apart, ``test_prefix_affinity_scheduler.py``), and a greedy step within that of a near-tie could flip.
+The backend reports no log-probabilities to tell such a tie from a wrong row, which gets a wholly different answer;
+so the test can fail by rounding, though only at a near-tie of ~1e-5 nats; comparing log-probabilities would need
+the backend to ask for them.
 """
 
 from __future__ import annotations
@@ -16,17 +24,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pandas as pd
 import pytest
 
 from kvreuse.batch import OpenAIServerBackend, plan_table, run_table
+from kvreuse.localmodel import DATASETS
 
 pytestmark = pytest.mark.engine
 
-MOVIES = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "movies_small.csv"
+MOVIES = DATASETS / "movies_small.csv"  # ../shared/datasets, or KVREUSE_DATASETS
 FIELDS = ["movie_title", "movie_info"]
 MAX_TOKENS = 6
 SERVED = "small"
@@ -173,3 +181,12 @@ def test_the_servers_metrics_carry_the_sparse_figures_per_layer(server):
             == _metric(after, "vllm:kvreuse_sparse_tokens_total", layer)
             > 0
         )
+
+
+def test_a_prompt_longer_than_the_context_is_that_rows_error_with_the_servers_message(server, movies):
+    rows = movies.head(3).copy()
+    rows.iloc[0, rows.columns.get_loc("movie_info")] = "long " * 5000  # past --max-model-len 4096
+    result = run_table(rows, "Kids?", FIELDS, backend=OpenAIServerBackend(server, SERVED), max_tokens=2)
+    assert result.errors.isna().tolist() == [False, True, True]
+    assert result.errors.iloc[0].startswith("HTTP 400: ") and "4096" in result.errors.iloc[0]
+    assert result.answers.isna().tolist() == [True, False, False]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import json
+import os
+import signal
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -85,6 +88,9 @@ def test_answers_are_written_next_to_their_rows_with_a_summary(capsys, server_ur
     )
     assert code == 0
     answers = pd.read_csv(out, dtype=str, keep_default_na=False)
+    assert list(answers.columns) == ["row", "title", "year", "answer", "error"]
+    assert answers["row"].tolist() == ["0", "1", "2", "3"]
+    assert answers["error"].tolist() == ["", "", "", ""]
     assert answers["title"].tolist() == ["Heat", "Up", "Heat", "Alien"]
     assert answers["answer"].tolist() == [
         "title: Heat | year: 1995",
@@ -138,7 +144,14 @@ def test_parquet_in_and_out_and_csv_on_stdout(capsys, server_url, table, tmp_pat
         "--url",
         server_url,
     )
-    assert code == 0 and out.splitlines()[1] == "Heat,1995,title: Heat"
+    lines = out.splitlines()  # rows as they finish, each with its row number
+    assert code == 0 and lines[0] == "row,title,year,answer,error"
+    assert sorted(lines[1:]) == [
+        "0,Heat,1995,title: Heat,",
+        "1,Up,2009,title: Up,",
+        "2,Heat,1995,title: Heat,",
+        "3,Alien,,title: Alien,",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -146,7 +159,7 @@ def test_parquet_in_and_out_and_csv_on_stdout(capsys, server_url, table, tmp_pat
     [
         (["--table", "missing.csv"], "table file missing.csv does not exist"),
         (["--fields", "title,rating"], "unknown field 'rating'"),
-        (["--out", "answers.xlsx"], "--out answers.xlsx: write a .csv or .parquet file"),
+        (["--out", "answers.xlsx"], "--out answers.xlsx: write a .csv, .jsonl, .parquet file"),
         (["--answer-column", "title"], "already has a column 'title'"),
     ],
 )
@@ -182,3 +195,253 @@ def test_engine_args_must_be_a_json_object(capsys, table):
     with pytest.raises(SystemExit):
         main(["run", "--table", str(table), "--prompt", "Kids?", "--model", "m", "--engine-args", "[1]"])
     assert "must be a JSON object" in capsys.readouterr().err
+
+
+def test_pinned_fields_lead_every_prompt_sent(capsys, server_url, table, monkeypatch):
+    import kvreuse.cli as cli
+
+    sent: list[list[str]] = []
+    plan_table = cli.plan_table
+
+    def recording_plan_table(*args, **kwargs):
+        plan = plan_table(*args, **kwargs)
+        sent.append(plan.prompts)
+        return plan
+
+    monkeypatch.setattr(cli, "plan_table", recording_plan_table)
+    argv = ["run", "--table", str(table), "--prompt", "Kids?", "--pin", "year", "--url", server_url]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and len(out.splitlines()) == 5
+    assert [prompt.split("\n")[2].split(":")[0] for prompt in sent[0]] == ["year"] * 4
+
+
+def test_an_unknown_pin_ends_with_a_message_before_any_engine_starts(capsys, table):
+    code, _, err = run(capsys, "run", "--table", str(table), "--prompt", "Kids?", "--pin", "rating", "--model", "x")
+    assert code == 1
+    assert "cannot pin unknown field(s) 'rating'; the prompt's fields are 'title', 'year'" in err
+
+
+# -- a job loses nothing: refused rows, a dying server, Ctrl-C, and --resume -----------------------------------------
+
+
+class ScriptedServer(ThreadingHTTPServer):
+    """An OpenAI-compatible stand-in that answers each prompt with its last line, refuses prompts containing
+    TOO LONG (HTTP 400, vLLM's JSON error body), and after ``die_after`` answers either stops listening or sends
+    this process Ctrl-C (``then="sigint"``)."""
+
+    def __init__(self, die_after: int | None = None, then: str = "stop") -> None:
+        super().__init__(("127.0.0.1", 0), ScriptedHandler)
+        self.die_after, self.then = die_after, then
+        self.answered: list[str] = []
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def stop(self) -> None:
+        threading.Thread(target=self.shutdown, daemon=True).start()
+
+
+class ScriptedHandler(EchoHandler):
+    server: ScriptedServer
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body["prompt"]
+        with self.server.lock:
+            if self.server.die_after is not None and len(self.server.answered) >= self.server.die_after:
+                if self.server.then == "sigint":
+                    os.kill(os.getpid(), signal.SIGINT)
+                else:
+                    self.server.stop()
+                self.close_connection = True
+                return  # no answer: the connection just closes
+            if "TOO LONG" in prompt:
+                self._status(400, {"error": {"message": "prompt is longer than the maximum context length"}})
+                return
+            self.server.answered.append(prompt)
+        self._reply({"choices": [{"text": prompt.splitlines()[-1]}], "usage": {"prompt_tokens": 10}})
+
+    def _status(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def twelve(tmp_path: Path) -> Path:
+    path = tmp_path / "twelve.csv"
+    pd.DataFrame({"n": [str(i) for i in range(12)], "text": [f"value {i}" for i in range(12)]}).to_csv(
+        path, index=False
+    )
+    return path
+
+
+def job(table: Path, url: str, out: Path, *extra: str) -> list[str]:
+    return [
+        "run",
+        "--table",
+        str(table),
+        "--prompt",
+        "Echo",
+        "--fields",
+        "text",
+        "--url",
+        url,
+        "--out",
+        str(out),
+        "--concurrency",
+        "1",
+        "--retries",
+        "0",
+        *extra,
+    ]
+
+
+def test_a_refused_row_is_written_with_its_error_and_the_job_goes_on(capsys, tmp_path):
+    table = tmp_path / "t.csv"
+    pd.DataFrame({"text": ["fine", "TOO LONG", "also fine"]}).to_csv(table, index=False)
+    server = ScriptedServer()
+    out = tmp_path / "a.csv"
+    code, _, err = run(capsys, *job(table, server.url, out))
+    server.stop()
+    assert code == 0
+    written = pd.read_csv(out, dtype=str, keep_default_na=False)
+    assert written["answer"].tolist() == ["text: fine", "", "text: also fine"]
+    assert written["error"].tolist() == ["", "HTTP 400: prompt is longer than the maximum context length", ""]
+    assert "errors         1 row(s) refused by the engine" in err
+
+
+def test_a_dead_server_stops_the_job_with_the_rows_done_kept_and_resume_finishes_it(capsys, twelve, tmp_path):
+    out = tmp_path / "a.csv"
+    dying = ScriptedServer(die_after=5)
+    code, _, err = run(capsys, *job(twelve, dying.url, out))
+    assert code == 1 and "Traceback" not in err
+    assert "5 of 12 rows were answered and are in" in err and "--resume" in err
+    kept = pd.read_csv(out, dtype=str, keep_default_na=False)
+    assert len(kept) == 5 and kept["answer"].tolist() == [f"text: value {r}" for r in kept["row"].astype(int)]
+
+    fresh = ScriptedServer()
+    code, _, err = run(capsys, *job(twelve, fresh.url, out, "--resume"))
+    fresh.stop()
+    assert code == 0, err
+    assert len(fresh.answered) == 7  # only the rows the first run did not answer
+    assert "5 answered by an earlier run" in err
+    done = pd.read_csv(out, dtype=str, keep_default_na=False)
+    assert done["row"].astype(int).tolist() == list(range(12))  # every row exactly once, in the table's order
+    assert done["answer"].tolist() == [f"text: value {i}" for i in range(12)]
+
+
+def test_ctrl_c_exits_130_with_the_rows_done_kept(capsys, twelve, tmp_path):
+    out = tmp_path / "a.jsonl"
+    server = ScriptedServer(die_after=4, then="sigint")
+    code, _, err = run(capsys, *job(twelve, server.url, out))
+    server.stop()
+    assert code == 130 and "Traceback" not in err
+    assert "interrupted; 4 of 12 rows were answered and are in" in err
+    assert [json.loads(line)["answer"] for line in out.read_text().splitlines()] == [
+        f"text: value {json.loads(line)['row']}" for line in out.read_text().splitlines()
+    ]
+    assert len(out.read_text().splitlines()) == 4
+
+
+def test_an_existing_output_is_kept_unless_resumed(capsys, twelve, tmp_path):
+    out = tmp_path / "a.csv"
+    out.write_text("precious\n")
+    code, _, err = run(capsys, *job(twelve, "http://127.0.0.1:9", out))
+    assert code == 1 and "exists; pass --resume" in err and out.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (",title\n0,Heat\n1,Up\n", "line 1: column 1 has no name"),
+        ("title,year\nHeat,1995\nUp\n", "line 3: 1 fields, but the header names 2 columns"),
+    ],
+)
+def test_malformed_input_is_refused_before_any_engine_starts(capsys, tmp_path, text, message):
+    table = tmp_path / "t.csv"
+    table.write_text(text)
+    code, _, err = run(capsys, "run", "--table", str(table), "--prompt", "Kids?", "--model", "no/such/model")
+    assert code == 1 and message in err and "Traceback" not in err
+
+
+def test_the_users_solver_settings_reach_the_solver(capsys, monkeypatch, server_url, table):
+    import kvreuse.batch.job as job_module
+
+    seen = []
+    real_solve = job_module.solve
+    monkeypatch.setattr(job_module, "solve", lambda *a, **kw: seen.append(kw["config"]) or real_solve(*a, **kw))
+    monkeypatch.setenv("KVREUSE_REORDER_MAX_DEPTH", "3")
+    assert run(capsys, "run", "--table", str(table), "--prompt", "Kids?", "--url", server_url)[0] == 0
+    assert seen[-1].max_depth == 3
+    engine_args = json.dumps({"additional_config": {"kvreuse": {"reorder": {"min_group_hit": 2.5}}}})
+    args = ["run", "--table", str(table), "--prompt", "Kids?", "--url", server_url, "--engine-args", engine_args]
+    assert run(capsys, *args)[0] == 0
+    assert (seen[-1].max_depth, seen[-1].min_group_hit) == (3, 2.5)
+
+
+@pytest.mark.parametrize(
+    ("env", "engine_args", "message"),
+    [
+        ({"KVREUSE_REORDER_MAX_DEPTH": "64.7"}, "{}", "reorder.max_depth (KVREUSE_REORDER_MAX_DEPTH): '64.7'"),
+        ({"KVREUSE_REORDR_MAX_DEPTH": "3"}, "{}", "did you mean 'KVREUSE_REORDER_MAX_DEPTH'?"),
+        ({}, '{"additional_config": {"kvreuse": {"reordr": {}}}}', "unknown section 'reordr'"),
+        ({}, '{"additional_config": {"kvreuse": {"reorder": 5}}}', "the reorder settings must be a table"),
+    ],
+)
+def test_a_wrong_setting_is_reported_at_once_before_any_engine(capsys, monkeypatch, table, env, engine_args, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    argv = ["run", "--table", str(table), "--prompt", "Kids?", "--model", "no/such/model", "--engine-args"]
+    code, _, err = run(capsys, *argv, engine_args)
+    assert code == 1 and message in err and "Traceback" not in err
+
+
+def test_a_model_folder_that_does_not_exist_is_named(capsys, table):
+    code, _, err = run(capsys, "run", "--table", str(table), "--prompt", "Kids?", "--model", "build/models/nope")
+    assert code == 1 and "model 'build/models/nope': no such folder" in err and "Traceback" not in err
+
+
+def test_an_engine_argument_vllm_does_not_have_names_the_closest(capsys, table):
+    model = Path(__file__).resolve().parents[1] / "build" / "models" / "small"
+    argv = ["run", "--table", str(table), "--prompt", "Kids?", "--model", str(model), "--engine-args"]
+    code, _, err = run(capsys, *argv, '{"blok_size": 32}')
+    assert code == 1 and "'blok_size' is not a vLLM engine argument (did you mean 'block_size'?)" in err
+
+
+HOSTILE = ["a\rb", "two\nlines", "\r\n", 'say "hi", then', "trailing \r", "", "é中🙂", "\u2028", "x" * 300]
+
+
+class HostileHandler(EchoHandler):
+    """Answers the prompt about row ``id: N`` with ``HOSTILE[N]``."""
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        row = int(body["prompt"].split("id: ", 1)[1].split("\n", 1)[0])
+        self._reply({"choices": [{"text": HOSTILE[row]}], "usage": {"prompt_tokens": 1}})
+
+
+def test_answers_with_carriage_returns_quotes_and_commas_read_back_one_row_each(capsys, tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), HostileHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    table = tmp_path / "t.csv"
+    with table.open("w", encoding="utf-8", newline="") as handle:  # pandas' to_csv leaves a bare \r unquoted
+        csv.writer(handle).writerows([["id", "text"], *([str(i), t] for i, t in enumerate(HOSTILE[::-1]))])
+    out = tmp_path / "a.csv"
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    argv = ["run", "--table", str(table), "--prompt", "Q", "--fields", "id,text", "--order", "original"]
+    code, _, err = run(capsys, *argv, "--url", url, "--out", str(out))
+    server.shutdown()
+    assert code == 0, err
+    written = pd.read_csv(out, dtype=str, keep_default_na=False)
+    assert len(written) == len(HOSTILE)
+    assert written["answer"].tolist() == HOSTILE and written["text"].tolist() == HOSTILE[::-1]
+    with out.open(encoding="utf-8", newline="") as handle:
+        assert [r[-2] for r in csv.reader(handle)][1:] == HOSTILE

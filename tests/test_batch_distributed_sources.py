@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import duckdb
 import pandas as pd
+import pytest
 from test_batch_distributed import FakeReplicas
 
 from kvreuse.batch.table_stream import answer_table_stream, prompt_rows, run_table_on_replicas, table_chunks
+from kvreuse.errors import BackendError
 from kvreuse.reorder import render_prompt
 
 TITLES = ["Heat", "Up", "Heat", "Alien", "Up"]
@@ -55,3 +57,32 @@ def test_an_id_column_names_the_rows_and_is_not_shown_to_the_model():
     df = TABLE.assign(rid=["a", "b", "c", "d", "e"])
     rows = list(prompt_rows(table_chunks(df, rows_per_chunk=2), "Kids?", id_column="rid"))
     assert rows == list(zip("abcde", expected()))
+
+
+def test_on_replicas_pinned_fields_lead_every_prompt():
+    pool = FakeReplicas(2)
+    result = run_table_on_replicas(TABLE, "Kids?", ["title", "year"], pool=pool, pin=["year"], batch_size=2)
+    assert result.answers.tolist() == [p.upper() for p in expected(("year", "title"))]
+
+
+def test_on_replicas_rows_go_to_out_as_answered_and_resume_finishes_after_every_replica_died(tmp_path):
+    out = tmp_path / "answers.csv"
+    with pytest.raises(BackendError, match="every replica died"):
+        run_table_on_replicas(
+            TABLE,
+            "Kids?",
+            ["title", "year"],
+            pool=FakeReplicas(1, doomed={0}, die_after=2),
+            order="sorted",
+            batch_size=1,
+            out=out,
+        )
+    kept = pd.read_csv(out, dtype=str, keep_default_na=False)
+    assert len(kept) == 2
+    result = run_table_on_replicas(
+        TABLE, "Kids?", ["title", "year"], pool=FakeReplicas(2), order="sorted", batch_size=1, out=out, resume=True
+    )
+    assert result.figures.requests == 3  # only the rows the first run did not answer
+    final = pd.read_csv(out, dtype=str, keep_default_na=False)
+    assert final["row"].astype(int).tolist() == list(range(5))
+    assert final["answer"].tolist() == [p.upper() for p in expected()]

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from kvreuse.batch import BackendError, OpenAIServerBackend
+from kvreuse.batch import BackendError, Completion, OpenAIServerBackend
 from kvreuse.errors import ConfigError
 
 
@@ -98,9 +98,9 @@ def test_usage_gives_prompt_and_cached_tokens_and_cached_is_unknown_without_deta
     assert (completion.prompt_tokens, completion.cached_tokens) == (6, None)
 
 
-def test_connection_errors_429_and_5xx_are_retried():
-    server = FakeServer(failures=["drop", 429, 503, 500])
-    completions = backend(server, model="m", retries=4).generate(["a", "b"], max_tokens=1)
+def test_connection_errors_408_429_and_5xx_are_retried():
+    server = FakeServer(failures=["drop", 408, 429, 503, 500])
+    completions = backend(server, model="m", retries=5).generate(["a", "b"], max_tokens=1)
     assert [c.text for c in completions] == ["A", "B"]
 
 
@@ -110,11 +110,42 @@ def test_it_gives_up_after_the_retries_naming_the_url_and_the_last_failure():
         backend(server, model="m", retries=2).generate(["a"], max_tokens=1)
 
 
-def test_a_refused_request_fails_at_once_with_the_servers_message():
-    server = FakeServer(failures=[400, 400])
-    with pytest.raises(BackendError, match="refused the request with HTTP 400: fake failure 400"):
+def test_a_refused_prompt_is_that_rows_error_and_the_others_are_answered():
+    server = FakeServer(failures=[400])
+    completions = backend(server, model="m", retries=5, concurrency=1).generate(["a", "b"], max_tokens=1)
+    assert completions[0] == Completion.failed("HTTP 400: fake failure 400")
+    assert completions[1].text == "B" and completions[1].error is None
+    assert server.failures == []  # not retried
+
+
+def test_the_servers_json_error_message_is_kept():
+    class TooLong(FakeServer):
+        async def __call__(self, request):
+            return httpx.Response(400, json={"error": {"message": "maximum context length is 4096", "code": 400}})
+
+    (completion,) = backend(TooLong(), model="m").generate(["a"], max_tokens=1)
+    assert completion.error == "HTTP 400: maximum context length is 4096"
+
+
+def test_a_refusal_of_every_prompt_stops_the_job_at_once():
+    server = FakeServer(failures=[404, 404])
+    with pytest.raises(BackendError, match="refused the request with HTTP 404: fake failure 404"):
         backend(server, model="m", retries=5).generate(["a"], max_tokens=1)
-    assert server.failures == [400]
+    assert server.failures == [404]
+
+
+def test_answers_are_handed_over_as_they_finish_and_a_dead_server_stops_the_stream_after_them():
+    class DiesAfterTwo(FakeServer):
+        async def __call__(self, request):
+            if len(self.bodies) >= 2:
+                raise httpx.ConnectError("connection refused", request=request)
+            return await super().__call__(request)
+
+    got = []
+    with pytest.raises(BackendError, match=r"failed 2 time\(s\), last with ConnectError"):
+        for item in backend(DiesAfterTwo(), model="m", retries=1, concurrency=1).stream(PROMPTS, max_tokens=1):
+            got.append(item)
+    assert [(position, c.text) for position, c in got] == [(0, "PROMPT 0"), (1, "PROMPT 1")]
 
 
 def test_no_prompts_make_no_requests():

@@ -10,7 +10,7 @@ import pytest
 
 from kvreuse.batch import Completion, llm_sql, run_query
 from kvreuse.batch.sql import call_sites
-from kvreuse.errors import TableError
+from kvreuse.errors import BackendError, TableError
 
 
 class EchoBackend:
@@ -148,3 +148,63 @@ def test_registered_dataframes_and_non_ascii_text_work(con):
     con.register("films", pd.DataFrame({"title": ["Amélie", "Léon"]}))
     frame = llm_sql(con, "SELECT 'é' AS e, llm('Für Kinder?', title) AS a FROM films", backend=EchoBackend())
     assert frame["a"].tolist() == [prompt("Für Kinder?", title="Amélie"), prompt("Für Kinder?", title="Léon")]
+
+
+def test_pinned_fields_lead_the_prompts_of_the_calls_that_pass_them(con):
+    backend = EchoBackend()
+    frame = llm_sql(
+        con,
+        "SELECT llm('Kids?', title, genre) AS a, llm('Fun?', title) AS b FROM movies",
+        backend=backend,
+        pin=["genre"],
+    )
+    assert frame["a"].tolist()[0] == prompt("Kids?", genre="crime", title="Heat")
+    assert frame["b"].tolist()[0] == prompt("Fun?", title="Heat")
+
+
+def test_a_pin_no_call_passes_is_an_error(con):
+    with pytest.raises(TableError, match="cannot pin 'rating': no llm\\(\\) call of the query passes such a field"):
+        llm_sql(con, "SELECT llm('Kids?', title, genre) FROM movies", backend=EchoBackend(), pin=["rating"])
+
+
+class RefusingBackend(EchoBackend):
+    """Refuses prompts about Alien; raises BackendError (a dead engine) after ``die_after`` answers."""
+
+    def __init__(self, die_after: int | None = None) -> None:
+        super().__init__()
+        self.die_after, self.asked = die_after, []
+
+    def stream(self, prompts, *, max_tokens):
+        for position, text in enumerate(prompts):
+            if self.die_after is not None and len(self.asked) >= self.die_after:
+                raise BackendError("the engine died")
+            self.asked.append(text)
+            yield position, Completion.failed("too long") if "Alien" in text else Completion(text, 1, 0)
+
+
+def test_a_refused_question_is_null_and_listed_and_the_other_rows_are_answered(con):
+    result = run_query(con, "SELECT id, llm('Kids?', title) AS a FROM movies ORDER BY id", backend=RefusingBackend())
+    assert result.frame["a"].isna().tolist() == [False, False, False, True]
+    assert result.errors.to_dict("records") == [
+        {"instruction": "Kids?", "fields": ["title"], "values": ["Alien"], "error": "too long"}
+    ]
+    assert result.figures.errors == 1 and result.runs == 2
+
+
+def test_answers_are_kept_in_out_as_they_arrive_and_resume_asks_only_the_rest(con, tmp_path):
+    out = tmp_path / "answers.jsonl"
+    query = "SELECT id, llm('Kids?', title, genre) AS a FROM movies ORDER BY id"
+    with pytest.raises(BackendError, match="the engine died"):
+        run_query(con, query, backend=RefusingBackend(die_after=1), out=out, order="original")
+    assert len(out.read_text().splitlines()) == 1
+    with pytest.raises(TableError, match="exists; pass resume=True"):
+        run_query(con, query, backend=RefusingBackend(), out=out)
+    second = RefusingBackend()
+    frame = run_query(con, query, backend=second, out=out, resume=True, order="original").frame
+    assert len(second.asked) == 2  # three distinct questions, one answered by the first run
+    assert frame["a"].tolist()[:3] == [
+        prompt("Kids?", title="Heat", genre="crime"),
+        prompt("Kids?", title="Up", genre="family"),
+        prompt("Kids?", title="Heat", genre="crime"),
+    ]
+    assert len(out.read_text().splitlines()) == 3

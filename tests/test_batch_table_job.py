@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -106,14 +107,34 @@ def test_an_empty_table_gives_an_empty_series_with_its_index():
     assert (result.figures.requests, result.figures.prompt_tokens) == (0, 0)
 
 
-def test_figures_add_up_what_the_backend_reports():
-    result = run_table(movies(), INSTRUCTION, ["title"], backend=EchoBackend(cached=4))
+def test_figures_add_up_what_the_backend_reports(monkeypatch):
+    # A clock of the job's own: the solver takes 0.25 s of it and the backend 2.5 s, so the figures must carry
+    # exactly those spans (binary fractions: no rounding), each timed around its own work.
+    from kvreuse.batch import dataframe, job
+
+    now = [100.0]
+
+    class SlowBackend(EchoBackend):
+        def generate(self, prompts, *, max_tokens, progress=False):
+            now[0] += 2.5
+            return super().generate(prompts, max_tokens=max_tokens, progress=progress)
+
+    def slow_solve(*args, **kwargs):
+        now[0] += 0.25
+        return real_solve(*args, **kwargs)
+
+    real_solve = job.solve
+    monkeypatch.setattr(job, "solve", slow_solve)
+    clock = SimpleNamespace(perf_counter=lambda: now[0])
+    monkeypatch.setattr(job, "time", clock)  # times the solve
+    monkeypatch.setattr(dataframe, "time", clock)  # times the answers as they stream in
+    result = run_table(movies(), INSTRUCTION, ["title"], backend=SlowBackend(cached=4))
     sent = plan_table(movies(), INSTRUCTION, ["title"]).prompts
     assert result.figures.requests == 6
     assert result.figures.prompt_tokens == sum(len(p) for p in sent)
     assert result.figures.cached_tokens == 6 * 4
     assert result.figures.hit_rate == pytest.approx(24 / sum(len(p) for p in sent))
-    assert result.figures.solve_s >= 0 and result.figures.generate_s >= 0
+    assert (result.figures.solve_s, result.figures.generate_s) == (0.25, 2.5)
 
 
 def test_cached_tokens_are_unknown_when_the_backend_does_not_report_them():
@@ -193,3 +214,57 @@ def test_with_the_engines_cache_model_the_plan_shares_at_least_as_many_blocks_as
     table = prepare_table(df, None)
     for method in ("ggr", "stats", "sorted"):
         assert planned >= block_hit_stats(tokenize(prompts(solve(table, method), table, "Q")), 4).hit_rate, method
+
+
+@pytest.mark.parametrize("order", METHODS)
+def test_pinned_fields_lead_every_prompt_and_answers_stay_with_their_rows(order):
+    df = movies()
+    backend = EchoBackend()
+    answers = llm_map(df, INSTRUCTION, backend=backend, order=order, pin=["review", "title"])
+    assert [list(fields_of(p))[:2] for p in backend.calls[0]] == [["review", "title"]] * len(df)
+    for position in range(len(df)):
+        assert fields_of(answers.iloc[position])["review"] == df["review"].iloc[position]
+
+
+class PickyBackend(EchoBackend):
+    """Streams answers; refuses prompts that mention Alien; dies (BackendError) after ``die_after`` answers."""
+
+    def __init__(self, die_after: int | None = None) -> None:
+        super().__init__()
+        self.die_after = die_after
+        self.asked: list[str] = []
+
+    def stream(self, prompts, *, max_tokens):
+        for position, prompt in enumerate(prompts):
+            if self.die_after is not None and len(self.asked) >= self.die_after:
+                raise BackendError("the engine died")
+            self.asked.append(prompt)
+            if "Alien" in prompt:
+                yield position, Completion.failed("prompt is too long")
+            else:
+                yield position, Completion(prompt, len(prompt), 0)
+
+
+def test_a_refused_row_has_no_answer_and_its_error_and_the_other_rows_are_answered(caplog):
+    result = run_table(movies(), INSTRUCTION, ["title"], backend=PickyBackend())
+    alien = movies()["title"].eq("Alien").to_numpy()
+    assert result.answers[alien].tolist() == [None] and result.errors[alien].tolist() == ["prompt is too long"]
+    assert all(fields_of(a)["title"] != "Alien" for a in result.answers[~alien])
+    assert result.errors[~alien].isna().all()
+    assert (result.figures.requests, result.figures.errors) == (6, 1)
+    assert "refused 1 of 6 rows" in caplog.text
+
+
+def test_with_out_a_dead_engine_keeps_the_rows_done_and_resume_asks_only_the_others(tmp_path):
+    out = tmp_path / "answers.csv"
+    with pytest.raises(BackendError, match="the engine died"):
+        llm_map(movies(), INSTRUCTION, ["title", "review"], backend=PickyBackend(die_after=4), out=out)
+    assert len(pd.read_csv(out, dtype=str, keep_default_na=False)) == 4
+    second = PickyBackend()
+    result = run_table(movies(), INSTRUCTION, ["title", "review"], backend=second, out=out, resume=True)
+    assert len(second.asked) == 2
+    written = pd.read_csv(out, dtype=str, keep_default_na=False)
+    assert written["row"].astype(int).tolist() == list(range(6))
+    expected = run_table(movies(), INSTRUCTION, ["title", "review"], backend=PickyBackend())
+    assert result.answers.tolist() == expected.answers.tolist()
+    assert written["answer"].tolist() == [a or "" for a in expected.answers.tolist()]

@@ -12,10 +12,10 @@ from kvreuse.kernels.dipr_decode import DIPRCounters
 from kvreuse.modules.store import StoreFigures
 from kvreuse.sparse import figures as figures_module
 from kvreuse.sparse.figures import FIGURES, AttendedFractions, FigureIncrements
-from kvreuse.vllm.connector_metrics import KVReusePromMetrics, KVReuseStats
-from kvreuse.vllm.module_metrics import counter_values
-from kvreuse.vllm.module_worker import ModuleFigures
-from kvreuse.vllm.sparse_metrics import PREFIX, SPARSE_COUNTERS, summarise
+from kvreuse.vllm.metrics import KVReusePromMetrics, KVReuseStats
+from kvreuse.vllm.modules.metrics import module_counter_values
+from kvreuse.vllm.modules.worker import ModuleFigures
+from kvreuse.vllm.sparse.metrics import PREFIX, SPARSE_COUNTERS, sparse_fractions
 
 
 def _step(blocks_read: int, blocks_total: int, tokens: int = 10, context: int = 40) -> DIPRCounters:
@@ -34,7 +34,7 @@ def test_module_stats_flatten_the_counters_and_sum_across_steps_and_workers():
     store.bytes_moved["cpu->gpu"] += 4096
     store.evictions["gpu"] += 1
     store.misses = 2
-    values = counter_values(ModuleFigures(tokens_loaded=100, pieces_loaded=2), store)
+    values = module_counter_values(ModuleFigures(tokens_loaded=100, pieces_loaded=2), store)
     assert values["tokens_loaded"] == 100 and values["hits:gpu"] == 3 and values["bytes_moved:cpu->gpu"] == 4096
     assert values["evictions:gpu"] == 1 and values["misses"] == 2
     total = KVReuseStats(data={"tokens_loaded": 5}).aggregate(KVReuseStats(data={"tokens_loaded": 7, "hits:cpu": 1}))
@@ -155,7 +155,7 @@ def test_stats_sum_sparse_figures_over_workers_and_log_them_as_fractions_over_la
         "sparse_dipr_decodes": 30,
         "sparse_dense_decodes": 30,
     }
-    assert summarise({}) == {}
+    assert sparse_fractions({}) == {}
 
 
 def test_prometheus_counters_take_the_stats_with_their_labels():
@@ -173,6 +173,7 @@ def test_prometheus_counters_take_the_stats_with_their_labels():
             "unknown": 1,
             f"{PREFIX}blocks_read:1": 3,
             f"{PREFIX}recovery_kept_ppm:1": 750_000,
+            "splice_skipped:token_boundary": 2,
         },
         0,
     )
@@ -183,6 +184,7 @@ def test_prometheus_counters_take_the_stats_with_their_labels():
     assert get("kvreuse:module_hits_total", {"engine": "0", "tier": "gpu"}) == 2
     assert get("vllm:kvreuse_sparse_blocks_read_total", {"engine": "0", "layer": "1"}) == 5
     assert get("vllm:kvreuse_sparse_recovery_kept_ppm_total", {"engine": "0", "layer": "1"}) == 750_000
+    assert get("kvreuse:module_splice_skipped_total", {"engine": "0", "reason": "token_boundary"}) == 2
 
 
 def test_sparse_counters_are_listed_by_vllms_metrics_snapshot_the_reader_of_llm_get_metrics():
@@ -208,7 +210,7 @@ def _figures_connector(role):
     from vllm.config import KVTransferConfig, VllmConfig
 
     from kvreuse.vllm import register
-    from kvreuse.vllm.sparse_connector import KVReuseSparseFigures
+    from kvreuse.vllm.sparse.connector import KVReuseSparseFigures
 
     register()  # names the connector for vLLM's config check, as vLLM's plugin loader does
     config = VllmConfig(kv_transfer_config=KVTransferConfig(kv_connector="KVReuseSparseFigures", kv_role="kv_both"))
@@ -219,17 +221,17 @@ def test_figures_connector_moves_no_kv_and_refuses_workers_whose_figures_would_b
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvreuse.errors import ConfigError
-    from kvreuse.vllm import attention, module_worker
+    from kvreuse.vllm.runtime import runtime
 
     scheduler = _figures_connector(KVConnectorRole.SCHEDULER)
     assert scheduler.get_num_new_matched_tokens(None, 0) == (0, False)
     assert scheduler.get_kv_connector_stats() is None
     worker = _figures_connector(KVConnectorRole.WORKER)
-    monkeypatch.setattr(attention, "_ATTENTION", None)
+    monkeypatch.setattr(runtime(), "sparse_attention", None)
     with pytest.raises(ConfigError, match="--attention-backend CUSTOM .* KVREUSE_SPARSE_CPU_BACKEND=1"):
         worker.register_kv_caches({})
     assert worker.get_kv_connector_stats() is None
-    monkeypatch.setattr(attention, "_ATTENTION", object())
-    monkeypatch.setattr(module_worker, "_WORKER", object())
+    monkeypatch.setattr(runtime(), "sparse_attention", object())
+    monkeypatch.setattr(runtime(), "module_worker", object())
     with pytest.raises(ConfigError, match="KVReuseModuleCache already reports the sparse figures"):
         worker.register_kv_caches({})

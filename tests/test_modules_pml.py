@@ -209,3 +209,45 @@ def test_damaged_documents_give_pml_error_never_another_exception(schema, data):
     i = data.draw(st.integers(0, len(text)))
     j = data.draw(st.integers(i, min(len(text), i + 3)))
     _parse_or_pml_error(text[:i] + data.draw(st.sampled_from(["", "<", ">", '"', "&", "/"])) + text[j:])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(max_size=80))
+def test_any_text_gives_a_document_or_pml_error(text):
+    _parse_or_pml_error(text)
+
+
+def _word_ids(text: str) -> list[int]:
+    """A stand-in tokenizer: one token per character (deterministic, never empty for non-empty text)."""
+    return [ord(c) % 1000 for c in text]
+
+
+_resolvable_imports = st.recursive(
+    st.builds(
+        Import,
+        st.sampled_from([f"m{i}" for i in range(6)] + ["nope"]),
+        st.lists(
+            st.tuples(st.sampled_from(["p0", "p1", "q"]), st.text(max_size=120)), max_size=2, unique_by=lambda kv: kv[0]
+        ).map(tuple),
+    ),
+    lambda inner: st.builds(
+        Import, st.sampled_from(["m0", "m1"]), st.just(()), st.lists(inner, min_size=1, max_size=2).map(tuple)
+    ),
+    max_leaves=4,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(schemas, st.lists(st.one_of(_texts.map(Text), _resolvable_imports), max_size=6), st.booleans())
+def test_any_prompt_against_any_schema_resolves_or_gives_kvreuses_own_error(schema, items, same_schema):
+    """Layout, resolution and the prompt's token ids: a result, or a KVReuseError (PMLError) naming the problem."""
+    from kvreuse.modules.layout import layout_schema, resolve_prompt
+    from kvreuse.modules.linear import prompt_token_ids
+
+    prompt = Prompt("s" if same_schema else "other", _merge(items))
+    try:
+        layout = layout_schema(schema, _word_ids)
+        ids = prompt_token_ids(resolve_prompt(prompt, layout, _word_ids), layout)
+    except KVReuseError:
+        return
+    assert all(isinstance(i, int) for i in ids)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sqlite3
 
 import pytest
+from shared_data import dataset
 
-from kvreuse.localmodel import DATASETS
 from kvreuse.modules.layout import layout_schema, resolve_prompt
 from kvreuse.modules.pml import parse_prompt, parse_schema
 from kvreuse.modules.schemas import (
@@ -23,13 +23,11 @@ from kvreuse.modules.schemas import (
 )
 from kvreuse.modules.trie import ModuleTrie
 
-SPIDER = DATASETS / "spider" / "tables.json"
-needs_spider = pytest.mark.skipif(not SPIDER.exists(), reason="shared/datasets/spider/tables.json is missing")
+SPIDER = "spider/tables.json"
 
 
-@needs_spider
 def test_spider_tables_render_as_ddl_with_keys():
-    farm = spider_schema(SPIDER, "farm")
+    farm = spider_schema(dataset(SPIDER), "farm")
     assert farm.table("competition_record").ddl() == (
         "CREATE TABLE competition_record (Competition_ID number, Farm_ID number, Rank number, "
         "PRIMARY KEY (Competition_ID), FOREIGN KEY (Farm_ID) REFERENCES farm(Farm_ID), "
@@ -37,9 +35,8 @@ def test_spider_tables_render_as_ddl_with_keys():
     )
 
 
-@needs_spider
 def test_every_spider_table_comes_after_the_tables_it_references():
-    schemas = spider_schemas(SPIDER)
+    schemas = spider_schemas(dataset(SPIDER))
     assert len(schemas) == 166 and sum(len(s.tables) for s in schemas.values()) == 876
     for schema in schemas.values():
         order = {name: i for i, name in enumerate(schema.encoding_order())}
@@ -61,13 +58,12 @@ def test_a_foreign_key_cycle_is_broken_at_the_first_table_in_catalog_order():
     assert schema.encoding_order() == ["d", "c", "a", "b"]
 
 
-@needs_spider
 def test_an_unknown_table_or_database_is_named_in_the_error():
-    farm = spider_schema(SPIDER, "farm")
+    farm = spider_schema(dataset(SPIDER), "farm")
     with pytest.raises(UnknownTable, match="database 'farm' has no table 'farms'"):
         text_to_sql_prompt(farm, ["city", "farms"], "How many?")
     with pytest.raises(UnknownTable, match="no database 'farmz'"):
-        spider_schema(SPIDER, "farmz")
+        spider_schema(dataset(SPIDER), "farmz")
     assert farm.table("CITY").name == "city"  # case-insensitive when unambiguous
 
 
@@ -98,7 +94,8 @@ def test_sqlite_catalog_gives_columns_and_keys():
 
 
 def test_duckdb_catalog_gives_columns_and_keys():
-    duckdb = pytest.importorskip("duckdb")
+    import duckdb  # kvreuse[duckdb], which `make test` installs: fails if missing, never skips
+
     con = duckdb.connect()
     con.execute(CATALOG)
     schema = duckdb_schema(con, "concerts")
@@ -110,19 +107,17 @@ def test_duckdb_catalog_gives_columns_and_keys():
     assert schema.encoding_order() == ["singer", "concert", "singer_in_concert"]
 
 
-@needs_spider
 def test_tables_listed_in_any_order_are_found_as_modules_in_the_prompt_tokens(local_tokenizer):
     tok = local_tokenizer
     encode = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
-    farm = spider_schema(SPIDER, "farm")
+    farm = spider_schema(dataset(SPIDER), "farm")
     trie = ModuleTrie((name, encode(ddl)) for name, ddl in farm.modules())
     prompt = encode(text_to_sql_prompt(farm, ["competition_record", "city"], "Which city hosts most?"))
     assert [m.name for m in trie.find(prompt)] == ["competition_record", "city"]
 
 
-@needs_spider
 def test_the_pml_request_resolves_to_the_chosen_tables_at_their_schema_positions():
-    farm = spider_schema(SPIDER, "farm")
+    farm = spider_schema(dataset(SPIDER), "farm")
     chars = lambda text: [ord(c) for c in text]  # noqa: E731
     layout = layout_schema(parse_schema(farm.pml()), chars)
     res = resolve_prompt(parse_prompt(text_to_sql_pml(farm, ["competition_record", "city"], "Which?")), layout, chars)

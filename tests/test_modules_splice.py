@@ -8,7 +8,7 @@ import pytest
 from kvreuse.modules.layout import layout_schema, resolve_prompt
 from kvreuse.modules.linear import prompt_token_ids, schema_runs
 from kvreuse.modules.pml import parse_prompt, parse_schema
-from kvreuse.modules.splice import Piece, plan_splice, token_slots
+from kvreuse.modules.splice import Piece, Skipped, SkipReason, plan_splice, skipped_modules, token_slots
 from kvreuse.modules.trie import ModuleMatch, ModuleTrie
 
 ALL = lambda name: True  # noqa: E731
@@ -83,3 +83,55 @@ def test_a_prompt_becomes_the_scaffold_then_its_items_with_arguments_in_place_of
     # Every cached run appears verbatim, so the token trie finds each one.
     found = {m.name for m in ModuleTrie(schema_runs(layout).items()).find(ids)}
     assert {"s:#0", "s:#1", "s:u2#0", "s:p#0", "s:p#1", "s:doc#0", "s:doc#1", "s:inner#0"} <= found
+
+
+def test_every_module_found_but_not_spliced_is_reported_with_its_reason():
+    matches = [
+        ModuleMatch("cached", 0, 8),
+        ModuleMatch("a", 8, 12),
+        ModuleMatch("gone", 12, 20),
+        ModuleMatch("b", 20, 30),
+        ModuleMatch("c", 34, 40),
+        ModuleMatch("last", 40, 45),
+    ]
+    available = lambda name: name != "gone"  # noqa: E731
+    pieces = plan_splice(matches, 8, 40, available)
+    assert pieces == [Piece("a", 0, 8, 4)]
+    merged = [ModuleMatch("merged", 46, 52)]
+    assert skipped_modules(matches, pieces, 8, 40, available, merged) == [
+        Skipped("gone", 12, SkipReason.NOT_STORED),
+        Skipped("b", 20, SkipReason.AFTER_FREE_TEXT),
+        Skipped("c", 34, SkipReason.AFTER_FREE_TEXT),
+        Skipped("last", 40, SkipReason.PROMPT_END),
+        Skipped("merged", 46, SkipReason.TOKEN_BOUNDARY),
+    ]
+    assert skipped_modules(matches, plan_splice(matches, 0, 99, ALL), 0, 99, ALL) == [
+        Skipped("c", 34, SkipReason.AFTER_FREE_TEXT),
+        Skipped("last", 40, SkipReason.AFTER_FREE_TEXT),
+    ]
+
+
+def test_a_module_whose_last_token_merged_with_the_text_after_it_is_a_near_miss():
+    trie = ModuleTrie([("table", [1, 2, 3, 4, 10]), ("doc", [5, 6, 7, 8, 9]), ("short", [7, 7, 10])])
+    prompt = [0, 1, 2, 3, 4, 11, 5, 6, 7, 8, 9, 7, 7, 12]  # "table"'s last token merged into 11; "short" too short
+    found = trie.find(prompt)
+    assert found == [ModuleMatch("doc", 6, 11)]
+    assert trie.near_misses(prompt, found) == [ModuleMatch("table", 1, 5)]
+    assert trie.near_misses([1, 2, 3, 4, 10], trie.find([1, 2, 3, 4, 10])) == []
+
+
+def test_with_a_real_tokenizer_a_module_followed_by_whitespace_is_a_near_miss_not_a_silent_miss(smollm2_model):
+    """SmolLM2's tokenizer merges the module's closing newline with a blank line or a space after it."""
+    from tokenizers import Tokenizer
+
+    from kvreuse.modules.trie import module_text
+
+    tokenizer = Tokenizer.from_file(str(smollm2_model / "tokenizer.json"))
+    encode = lambda t: tokenizer.encode(t, add_special_tokens=False).ids  # noqa: E731
+    text = module_text("CREATE TABLE movies (id INTEGER, title TEXT, year INTEGER)")
+    trie = ModuleTrie([("movies", encode(text))])
+    for after, merged in (("Question: how many?", False), ("\n\nQuestion: how many?", True), ("  Question", True)):
+        prompt = encode("Schema:\n" + text + after)
+        found = trie.find(prompt)
+        assert bool(found) is not merged, after
+        assert [m.name for m in trie.near_misses(prompt, found)] == (["movies"] if merged else []), after

@@ -10,9 +10,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import ConfigError, ModuleConflict
 from kvreuse.modules.config import ModulesConfig
-from kvreuse.modules.store import EncodedModule, ModuleMismatch, ModuleStore, ModuleTooLarge
+from kvreuse.modules.store import (
+    NO_CONTEXT,
+    EncodedModule,
+    ModuleMismatch,
+    ModuleStore,
+    ModuleTooLarge,
+    context_fingerprint,
+    module_fingerprint,
+)
 
 MODEL, TOKENIZER = "local/small", "local/small-bpe"
 # One token of one layer with 1 head of dim 4 in fp32: 2 (k, v) * 4 * 4 bytes = 32 bytes per token.
@@ -30,19 +38,21 @@ def module(
     tokenizer=TOKENIZER,
     start=0,
     first_id=None,
+    **fields,
 ):
     """A module of ``tokens`` tokens (``tokens * 32`` bytes in fp32 with the defaults) with distinct token ids."""
     generator = torch.Generator().manual_seed(seed if seed is not None else abs(hash(name)) % 2**31)
     kv = torch.randn(layers, 2, tokens, 1, 4, generator=generator).to(dtype)
     base = first_id if first_id is not None else 1000 * (abs(hash(name)) % 10_000)
-    return EncodedModule(name, model, tokenizer, tuple(range(base, base + tokens)), start, kv)
+    return EncodedModule(name, model, tokenizer, tuple(range(base, base + tokens)), start, kv, **fields)
 
 
-def store(gpu=0, cpu=0, disk=0, eviction="lru", **kw):
+def store(gpu=0, cpu=0, disk=0, eviction="lru", device_bytes=None, **kw):
+    """A store whose device tier (``gpu`` bytes) sits on the CPU, labelled ``device``, so every tier is tested."""
     cfg = ModulesConfig(
         gpu_bytes=gpu, cpu_bytes=cpu, disk_bytes=disk, eviction=eviction, gpu_device="cpu", pin_cpu_memory=False, **kw
     )
-    return ModuleStore(cfg, model_id=MODEL, tokenizer_id=TOKENIZER)
+    return ModuleStore(cfg, model_id=MODEL, tokenizer_id=TOKENIZER, device_bytes=device_bytes)
 
 
 def test_config_reads_modules_variables_and_rejects_an_unknown_policy():
@@ -50,7 +60,7 @@ def test_config_reads_modules_variables_and_rejects_an_unknown_policy():
     assert (cfg.gpu_bytes, cfg.eviction, cfg.cpu_bytes) == (1024, "fifo", 8 * 1024**3)
     with pytest.raises(ConfigError, match=r"modules\.eviction .*'mru' is not one of lru, lfu, fifo"):
         ModulesConfig.load({"eviction": "mru"}, environ={})
-    with pytest.raises(ConfigError, match="all 0"):
+    with pytest.raises(ConfigError, match="every tier is off"):
         store()
 
 
@@ -72,8 +82,8 @@ def test_policy_chooses_the_module_that_leaves_a_full_tier(policy, evicted):
     for m in (c, c, c, b, a):
         s.get(m.key)
     s.put(d)
-    assert [s.tier_of(module(n).key) for n in "abcd"] == ["cpu" if n == evicted else "gpu" for n in "abcd"]
-    assert s.figures.evictions["gpu"] == 1 and s.figures.moves["gpu->cpu"] == 1
+    assert [s.tier_of(s.current(n)) for n in "abcd"] == ["cpu" if n == evicted else "device" for n in "abcd"]
+    assert s.figures.evictions["device"] == 1 and s.figures.moves["device->cpu"] == 1
 
 
 def test_lru_and_fifo_differ_when_the_first_in_was_used_last():
@@ -82,9 +92,9 @@ def test_lru_and_fifo_differ_when_the_first_in_was_used_last():
         s = store(gpu=2 * 128, cpu=4 * 128, eviction=policy)
         s.put(module("a"))
         s.put(module("b"))
-        s.get(module("a").key)
+        s.get(s.current("a"))
         s.put(module("c"))
-        assert s.tier_of(module(evicted).key) == "cpu", policy
+        assert s.tier_of(s.current(evicted)) == "cpu", policy
 
 
 def test_demotion_chain_gpu_cpu_disk_then_drop():
@@ -92,16 +102,16 @@ def test_demotion_chain_gpu_cpu_disk_then_drop():
     with store(gpu=128, cpu=128, disk=128) as s:
         a, b, c, d = (module(n) for n in "abcd")
         s.put(a)
-        assert s.tier_of(a.key) == "gpu"
+        assert s.tier_of(a.key) == "device"
         s.put(b)
-        assert (s.tier_of(a.key), s.tier_of(b.key)) == ("cpu", "gpu")
+        assert (s.tier_of(a.key), s.tier_of(b.key)) == ("cpu", "device")
         s.put(c)
-        assert [s.tier_of(m.key) for m in (a, b, c)] == ["disk", "cpu", "gpu"]
+        assert [s.tier_of(m.key) for m in (a, b, c)] == ["disk", "cpu", "device"]
         s.put(d)
-        assert [s.tier_of(m.key) for m in (a, b, c, d)] == [None, "disk", "cpu", "gpu"]
+        assert [s.tier_of(m.key) for m in (a, b, c, d)] == [None, "disk", "cpu", "device"]
         f = s.figures
-        assert (f.moves["gpu->cpu"], f.moves["cpu->disk"], f.drops) == (3, 2, 1)
-        assert f.bytes_moved["gpu->cpu"] == 3 * 128 and f.evictions == {"gpu": 3, "cpu": 2, "disk": 1}
+        assert (f.moves["device->cpu"], f.moves["cpu->disk"], f.drops) == (3, 2, 1)
+        assert f.bytes_moved["device->cpu"] == 3 * 128 and f.evictions == {"device": 3, "cpu": 2, "disk": 1}
         assert s.get(a.key) is None and s.figures.misses == 1
 
 
@@ -111,17 +121,17 @@ def test_get_promotes_to_the_fastest_tier_and_counts_the_hit_where_found():
         for m in (a, b, c):
             s.put(m)
         got = s.get(a.key)  # on disk
-        assert torch.equal(got.kv, a.kv) and s.tier_of(a.key) == "gpu"
+        assert torch.equal(got.kv, a.kv) and s.tier_of(a.key) == "device"
         assert [s.tier_of(m.key) for m in (b, c)] == ["disk", "cpu"]  # c demoted to cpu, b to disk
-        assert s.figures.hits == {"disk": 1} and s.figures.moves["disk->gpu"] == 1
-        assert s.figures.promotions("gpu") == 1
+        assert s.figures.hits == {"disk": 1} and s.figures.moves["disk->device"] == 1
+        assert s.figures.promotions("device") == 1
 
 
 def test_module_larger_than_fast_tiers_goes_to_the_first_tier_that_fits():
     with store(gpu=128, cpu=512) as s:
         big = module("big", tokens=8)  # 256 bytes
         assert s.put(big) == "cpu"
-        assert s.get(big.key) is not None and s.tier_of(big.key) == "cpu"  # stays: gpu cannot hold it
+        assert s.get(big.key) is not None and s.tier_of(big.key) == "cpu"  # stays: the device tier cannot hold it
         assert s.figures.hits == {"cpu": 1} and not s.figures.moves
 
 
@@ -129,7 +139,7 @@ def test_module_larger_than_every_tier_is_refused():
     with store(gpu=128, cpu=256) as s:
         with pytest.raises(
             ModuleTooLarge,
-            match=r"'huge' holds 320 bytes of KV, more than any tier \(gpu: 128, "
+            match=r"'huge' holds 320 bytes of KV, more than any tier \(device: 128, "
             r"cpu: 256\)",
         ):
             s.put(module("huge", tokens=10))
@@ -157,7 +167,7 @@ def test_disk_file_is_written_atomically_one_file_per_module():
                 s.put(module(n))
             assert len(list(Path(folder).glob("*.safetensors"))) == 3
             assert not list(Path(folder).glob(".*tmp"))
-            s.evict(module("b").key)
+            s.evict(s.current("b"))
             assert len(list(Path(folder).glob("*.safetensors"))) == 2
         assert not list(Path(folder).iterdir())  # close deletes the store's files
 
@@ -207,8 +217,8 @@ def test_module_of_another_model_or_tokenizer_is_refused():
         # the same name and ids under another model or tokenizer is another key: never found by this store
         foreign = module("t", model="other/model")
         s.put(module("t"))
-        assert foreign.key != module("t").key and s.get(foreign.key) is None
-        assert s.get(s.key("t", module("t").token_ids)) is not None
+        assert foreign.key.fingerprint != s.current("t").fingerprint and s.get(foreign.key) is None
+        assert s.get(s.current("t")) is not None
 
 
 def test_prefetch_promotes_in_order_up_to_the_depth():
@@ -216,9 +226,9 @@ def test_prefetch_promotes_in_order_up_to_the_depth():
         ms = [module(n) for n in "abcde"]
         for m in ms:
             s.put(m)  # a, b, c on cpu; d, e on gpu
-        assert [s.tier_of(m.key) for m in ms] == ["cpu", "cpu", "cpu", "gpu", "gpu"]
+        assert [s.tier_of(m.key) for m in ms] == ["cpu", "cpu", "cpu", "device", "device"]
         assert s.prefetch([ms[0].key, ms[1].key, ms[2].key], background=False).result() == 2
-        assert [s.tier_of(m.key) for m in ms] == ["gpu", "gpu", "cpu", "cpu", "cpu"]
+        assert [s.tier_of(m.key) for m in ms] == ["device", "device", "cpu", "cpu", "cpu"]
         assert s.figures.prefetched == 2 and not s.figures.hits  # prefetch counts no hits
 
 
@@ -232,8 +242,8 @@ def test_background_prefetch_promotes_while_the_caller_reads():
         for m in ms[4:]:
             assert torch.equal(s.get(m.key).kv, m.kv)
         future.result(timeout=10)
-        assert all(s.tier_of(k) in ("gpu", "cpu") for k in cold)
-        assert s.used_bytes()["gpu"] <= 4 * 128
+        assert all(s.tier_of(k) in ("device", "cpu") for k in cold)
+        assert s.used_bytes()["device"] <= 4 * 128
 
 
 def test_prefetch_order_cuts_promotions_on_clustered_requests():
@@ -251,7 +261,7 @@ def test_prefetch_order_cuts_promotions_on_clustered_requests():
             for i in order:
                 for m in requests[i]:
                     assert s.get(m.key) is not None
-            return s.figures.promotions("gpu"), s
+            return s.figures.promotions("device"), s
 
     arrival, s = promotions(range(15))
     order = s.prefetch_order([[m.key for m in r] for r in requests])
@@ -279,22 +289,97 @@ def test_capacity_is_never_exceeded(caps, ops, policy):
                 if op == "put":
                     if m.nbytes > 64 * max(caps):
                         with pytest.raises(ModuleTooLarge):
-                            s.put(m)
+                            s.put(m, replace=True)
                         continue
+                    s.put(m, replace=True)  # the same name with another size is other content: a replacement
                     put[m.key] = m.kv.clone()
-                    s.put(m)
                 elif op == "get":
-                    stored = m.key in s
-                    got = s.get(m.key)
-                    assert (got is not None) == stored and (not stored or m.key in put)
+                    key = s.current(m.name)
+                    got = s.get(key) if key is not None else None
+                    assert (got is not None) == (key is not None) and (key is None or key in put)
                     if got is not None:
-                        assert torch.equal(got.kv, put[m.key])
+                        assert torch.equal(got.kv, put[key])
                 else:
-                    s.evict(m.key)
+                    s.evict(s.current(m.name) or m.key)
                 for name, used in s.used_bytes().items():
                     assert used <= s.capacities()[name], (name, used)
                 on_disk = sum(s.tier_of(key) == "disk" for key in put)
                 assert len(list(Path(folder).glob("*.safetensors"))) == on_disk
+
+
+def test_keys_name_everything_the_kv_depends_on():
+    ids = (1, 2, 3)
+    base = module_fingerprint(MODEL, TOKENIZER, ids)
+    variants = [
+        module_fingerprint("other", TOKENIZER, ids),
+        module_fingerprint(MODEL, "other", ids),
+        module_fingerprint(MODEL, TOKENIZER, (1, 2, 4)),
+        module_fingerprint(MODEL, TOKENIZER, ids, context=context_fingerprint([9, 9])),
+        module_fingerprint(MODEL, TOKENIZER, ids, start=2),
+        module_fingerprint(MODEL, TOKENIZER, ids, recovery="cacheblend"),
+    ]
+    assert len({base, *variants}) == 7
+    assert module_fingerprint(MODEL, TOKENIZER, ids, context=NO_CONTEXT, start=0, recovery="none") == base
+    m = module("t", context=context_fingerprint([5]), recovery="none", start=1)
+    assert m.key.fingerprint == module_fingerprint(
+        MODEL, TOKENIZER, m.token_ids, context=context_fingerprint([5]), start=1
+    )
+
+
+def test_a_reencode_after_another_context_is_refused_and_the_stored_entry_stays():
+    # the poisoning scenario, engine-free: an operator's module, then the same name and tokens after a hostile context
+    with store(cpu=1 << 20) as s:
+        clean = module("system", seed=1)
+        s.put(clean)
+        hostile = module("system", seed=2, context=context_fingerprint([666] * 8), start=8)
+        with pytest.raises(ModuleConflict, match="'system' is already stored in namespace global with other content"):
+            s.put(hostile)
+        assert s.current("system") == clean.key and torch.equal(s.get(clean.key).kv, clean.kv) and len(s) == 1
+
+
+def test_the_same_content_again_keeps_the_stored_kv_and_its_version():
+    with store(cpu=1 << 20) as s:
+        first, again = module("t", seed=1), module("t", seed=2)  # same fingerprint, other numbers
+        s.put(first)
+        s.put(again)
+        assert again.key == first.key and torch.equal(s.get(first.key).kv, first.kv)
+
+
+def test_an_explicit_replace_swaps_atomically_under_a_version_never_used_before():
+    with store(cpu=1 << 20) as s:
+        old = module("t", seed=1)
+        s.put(old)
+        new = module("t", seed=2, context=context_fingerprint([4]))
+        s.put(new, replace=True)
+        assert s.current("t") == new.key and new.key.version > old.key.version and len(s) == 1
+        assert new.key.identity != old.key.identity and len(new.key.identity) == 32
+        assert old.key not in s and s.get(old.key) is None and torch.equal(s.get(new.key).kv, new.kv)
+        s.evict(new.key)  # gone, then the first content again: still a new version, never an old one
+        back = module("t", seed=1)
+        s.put(back)
+        assert s.current("t") == back.key and back.key.version > new.key.version > old.key.version
+
+
+def test_namespaces_hold_the_same_name_apart_and_a_name_leaves_with_its_entry():
+    with store(gpu=128, cpu=0) as s:
+        mine, theirs = module("doc", seed=1, namespace="salt-a"), module("doc", seed=2, namespace="salt-b")
+        s.put(mine)
+        assert (
+            s.current("doc", "salt-a") == mine.key and s.current("doc", "salt-b") is None and s.current("doc") is None
+        )
+        s.put(theirs)  # the only tier holds one module: mine is dropped, and its name with it
+        assert s.current("doc", "salt-a") is None and s.current("doc", "salt-b") == theirs.key
+        assert mine.key.namespace == "salt-a" and theirs.key != mine.key
+
+
+def test_no_cuda_means_no_gpu_tier_and_auto_takes_the_adapters_budget():
+    # the default device tier is auto: without a budget from the adapter it is off, GPU or not
+    assert ModuleStore(ModulesConfig(), model_id=MODEL, tokenizer_id=TOKENIZER).tiers == ("cpu",)
+    with_budget = ModuleStore(ModulesConfig(), model_id=MODEL, tokenizer_id=TOKENIZER, device_bytes=1 << 30)
+    assert with_budget.tiers == (("gpu", "cpu") if torch.cuda.is_available() else ("cpu",))  # no host memory as gpu
+    assert store(gpu=-1, cpu=64, device_bytes=1024).capacities() == {"device": 1024, "cpu": 64}
+    assert store(gpu=-1, cpu=64).capacities() == {"cpu": 64}
+    assert store(gpu=512, cpu=64, device_bytes=1024).capacities() == {"device": 512, "cpu": 64}
 
 
 def test_every_modules_setting_is_documented():
@@ -310,5 +395,6 @@ def test_every_modules_setting_is_documented():
         "modules.pin_cpu_memory",
         "modules.prefetch_depth",
         "modules.gpu_device",
+        "modules.index_bytes",
     ]
     assert all(doc for *_, doc in rows)

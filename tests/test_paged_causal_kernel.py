@@ -3,13 +3,15 @@
 One batch mixes what vLLM's batches carry: a fresh 45-token prefill, a 20-token chunk after 37 cached tokens, a
 decode token of a 150-token sequence and a 3-token speculative verification after 67, scattered over a shuffled
 block pool. Shapes: GQA with groups of 2 and of 3 (a group that is not a power of two), head_dim 64 and 48, block
-sizes 16, 24 (not a power of two) and 32, and plain multi-head attention.
+sizes 16, 24 (not a power of two) and 32, and plain multi-head attention. Outputs are compared with the float64
+reference (``numerics.assert_close_to_exact``).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from numerics import assert_close_to_exact, summation_orders
 
 from kvreuse.errors import KernelArgumentError
 from kvreuse.kernels import paged_causal
@@ -20,7 +22,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (new tokens, total tokens) per request
 REQUESTS = [(45, 45), (20, 57), (1, 150), (3, 70)]
 SHAPES = {"gqa2": (4, 2, 64, 16), "gqa3-d48-b24": (6, 2, 48, 24), "mha-b32": (4, 4, 64, 32)}
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def batch(shape, dtype, requests=REQUESTS, *, seed=0, poison=False):
@@ -69,16 +71,31 @@ def run(shape, case, *, requests=None):
     return op.run(query, keys, values, out), op.scale
 
 
-@pytest.mark.parametrize("dtype", list(TOLERANCE))
+def reference(case, scale, dtype, *, absolute=False, order=None):
+    """The reference's output in ``dtype`` arithmetic (float64: exact), its dot products summed in ``order`` (see
+    ``numerics.summation_orders``); ``absolute``: attention over ``|v|``, the magnitude the kernel's rounding errors
+    scale with."""
+    query, keys, values, starts, ends, seq_lens, table = case
+    wide = dtype == torch.float64
+    query, keys, values = (t.double() if wide else t for t in (query, keys, values))
+    values = values.abs() if absolute else values
+    if order is not None:
+        query, keys = query[..., order], keys[..., order]
+    out = torch.empty_like(query, dtype=dtype)
+    return paged_causal_reference(query, keys, values, starts, ends, seq_lens, table, scale, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_a_mixed_batch_equals_the_reference(shape, dtype):
     case = batch(SHAPES[shape], dtype)
     out, scale = run(SHAPES[shape], case)
-    query, keys, values, starts, ends, seq_lens, table = case
-    expected = paged_causal_reference(
-        query, keys, values, starts, ends, seq_lens, table, scale, torch.empty_like(query, dtype=torch.float32)
+    assert_close_to_exact(
+        out,
+        [reference(case, scale, torch.float32, order=order) for order in summation_orders(SHAPES[shape][2])],
+        reference(case, scale, torch.float64),
+        magnitude=reference(case, scale, torch.float64, absolute=True),
     )
-    torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=0)
 
 
 def test_slots_past_each_requests_causal_end_are_never_loaded():
@@ -86,7 +103,7 @@ def test_slots_past_each_requests_causal_end_are_never_loaded():
     out, scale = run(shape, batch(shape, torch.float32, poison=True))
     assert bool(torch.isfinite(out).all())
     clean, _ = run(shape, batch(shape, torch.float32))
-    torch.testing.assert_close(out, clean, atol=0, rtol=0)
+    torch.testing.assert_close(out, clean, atol=0, rtol=0)  # the same launch on the same loaded values: bitwise
 
 
 def test_a_sub_batch_writes_only_its_requests_rows():
@@ -98,6 +115,8 @@ def test_a_sub_batch_writes_only_its_requests_rows():
     for i in range(len(REQUESTS)):
         rows = slice(starts[i], ends[i])
         if i in (1, 3):
+            # Bitwise: both launches tile these requests alike (32 query tokens per program, from max_query_len 45
+            # and 20 alike), so each row goes through the same operations in the same order.
             torch.testing.assert_close(some[rows], everything[rows], atol=0, rtol=0)
         else:
             assert bool((some[rows] == 7.0).all())
@@ -109,19 +128,25 @@ def test_one_new_token_is_decode_attention():
     case = batch(shape, torch.float32, decodes)
     out, scale = run(shape, case)
     query, keys, values, _, _, seq_lens, table = case
-    torch.testing.assert_close(
-        out, dense_decode_reference(query, keys, values, table, seq_lens, scale), atol=1e-5, rtol=0
-    )
+    expected = [
+        dense_decode_reference(query[..., order], keys[..., order], values, table, seq_lens, scale)
+        for order in summation_orders(shape[2])
+    ]
+    exact = dense_decode_reference(query.double(), keys.double(), values.double(), table, seq_lens, scale)
+    assert_close_to_exact(out, expected, exact)
 
 
 def test_the_reference_takes_long_prompts_in_query_chunks_with_the_same_result(monkeypatch):
     _, keys, values, _, _, _, table = batch(SHAPES["gqa2"], torch.float32)
     query = torch.randn(45, 4, 64)
-    whole = causal_attention_reference(query, keys, values, table[0], 45, 0.125)
+    whole = [
+        causal_attention_reference(query[..., order], keys[..., order], values, table[0], 45, 0.125)
+        for order in summation_orders(64)
+    ]
+    exact = causal_attention_reference(query.double(), keys.double(), values.double(), table[0], 45, 0.125)
     monkeypatch.setattr(paged_causal, "REFERENCE_LOGITS", 4 * 45 * 7)  # 7 query rows at a time
-    torch.testing.assert_close(
-        causal_attention_reference(query, keys, values, table[0], 45, 0.125), whole, atol=1e-6, rtol=0
-    )
+    chunked = causal_attention_reference(query, keys, values, table[0], 45, 0.125)
+    assert_close_to_exact(chunked, whole, exact, what="the reference in query chunks")
 
 
 def test_arguments_are_checked_and_named():

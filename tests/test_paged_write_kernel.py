@@ -4,7 +4,8 @@ Awkward shapes (3 KV heads, head_dim 48, block size 24), keys as a strided view 
 passes them) and values contiguous, a key cache that is one half of vLLM's K|V page and a value cache with other
 strides (so no stride is taken for another), padding slots, a slot mapping longer than the tokens, and a cache of
 another dtype than the projection (the kernel rounds on store as the reference does). Every slot the step does not
-write is NaN before and must still be NaN after.
+write is NaN before and must still be NaN after. Caches compare bitwise: a store is a copy, or one conversion
+rounded to nearest even in both (no arithmetic, so no order to differ).
 """
 
 from __future__ import annotations

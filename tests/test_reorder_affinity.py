@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvreuse.reorder.affinity import Candidate, Choice, PrefixAffinityQueue, PrefixProbe, choose
+from kvreuse.reorder.affinity import Candidate, Choice, PrefixAffinityQueue, PrefixProbe, choose, room_to_finish
 from kvreuse.reorder.config import ReorderConfig
 
 NOW = 100.0
@@ -266,3 +266,59 @@ def test_no_request_is_passed_over_more_than_max_skips_times(max_skips, arrivals
         q.close_step(lambda _: True)
     assert max(passed_over.values(), default=0) <= max_skips
     assert q.counters.max_skips == max(passed_over.values(), default=0)
+
+
+# Admission to completion: the room callback.
+
+
+def test_a_pick_without_room_to_finish_holds_the_queue_until_the_pass_ends():
+    cache = FakeCache({"hot": 6})
+    room = {"fits": False}
+    q = PrefixAffinityQueue(
+        RELAXED, cache.probe, arrival_time=lambda r: r.arrival, clock=lambda: NOW, room=lambda r, p: room["fits"]
+    )
+    q.add_request(Req("cold", "c"))
+    q.add_request(Req("hot", "hot"))
+    assert len(q) == 2 and not q  # waiting, but nothing the engine should admit now
+    room["fits"] = True
+    assert not q  # held for the rest of the pass
+    q.close_step(lambda r: True)
+    assert q and q.peek_request().name == "hot" and q.pop_request().name == "hot"
+    assert q.counters.held == 1
+
+
+def test_requests_at_the_front_are_never_held_back():
+    q = PrefixAffinityQueue(
+        RELAXED, FakeCache().probe, arrival_time=lambda r: r.arrival, clock=lambda: NOW, room=lambda r, p: False
+    )
+    q.add_request(Req("waiting", "x"))
+    q.prepend_request(Req("preempted", "y"))
+    assert q and q.pop_request().name == "preempted"
+    assert not q
+
+
+def test_the_room_callback_sees_the_picks_probe():
+    seen = []
+    q = PrefixAffinityQueue(
+        RELAXED,
+        FakeCache({"hot": 6}).probe,
+        arrival_time=lambda r: r.arrival,
+        clock=lambda: NOW,
+        room=lambda r, p: seen.append((r.name, p.cached_blocks)) or True,
+    )
+    q.add_request(Req("cold", "c"))
+    q.add_request(Req("hot", "hot"))
+    assert bool(q)
+    assert seen == [("hot", 6)]
+
+
+def test_room_to_finish_counts_the_running_requests_growth():
+    assert room_to_finish(free_blocks=10, request_blocks=4, running_growth_blocks=6)
+    assert not room_to_finish(free_blocks=10, request_blocks=5, running_growth_blocks=6)
+
+
+def test_by_default_waiting_is_bounded_by_skips_not_seconds():
+    config = ReorderConfig()
+    assert config.max_wait_s == float("inf")
+    old = cand(key="a", arrival=NOW - 1e6)
+    assert choose([old, cand(cached=6)], config, NOW) == Choice(1, forced=False)

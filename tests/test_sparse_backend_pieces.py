@@ -1,16 +1,20 @@
 """The sparse attention backend's pieces without an engine (``kvreuse.sparse.paged``), on vLLM's plain layout.
 
 Shapes are the small test model's: head_dim 64, 4 query heads on 2 KV heads, block size 32; a shuffled block pool;
-two requests prefilled (300 and 45 tokens) and then decoded token by token, as vLLM's batches carry them.
+two requests prefilled (300 and 45 tokens) and then decoded token by token, as vLLM's batches carry them. Outputs
+are compared with the same step computed in float64, selections checked for a margin first (``numerics.py``).
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
+from numerics import assert_close_to_exact, settled_dipr_selection, summation_orders
 
 from kvreuse.kernels.dipr_decode import dense_decode_reference, dipr_selection_reference, masked_decode_reference
-from kvreuse.kernels.key_sketch import sketch_reference
+from kvreuse.kernels.key_sketch import KeySketch, sketch_reference
 from kvreuse.kernels.paged_write import store_kv_reference
 from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.paged import PagedBatch, SparseAttention
@@ -23,11 +27,25 @@ PROMPTS = [300, 45]
 class Engine:
     """A stand-in for vLLM's model runner: a block pool, block tables, slot mappings and batches."""
 
-    def __init__(self, config: SparseConfig, seed: int = 0, peaked: bool = False, kernels: bool | None = None):
+    def __init__(
+        self,
+        config: SparseConfig,
+        seed: int = 0,
+        peaked: bool = False,
+        kernels: bool | None = None,
+        dtype: torch.dtype = torch.float32,
+        coordinates: torch.Tensor | None = None,
+    ):
+        """``dtype`` float64 (with ``kernels`` off) gives the exact result of what a float32 engine of the same seed
+        computes: the same data, drawn in float32 and widened, through the same PyTorch path. ``coordinates`` (one of
+        ``numerics.summation_orders``) stores queries and keys with their head_dim coordinates in that order: the
+        same attention, its dot products summed in another order."""
         self.g = torch.Generator().manual_seed(seed)
+        self.dtype = dtype
+        self.coordinates = torch.arange(DIM) if coordinates is None else coordinates
         self.attention = SparseAttention(Q_HEADS, KV_HEADS, DIM, BLOCK, SCALE, config, kernels=kernels)
         # One tensor like vLLM's LBNHC layer view: [blocks, tokens, heads, K|V].
-        kv = torch.zeros(POOL, BLOCK, KV_HEADS, 2 * DIM)
+        kv = torch.zeros(POOL, BLOCK, KV_HEADS, 2 * DIM, dtype=dtype)
         self.key_cache, self.value_cache = kv.split(DIM, dim=-1)
         self.sketch = self.attention.allocate_sketch(POOL, "cpu")
         self.order = torch.randperm(POOL, generator=self.g).to(torch.int32)
@@ -45,11 +63,13 @@ class Engine:
 
     def keys(self, n: int, start: int) -> torch.Tensor:
         k = torch.randn(n, KV_HEADS, DIM, generator=self.g)
-        if self.peaked:  # small noise, with strong keys at positions 0 and 200 (the heavy hitters DIPR must keep)
+        if self.peaked:
+            # Small noise, with strong keys at positions 0 (logit ~32, a sink) and 200 (~35, stronger than any window
+            # key): the heavy hitters DIPR must keep, of distinct strengths, so no two logits tie.
             k *= 0.05
-            for pos in (0, 200):
+            for pos, strength in ((0, 1.0), (200, 1.1)):
                 if start <= pos < start + n:
-                    k[pos - start] = self.direction
+                    k[pos - start] = strength * self.direction
         return k
 
     def step(self, new_tokens: list[int]):
@@ -65,6 +85,8 @@ class Engine:
         query = torch.randn(total, Q_HEADS, DIM, generator=self.g)
         if self.peaked:
             query = 4 * self.direction.repeat_interleave(Q_HEADS // KV_HEADS, 0)[None] + 0.1 * query
+        key, query = key[..., self.coordinates], query[..., self.coordinates]
+        key, value, query = (t.to(self.dtype) for t in (key, value, query))
         starts = torch.tensor([0] + new_tokens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         lens = torch.tensor(self.lens, dtype=torch.int32)
         batch = PagedBatch(
@@ -84,6 +106,34 @@ class Engine:
         out = torch.empty_like(query)
         return self.attention.attend(layer, query, self.key_cache, self.value_cache, self.sketch, batch, out)
 
+    def settled_dipr(self, query: torch.Tensor, batch: PagedBatch):
+        """The exact selection of the step's DIPR decodes (sparse layers), checked for a margin; None if none."""
+        sub = self.attention._plan(batch, False).dipr
+        if sub is None:
+            return None
+        config = self.attention.config
+        return settled_dipr_selection(
+            query[sub.query_starts.long()],
+            self.key_cache,
+            self.sketch,
+            sub.block_table,
+            sub.seq_lens,
+            config.beta,
+            SCALE,
+            config.sink,
+            config.local,
+        )
+
+
+def dense(engine: Engine, query: torch.Tensor, batch: PagedBatch) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Dense decode attention of the batch's requests by the reference: fp32 in each summation order, and float64
+    (exact)."""
+    table, lens, keys, values = batch.block_table, batch.seq_lens, engine.key_cache, engine.value_cache
+    references = [
+        dense_decode_reference(query[..., o], keys[..., o], values, table, lens, SCALE) for o in summation_orders(DIM)
+    ]
+    return references, dense_decode_reference(query.double(), keys.double(), values.double(), table, lens, SCALE)
+
 
 def sparse(beta: float, **settings) -> SparseConfig:
     return SparseConfig(**{"beta": beta, "min_context": 0, "dense_layers": 0, "sink": 16, "local": 64, **settings})
@@ -92,7 +142,7 @@ def sparse(beta: float, **settings) -> SparseConfig:
 def test_cache_write_stores_each_token_at_its_slot_in_the_plain_layout():
     engine = Engine(sparse(float("inf")))
     _, key, value, batch = engine.step(PROMPTS)
-    for t, slot in enumerate(batch.slot_mapping.tolist()):
+    for t, slot in enumerate(batch.slot_mapping.tolist()):  # a copy: bitwise
         assert torch.equal(engine.key_cache[slot // BLOCK, slot % BLOCK], key[t])
         assert torch.equal(engine.value_cache[slot // BLOCK, slot % BLOCK], value[t])
 
@@ -141,8 +191,10 @@ def test_prefill_is_dense_and_causal():
         q = query[first:last].transpose(0, 1)
         k = key[first:last].transpose(0, 1).repeat_interleave(2, 0)
         v = value[first:last].transpose(0, 1).repeat_interleave(2, 0)
-        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE)
-        torch.testing.assert_close(out[first:last], expected.transpose(0, 1), atol=1e-5, rtol=1e-5)
+        attention = partial(torch.nn.functional.scaled_dot_product_attention, is_causal=True, scale=SCALE)
+        expected = [attention(q[..., o], k[..., o], v).transpose(0, 1) for o in summation_orders(DIM)]
+        exact = attention(q.double(), k.double(), v.double()).transpose(0, 1)
+        assert_close_to_exact(out[first:last], expected, exact)
 
 
 def test_decode_at_beta_inf_equals_the_dense_reference():
@@ -151,10 +203,7 @@ def test_decode_at_beta_inf_equals_the_dense_reference():
     for _ in range(3):
         query, _, _, batch = engine.step([1, 1])
         out = engine.attend(1, query, batch)
-        expected = dense_decode_reference(
-            query, engine.key_cache, engine.value_cache, batch.block_table, batch.seq_lens, SCALE
-        )
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        assert_close_to_exact(out, *dense(engine, query, batch))
     rows = engine.attention.figures.rows()
     assert rows[0]["block_fraction"] == 1.0 and rows[0]["token_fraction"] == 1.0
 
@@ -164,17 +213,27 @@ def test_finite_beta_attends_a_superset_of_the_exact_dipr_set_and_reads_fewer_bl
     engine.step(PROMPTS)
     query, _, _, batch = engine.step([1, 1])
     out = engine.attend(1, query, batch)
-    sel = dipr_selection_reference(
-        query, engine.key_cache, engine.sketch, batch.block_table, batch.seq_lens, 4.0, SCALE, 4, 8
-    )
+    sel = engine.settled_dipr(query, batch)  # min_context 0: both requests decode with DIPR
     for attended, exact in zip(sel.attended, sel.exact):
         assert bool((attended | ~exact).all()), "a token of the exact DIPR set was not attended"
-    torch.testing.assert_close(
-        out,
-        masked_decode_reference(engine.value_cache, batch.block_table, batch.seq_lens, sel.logits, sel.attended),
-        atol=1e-5,
-        rtol=1e-5,
-    )
+    table, lens, values = batch.block_table, batch.seq_lens, engine.value_cache
+    references = []
+    for o in summation_orders(DIM):
+        fp32 = dipr_selection_reference(
+            query[..., o],
+            engine.key_cache[..., o],
+            KeySketch(engine.sketch.codes[..., o], engine.sketch.scales),
+            table,
+            lens,
+            4.0,
+            SCALE,
+            4,
+            8,
+        )
+        assert all(torch.equal(a, b) for a, b in zip(fp32.attended, sel.attended))  # settled: fp32 decides alike
+        references.append(masked_decode_reference(values, table, lens, fp32.logits, fp32.attended))
+    exact = masked_decode_reference(values.double(), table, lens, sel.logits, sel.attended)
+    assert_close_to_exact(out, references, exact)
     row = engine.attention.figures.rows()[0]
     # 301 tokens = 10 blocks: the sink block, the local block and block 6 (position 200) are read, 7 are not.
     assert row["block_fraction"] < 0.5 and row["token_fraction"] < 0.1
@@ -183,19 +242,32 @@ def test_finite_beta_attends_a_superset_of_the_exact_dipr_set_and_reads_fewer_bl
 def test_the_triton_path_computes_what_the_pytorch_path_computes_step_by_step():
     """What the backend runs on a GPU (the Triton kernels, here in Triton's interpreter) against what it runs on CPU:
     a prefill, then steps mixing DIPR decodes (request 0, 300+ tokens), dense decodes (request 1, under
-    ``min_context``) and a 20-token chunk of request 0."""
+    ``min_context``) and a 20-token chunk of request 0. Both against the same steps in float64: the Triton path
+    lands as close to the exact outputs as the PyTorch path does; its selections, counted in the figures, are the
+    same, every DIPR decision having a margin."""
     config = sparse(4.0, sink=4, local=8, min_context=100)
-    engines = [Engine(config, peaked=True, kernels=kernels) for kernels in (False, True)]
+    triton, exact = (
+        Engine(config, peaked=True, kernels=kernels, dtype=dtype)
+        for kernels, dtype in ((True, torch.float32), (False, torch.float64))
+    )
+    pytorch = [Engine(config, peaked=True, kernels=False, coordinates=o) for o in summation_orders(DIM)]
     for new_tokens in (PROMPTS, [1, 1], [20, 1], [1, 1]):
-        (q0, _, _, batch0), (q1, _, _, batch1) = (engine.step(new_tokens) for engine in engines)
+        steps = [engine.step(new_tokens) for engine in (triton, exact, *pytorch)]
+        exact.settled_dipr(steps[1][0], steps[1][3])
         for layer in (0, 1):
-            torch.testing.assert_close(
-                engines[1].attend(layer, q1, batch1), engines[0].attend(layer, q0, batch0), atol=1e-5, rtol=0
+            kernels, want, *references = (
+                engine.attend(layer, query, batch)
+                for engine, (query, _, _, batch) in zip((triton, exact, *pytorch), steps)
             )
-        assert torch.equal(engines[1].sketch.codes, engines[0].sketch.codes)
-        assert torch.equal(engines[1].sketch.scales, engines[0].sketch.scales)
-    assert engines[1].attention.figures.rows() == engines[0].attention.figures.rows()
-    assert engines[1].attention.figures.rows()[1]["block_fraction"] < 0.8
+            assert_close_to_exact(kernels, references, want, what=f"Triton path, layer {layer}, step {new_tokens}")
+        # The same keys (pytorch[0] keeps the coordinates in order), each sketched by a maximum, one correctly rounded
+        # division and a floor: bitwise.
+        assert torch.equal(triton.sketch.codes, pytorch[0].sketch.codes)
+        assert torch.equal(triton.sketch.scales, pytorch[0].sketch.scales)
+    # Counts of blocks and tokens; their decisions are settled, so they are equal in every implementation.
+    rows = triton.attention.figures.rows()
+    assert all(rows == engine.attention.figures.rows() for engine in (exact, *pytorch))
+    assert rows[1]["block_fraction"] < 0.8
 
 
 @pytest.mark.parametrize("settings", [{"dense_layers": 2}, {"min_context": 1000}])
@@ -204,10 +276,7 @@ def test_dense_layers_and_short_contexts_decode_densely(settings):
     engine.step(PROMPTS)
     query, _, _, batch = engine.step([1, 1])
     out = engine.attend(1, query, batch)
-    expected = dense_decode_reference(
-        query, engine.key_cache, engine.value_cache, batch.block_table, batch.seq_lens, SCALE
-    )
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert_close_to_exact(out, *dense(engine, query, batch))
     assert engine.attention.figures.rows()[0]["block_fraction"] == 1.0
 
 
@@ -239,7 +308,12 @@ def test_a_step_is_split_once_per_kind_of_layer_and_again_after_new_settings(mon
     assert plan.dipr.reqs == (0,) and plan.dense.reqs == (1,)  # request 1 (46 tokens) is under min_context
     assert plan.dense_decodes == (1, 2, 46)  # one decode, its 2 blocks and 46 tokens
     engine.attention.configure(sparse(4.0, dense_layers=2, min_context=10))
-    torch.testing.assert_close(engine.attend(2, query, batch), outs[2], atol=1e-5, rtol=0)
+    again = engine.attend(2, query, batch)
+    assert torch.equal(again[0], outs[2][0])  # request 0: DIPR under both settings, the same operations in order
+    # Request 1 moves from the dense path to DIPR, which keeps all its 46 tokens (decisions settled): dense again.
+    assert engine.settled_dipr(query, batch).attended[1].sum(1).tolist() == [46] * Q_HEADS
+    references, exact = dense(engine, query, batch)
+    assert_close_to_exact(again[1:], [r[1:] for r in references], exact[1:])
     assert calls == [True, False, False] and engine.attention._plan(batch, False).dipr.reqs == (0, 1)
 
 

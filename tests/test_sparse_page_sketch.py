@@ -1,4 +1,5 @@
-"""The vLLM sparse backend keeps each block's key sketch in padding rows of its KV page (``kvreuse.vllm.attention``).
+"""The vLLM sparse backend keeps each block's key sketch in padding rows of its KV page
+(``kvreuse.vllm.sparse.backend``).
 
 Shapes: 2 KV heads x head_dim 64, 32-token blocks, fp32: a page is 32 x 2 x 128 x 4 = 32 KiB, a token row 1 KiB,
 a block's sketch 32 x 2 x (64 + 4) = 4,352 bytes, so 5 rows.
@@ -11,7 +12,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvreuse.errors import ConfigError
-from kvreuse.vllm.attention import SparseAttentionBackend, page_sketch, sketch_rows
+from kvreuse.vllm.sparse.backend import SparseAttentionBackend, page_sketch, sketch_rows
 
 BLOCK, KV_HEADS, DIM, BLOCKS = 32, 2, 64, 5
 PAGE = BLOCK * KV_HEADS * 2 * DIM * 4

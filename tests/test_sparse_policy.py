@@ -37,7 +37,7 @@ def test_beta_accepts_inf_from_a_variable_and_a_flag():
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        ({"beta": -1.0}, r"sparse\.beta \(KVREUSE_SPARSE_BETA\): -1\.0 is outside the accepted range \[0\.0, None\]"),
+        ({"beta": -1.0}, r"sparse\.beta \(KVREUSE_SPARSE_BETA\): -1\.0 is outside the accepted range \[0\.0, inf\]"),
         ({"beta": "nan"}, r"sparse\.beta"),
         ({"dense_layers": -1}, r"sparse\.dense_layers .*outside the accepted range \[0, 1000000\]"),
         ({"min_context": "long"}, r"sparse\.min_context .*'long' is not a valid int"),

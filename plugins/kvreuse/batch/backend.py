@@ -5,13 +5,21 @@ A backend is anything with a ``generate`` method and a ``cache_model`` attribute
 (:class:`kvreuse.batch.openai_server.OpenAIServerBackend`), or a test double. The front ends decide the send
 order (that is the point of reordering), so a backend must submit the prompts in the order given and return one
 completion per prompt in that same order.
+
+Two kinds of failure, kept apart so a job loses nothing: a prompt the engine refuses (longer than the context, a
+request the server answers with 400) is a :class:`Completion` with an ``error``, and the job goes on; an engine
+that stops answering (dead, unreachable after the retries) raises :class:`~kvreuse.errors.BackendError`, and the
+job stops with the rows answered so far. A backend that can (``stream``) hands each completion over as soon as it
+is done, so the front ends write rows while the job runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from kvreuse.errors import BackendError
 
 # Enough for a label or a short answer; every front end takes ``max_tokens`` to change it.
 MAX_TOKENS = 32
@@ -22,18 +30,26 @@ class Completion:
     """One prompt's answer and the engine's accounting of its prompt.
 
     ``prompt_tokens`` and ``cached_tokens`` (prompt tokens served from the prefix cache) are ``None`` where the
-    engine does not report them, e.g. a server started without ``--enable-prompt-tokens-details``.
+    engine does not report them, e.g. a server started without ``--enable-prompt-tokens-details``. ``error`` says
+    why the engine refused this prompt (then ``text`` is empty and the counts are ``None``).
     """
 
     text: str
     prompt_tokens: int | None
     cached_tokens: int | None
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, error: str) -> Completion:
+        """The completion of a prompt the engine refused, saying why."""
+        return cls("", None, None, error)
 
 
 @dataclass(frozen=True)
 class PrefixCacheModel:
     """How an engine caches prefixes: its tokenizer (prompts to token ids, as the engine tokenizes them) and
-    its KV block size. With it, GGR's order is checked against the baselines the way the engine will hit."""
+    its KV block size. With it, GGR solves on the engine's tokens (each distinct cell tokenized once) and keeps
+    the best of its candidates as the engine will hit them (:class:`kvreuse.reorder.TokenHitMeasure`)."""
 
     tokenize: Callable[[list[str]], Sequence[Sequence[int]]]
     block_size: int
@@ -52,6 +68,39 @@ class Backend(Protocol):
         """Completions of ``prompts`` in their order, each at most ``max_tokens`` tokens.
 
         Prompts are submitted in the order given, since that is the order reordering chose for prefix reuse.
-        An empty list gives an empty list. ``progress`` shows a progress bar on standard error.
+        An empty list gives an empty list. ``progress`` may show a progress bar on standard error (kvreuse's own
+        backends show none: the front ends draw theirs, :mod:`kvreuse.batch.progress`).
         """
         ...
+
+
+class StreamingBackend(Backend, Protocol):
+    """A backend that also hands over each completion as soon as it is done (what the front ends use if present)."""
+
+    def stream(self, prompts: Sequence[str], *, max_tokens: int) -> Iterator[tuple[int, Completion]]:
+        """``(position in prompts, completion)`` for every prompt, in the order they finish.
+
+        Prompts are submitted in the order given. A refused prompt yields a completion with an ``error``; an engine
+        that stops answering raises :class:`~kvreuse.errors.BackendError` after the completions already yielded.
+        """
+        ...
+
+
+def stream_completions(
+    backend: Backend, prompts: Sequence[str], *, max_tokens: int
+) -> Iterator[tuple[int, Completion]]:
+    """``backend.stream`` where the backend has it, else one ``generate`` call whose completions are then handed
+    over in prompt order (a backend must answer every prompt: one that does not is a ``BackendError``)."""
+    if not prompts:
+        return
+    stream = getattr(backend, "stream", None)
+    if stream is not None:
+        yield from stream(prompts, max_tokens=max_tokens)
+        return
+    completions = backend.generate(list(prompts), max_tokens=max_tokens)
+    if len(completions) != len(prompts):
+        raise BackendError(
+            f"the backend returned {len(completions)} completion(s) for {len(prompts)} prompt(s); "
+            "a backend must answer every prompt, in order"
+        )
+    yield from enumerate(completions)

@@ -12,7 +12,7 @@ Invariant: every row id given is answered exactly once — a retried batch is on
 and an answer for a row already answered is dropped (counted in ``JobFigures.duplicates_dropped``).
 
 Pools: :class:`InProcessReplicas` (backends in this process, no Ray: what ``--replicas 1`` uses) and
-:class:`kvreuse.batch.ray_replicas.RayVLLMReplicas` (one ``vllm.LLM`` per Ray actor).
+:class:`kvreuse.vllm.ray_replicas.RayVLLMReplicas` (one ``vllm.LLM`` per Ray actor).
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ class ReplicaFigures:
     prompt_tokens: int | None = 0
     cached_tokens: int | None = 0
     died: bool = False
+    errors: int = 0  # prompts the engine refused (their completions carry the error)
 
     @property
     def hit_rate(self) -> float | None:
@@ -140,6 +141,9 @@ class JobFigures:
             f"time           {self.wall_s:.1f} s wall, {self.throughput:.1f} rows/s",
             f"retried        {self.retried_batches} batch(es), {self.retried_requests} row(s)",
         ]
+        errors = sum(r.errors for r in self.replicas)
+        if errors:
+            lines.append(f"errors         {errors:,} row(s) refused by the engines; their error column says why")
         for r in self.replicas:
             hit = "" if r.hit_rate is None else f", {r.hit_rate:.1%} hit rate"
             lines.append(
@@ -304,6 +308,9 @@ def new_figures(replicas: int, router: str) -> JobFigures:
 
 
 def _count(replica: ReplicaFigures, completions: Sequence[Completion]) -> None:
+    """Add a batch to a replica's figures; refused prompts count as requests and errors, not as tokens."""
+    answered = [c for c in completions if c.error is None]
     replica.requests += len(completions)
-    replica.prompt_tokens = sum_known([replica.prompt_tokens, *(c.prompt_tokens for c in completions)])
-    replica.cached_tokens = sum_known([replica.cached_tokens, *(c.cached_tokens for c in completions)])
+    replica.errors += len(completions) - len(answered)
+    replica.prompt_tokens = sum_known([replica.prompt_tokens, *(c.prompt_tokens for c in answered)])
+    replica.cached_tokens = sum_known([replica.cached_tokens, *(c.cached_tokens for c in answered)])

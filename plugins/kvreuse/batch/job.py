@@ -1,22 +1,24 @@
 """The pipeline every batch front end runs: prepare a table, order it, render prompts, generate, map back.
 
-Planning (:func:`plan_table`) is engine-free; :func:`run_plans` sends one or more planned tables to a backend in
-a single call, so a front end with several tables (the SQL ``llm()`` with two different instructions) still
-gives the engine one batch. Answers come back indexed by table position, never by send position: reordering
-changes what is sent when, not which row an answer belongs to.
+Planning (:func:`plan_table`) is engine-free; :func:`answer_plans` sends one or more planned tables to a backend
+as one stream, so a front end with several tables (the SQL ``llm()`` with two different instructions) still
+gives the engine one batch, and hands each answer over as soon as it is done, so a front end can write it at
+once; :func:`run_plans` collects them. Answers come back indexed by table position, never by send position:
+reordering changes what is sent when, not which row an answer belongs to.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
-from kvreuse.batch.backend import Backend, Completion, PrefixCacheModel
-from kvreuse.errors import BackendError, ConfigError
+from kvreuse.batch.backend import Backend, Completion, PrefixCacheModel, stream_completions
+from kvreuse.batch.progress import JobProgress, Tally
+from kvreuse.errors import ConfigError
 from kvreuse.reorder import PROMPT_FORMATS, ReorderConfig, prepare_table, prompts, solve, token_hit_measure
 
 
@@ -33,8 +35,10 @@ class PlannedTable:
 class BatchFigures:
     """What a batch cost, as the engine counted it.
 
-    ``cached_tokens`` is ``None`` when the backend did not report it for every request (a hit rate from part of
-    the requests would mislead). ``solve_s`` is time spent ordering, ``generate_s`` time waiting for the engine.
+    ``cached_tokens`` is ``None`` when the backend did not report it for every answered request (a hit rate from
+    part of the requests would mislead). ``solve_s`` is time spent ordering, ``generate_s`` time waiting for the
+    engine. ``errors`` counts the requests the engine refused (their rows carry the error); their tokens are not
+    counted.
     """
 
     requests: int
@@ -42,6 +46,7 @@ class BatchFigures:
     cached_tokens: int | None
     solve_s: float
     generate_s: float
+    errors: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -57,7 +62,12 @@ class BatchFigures:
             sum_known([self.cached_tokens, other.cached_tokens]),
             self.solve_s + other.solve_s,
             self.generate_s + other.generate_s,
+            self.errors + other.errors,
         )
+
+    @classmethod
+    def of(cls, tally: Tally, solve_s: float, generate_s: float) -> BatchFigures:
+        return cls(tally.requests, tally.prompt_tokens, tally.cached_tokens, solve_s, generate_s, tally.errors)
 
 
 def plan_table(
@@ -67,6 +77,7 @@ def plan_table(
     *,
     order: str = "ggr",
     fmt: str = "lines",
+    pin: Sequence[str] | None = None,
     fds: Mapping[str, Iterable[str]] | None = None,
     config: ReorderConfig | None = None,
     cache_model: PrefixCacheModel | None = None,
@@ -74,8 +85,12 @@ def plan_table(
     """Order ``df``'s rows (and each row's ``fields``) by ``order`` and render their prompts in send order.
 
     Every row gets exactly one prompt, duplicates included, so every row keeps its own answer. With the engine's
-    ``cache_model``, GGR is checked against the baselines on the engine's own tokens and blocks (see ``solve``).
+    ``cache_model``, GGR solves on the engine's own tokens and blocks and keeps the best of its candidates on them
+    (see ``solve``); ``solve_s`` counts that tokenization.
+    ``pin`` names fields that lead every prompt in that order, whatever ``order`` does with the rest.
+    ``config`` defaults to the user's settings (``KVREUSE_REORDER_*``), never to bare defaults.
     """
+    config = ReorderConfig.load() if config is None else config
     if fmt not in PROMPT_FORMATS:
         raise ConfigError(f"prompt format {fmt!r} is not one of {', '.join(PROMPT_FORMATS)}")
     table = prepare_table(df, fields)
@@ -83,45 +98,57 @@ def plan_table(
     measure = None
     if cache_model is not None and order == "ggr":
         measure = token_hit_measure(table, instruction, fmt, cache_model.tokenize, cache_model.block_size)
-    ordering = solve(table, order, fds=fds, config=config, measure=measure)
+    ordering = solve(table, order, pin=pin, fds=fds, config=config, measure=measure)
     solve_s = time.perf_counter() - start
     return PlannedTable(prompts(ordering, table, instruction, fmt), np.asarray(ordering.rows, dtype=np.int64), solve_s)
+
+
+def answer_plans(
+    plans: Sequence[PlannedTable],
+    backend: Backend,
+    *,
+    max_tokens: int,
+    skip: Collection[tuple[int, int]] = (),
+) -> Iterator[tuple[int, int, Completion]]:
+    """``(plan index, table row, completion)`` for every row of every plan, as the backend finishes them.
+
+    Every plan's prompts go to the backend as one stream, plan after plan, each in its send order; rows in
+    ``skip`` (``(plan index, table row)`` pairs, e.g. answered by an earlier run) are not sent. A refused prompt
+    comes back as a completion with an ``error``; an engine that stops answering raises ``BackendError`` after
+    the rows already handed over.
+    """
+    check_max_tokens(max_tokens)
+    rows: list[tuple[int, int]] = []
+    sent: list[str] = []
+    for k, plan in enumerate(plans):
+        for prompt, row in zip(plan.prompts, plan.rows.tolist()):
+            if (k, row) not in skip:
+                rows.append((k, row))
+                sent.append(prompt)
+    for position, completion in stream_completions(backend, sent, max_tokens=max_tokens):
+        k, row = rows[position]
+        yield k, row, completion
 
 
 def run_plans(
     plans: Sequence[PlannedTable], backend: Backend, *, max_tokens: int, progress: bool = False
 ) -> tuple[list[list[Completion]], BatchFigures]:
-    """Send every plan's prompts in one backend call, plan after plan, each in its send order.
+    """Every plan's completions by table position (``result[k][row]`` answers row ``row`` of plan ``k``) and the
+    figures of the whole job (see :func:`answer_plans`); ``progress`` shows a bar on standard error."""
+    check_max_tokens(max_tokens)
+    by_plan: list[list[Completion]] = [[None] * len(plan.prompts) for plan in plans]  # type: ignore[list-item]
+    start = time.perf_counter()
+    with JobProgress(sum(len(plan.prompts) for plan in plans), enabled=progress) as bar:
+        for k, row, completion in answer_plans(plans, backend, max_tokens=max_tokens):
+            by_plan[k][row] = completion
+            bar.add(completion)
+    generate_s = time.perf_counter() - start
+    return by_plan, BatchFigures.of(bar.tally, sum(plan.solve_s for plan in plans), generate_s)
 
-    Returns, per plan, its completions by table position (``result[k][row]`` answers row ``row`` of plan ``k``)
-    and the figures of the whole call.
-    """
+
+def check_max_tokens(max_tokens: object) -> None:
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ConfigError(f"max_tokens must be a positive integer, not {max_tokens!r}")
-    sent = [prompt for plan in plans for prompt in plan.prompts]
-    start = time.perf_counter()
-    completions = backend.generate(sent, max_tokens=max_tokens, progress=progress)
-    generate_s = time.perf_counter() - start
-    if len(completions) != len(sent):
-        raise BackendError(
-            f"the backend returned {len(completions)} completion(s) for {len(sent)} prompt(s); "
-            "a backend must answer every prompt, in order"
-        )
-    by_plan: list[list[Completion]] = []
-    offset = 0
-    for plan in plans:
-        sent_by_plan = completions[offset : offset + len(plan.prompts)]
-        # rows is a permutation, so its argsort is the inverse: the send position of each table position.
-        by_plan.append([sent_by_plan[i] for i in np.argsort(plan.rows).tolist()])
-        offset += len(plan.prompts)
-    figures = BatchFigures(
-        len(sent),
-        sum_known(c.prompt_tokens for c in completions),
-        sum_known(c.cached_tokens for c in completions),
-        sum(plan.solve_s for plan in plans),
-        generate_s,
-    )
-    return by_plan, figures
 
 
 def sum_known(counts: Iterable[int | None]) -> int | None:

@@ -1,54 +1,57 @@
-"""A :class:`~kvreuse.batch.distributed.ReplicaPool` of Ray actors, each holding one in-process ``vllm.LLM``.
+"""A :class:`~kvreuse.batch.distributed.ReplicaPool` of Ray actors, each holding one backend.
 
-Ray is an extra (``kvreuse[ray]``) and imported only here. Each actor runs vLLM's engine core inside the
-actor's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so killing the actor kills its engine and nothing is
-left behind; kvreuse's plugins are switched on by the engine arguments as anywhere else
-(``scheduler_cls="kvreuse.vllm.PrefixAffinityScheduler"``).
+Ray is an extra (``kvreuse[ray]``) and imported only here. Each actor builds its backend in its own process from a
+picklable factory, so the pool knows no engine: ``kvreuse.vllm.ray_replicas.RayVLLMReplicas`` gives each actor
+one in-process ``vllm.LLM``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Protocol
 
-from kvreuse.batch.backend import Completion
+from kvreuse.batch.backend import Backend, Completion
 from kvreuse.batch.distributed import ReplicaDied
 from kvreuse.errors import ConfigError
 
 
-class VLLMReplica:
-    """The actor's body: a ``vllm.LLM`` answering greedy batches (engine args as for ``started_vllm``)."""
+class ResettableBackend(Backend, Protocol):
+    """A backend whose engine's prefix cache can be emptied (between benchmark arms)."""
 
-    def __init__(self, engine_args: Mapping[str, Any]) -> None:
-        from vllm import LLM
+    def reset_prefix_cache(self) -> bool: ...
 
-        from kvreuse.vllm.backend import VLLMBackend
 
-        self.backend = VLLMBackend(LLM(**{"enable_prefix_caching": True, "seed": 0, **engine_args}))
+class ReplicaActor:
+    """The actor's body: a backend, built in the actor's process, answering greedy batches."""
+
+    def __init__(self, make_backend: Callable[[], ResettableBackend]) -> None:
+        self.backend = make_backend()
 
     def pid(self) -> int:
         return os.getpid()
 
     def generate(self, prompts: Sequence[str], max_tokens: int) -> list[Completion]:
+        """Completions in prompt order; a prompt the engine refuses is a completion with its error."""
         return self.backend.generate(prompts, max_tokens=max_tokens)
 
     def reset_prefix_cache(self) -> bool:
-        return self.backend.llm.reset_prefix_cache()
+        return self.backend.reset_prefix_cache()
 
 
-class RayVLLMReplicas:
-    """``replicas`` Ray actors, each an engine on ``engine_args``; use as a context manager (kills the actors).
+class RayReplicas:
+    """``replicas`` Ray actors, each with the backend ``make_backend()`` builds in it; use as a context manager
+    (kills the actors).
 
     Ray must be initialised by the caller (``ray.init(...)``) or it is started locally with defaults. Each actor
-    asks for ``num_cpus`` CPUs (and ``num_gpus`` GPUs) from Ray. ``env`` adds environment variables to each
+    asks for ``num_cpus`` CPUs (and ``num_gpus`` GPUs) from Ray. ``env`` sets environment variables in each
     actor's process.
     """
 
     def __init__(
         self,
         replicas: int,
-        engine_args: Mapping[str, Any],
+        make_backend: Callable[[], ResettableBackend],
         *,
         num_cpus: float = 1,
         num_gpus: float = 0,
@@ -66,12 +69,11 @@ class RayVLLMReplicas:
         self._ray = ray
         if not ray.is_initialized():
             ray.init()
-        env_vars = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
-        actor = ray.remote(VLLMReplica).options(
-            num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, runtime_env={"env_vars": env_vars}
+        actor = ray.remote(ReplicaActor).options(
+            num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, runtime_env={"env_vars": dict(env or {})}
         )
         self.size = replicas
-        self.actors = [actor.remote(dict(engine_args)) for _ in range(replicas)]
+        self.actors = [actor.remote(make_backend) for _ in range(replicas)]
         self._refs: dict[Hashable, Any] = {}
         self._next = 0
         ray.get([a.pid.remote() for a in self.actors])  # wait until every engine has started
@@ -107,7 +109,7 @@ class RayVLLMReplicas:
         for actor in self.actors:
             self._ray.kill(actor, no_restart=True)
 
-    def __enter__(self) -> RayVLLMReplicas:
+    def __enter__(self) -> RayReplicas:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -18,7 +18,11 @@ across chunks. Instead the query runs more than once:
    (``random()``, ``TABLESAMPLE``, ...) and is refused.
 
 Answers are greedy, and identical argument tuples (after turning values into prompt text, NULL as ``''``) are
-asked once per query. Only a single ``SELECT`` statement can call ``llm()``. Python DataFrames must be
+asked once per query. A question the engine refuses (a prompt longer than its context) makes that ``llm()`` value
+NULL and is listed in ``QueryAnswers.errors``; it is not asked again. With ``out``, every answer is appended to a
+JSON-lines file as soon as it arrives (instruction, fields, values, answer, error); ``resume=True`` reads that
+file first and asks only the questions it does not answer, so a query interrupted by a dead engine or Ctrl-C loses
+no answer. Only a single ``SELECT`` statement can call ``llm()``. Python DataFrames must be
 registered on the connection (``con.register("movies", df)``): DuckDB looks up variables in the caller's frame,
 which here is not the user's.
 """
@@ -26,17 +30,21 @@ which here is not the user's.
 from __future__ import annotations
 
 import json
+import os
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
 
 import duckdb
 import pandas as pd
 import pyarrow as pa
 
 from kvreuse.batch.backend import MAX_TOKENS, Backend
-from kvreuse.batch.job import BatchFigures, plan_table, run_plans
+from kvreuse.batch.job import BatchFigures, answer_plans, plan_table
+from kvreuse.batch.progress import JobProgress
 from kvreuse.errors import TableError
 from kvreuse.reorder import ReorderConfig, prepare_table
 
@@ -66,6 +74,9 @@ class QueryAnswers:
     frame: pd.DataFrame
     figures: BatchFigures
     runs: int
+    errors: pd.DataFrame = field(
+        default_factory=lambda: pd.DataFrame(columns=["instruction", "fields", "values", "error"])
+    )
 
 
 def run_query(
@@ -76,21 +87,30 @@ def run_query(
     order: str = "ggr",
     fmt: str = "lines",
     max_tokens: int = MAX_TOKENS,
+    pin: Sequence[str] | None = None,
     config: ReorderConfig | None = None,
     progress: bool = False,
+    out: str | os.PathLike | None = None,
+    resume: bool = False,
 ) -> QueryAnswers:
     """Run a ``SELECT`` whose ``llm(instruction, value, ...)`` calls are answered by ``backend`` in batches.
 
     See the module's description for how; ``order``, ``fmt`` and ``max_tokens`` are as in
     :func:`kvreuse.batch.run_table`, except that ``"original"`` means the order in which DuckDB first passed each
-    argument tuple (scan order, which DuckDB's threads may vary). The connection is left as it was.
+    argument tuple (scan order, which DuckDB's threads may vary). ``pin`` names fields (as the call sites name
+    them, see :func:`call_sites`) that lead every prompt of each ``llm()`` call that passes them. ``out`` and
+    ``resume`` keep answers in a file as they arrive (see the module's description). The connection is left as it
+    was.
     """
     sites = call_sites(con, query)
+    _check_pins(pin, sites)
     figures = BatchFigures(0, 0, 0, 0.0, 0.0)
     if not sites:
         return QueryAnswers(_execute(con, query), figures, 1)
     rewritten = _rewrite(query, sites)
+    config = config if config is not None else getattr(backend, "reorder_config", None)
     book = _AnswerBook([site.fields for site in sites])
+    journal = None if out is None else _Journal(Path(out), book, resume)
     # One run per level of llm() feeding llm() (at most one per call site), plus the run that only reads answers.
     most_runs = len(sites) + 1
     con.create_function(
@@ -101,7 +121,7 @@ def run_query(
             frame = _execute(con, rewritten)
             questions = book.take_new_questions()
             if not questions:
-                return QueryAnswers(frame, figures, run)
+                return QueryAnswers(frame, figures, run, book.errors())
             if run == most_runs:
                 break
             plans = [
@@ -111,17 +131,27 @@ def run_query(
                     list(fields),
                     order=order,
                     fmt=fmt,
+                    pin=None if pin is None else [name for name in pin if name in fields],
                     config=config,
                     cache_model=backend.cache_model,
                 )
                 for (fields, instruction), rows in questions.items()
             ]
-            completions, batch = run_plans(plans, backend, max_tokens=max_tokens, progress=progress)
-            figures = figures + batch
-            for ((fields, instruction), rows), answered in zip(questions.items(), completions):
-                book.learn(fields, instruction, rows, [c.text for c in answered])
+            groups = list(questions.items())
+            start = time.perf_counter()
+            with JobProgress(sum(len(rows) for rows in questions.values()), enabled=progress) as bar:
+                for k, row, completion in answer_plans(plans, backend, max_tokens=max_tokens):
+                    (fields, instruction), rows = groups[k]
+                    book.learn(fields, instruction, rows[row], completion.text, completion.error)
+                    if journal is not None:
+                        journal.write(fields, instruction, rows[row], completion.text, completion.error)
+                    bar.add(completion)
+            solve_s = sum(plan.solve_s for plan in plans)
+            figures = figures + BatchFigures.of(bar.tally, solve_s, time.perf_counter() - start)
     finally:
         con.remove_function(_HIDDEN_FUNCTION)
+        if journal is not None:
+            journal.close()
     raise TableError(
         f"the query still asked new llm() questions on run {most_runs}; llm() needs a deterministic "
         "query (no random(), uuid(), TABLESAMPLE, ... deciding which values it is asked about)"
@@ -136,13 +166,41 @@ def llm_sql(
     order: str = "ggr",
     fmt: str = "lines",
     max_tokens: int = MAX_TOKENS,
+    pin: Sequence[str] | None = None,
     config: ReorderConfig | None = None,
     progress: bool = False,
+    out: str | os.PathLike | None = None,
+    resume: bool = False,
 ) -> pd.DataFrame:
     """The result of :func:`run_query` alone, as a DataFrame."""
     return run_query(
-        con, query, backend=backend, order=order, fmt=fmt, max_tokens=max_tokens, config=config, progress=progress
+        con,
+        query,
+        backend=backend,
+        order=order,
+        fmt=fmt,
+        max_tokens=max_tokens,
+        pin=pin,
+        config=config,
+        progress=progress,
+        out=out,
+        resume=resume,
     ).frame
+
+
+def _check_pins(pin: Sequence[str] | None, sites: list[CallSite]) -> None:
+    """Every pinned name must be a field of some ``llm()`` call: a misspelt pin must not be silently ignored."""
+    if pin is None:
+        return
+    if isinstance(pin, str):
+        raise TableError(f"pin must be a list of field names, not the single string {pin!r}; write pin=[{pin!r}]")
+    named = {name for site in sites for name in site.fields}
+    unknown = [name for name in pin if name not in named]
+    if unknown:
+        raise TableError(
+            f"cannot pin {', '.join(map(repr, unknown))}: no llm() call of the query passes such a field; "
+            f"its fields are {', '.join(map(repr, sorted(named)))}"
+        )
 
 
 def call_sites(con: duckdb.DuckDBPyConnection, query: str) -> list[CallSite]:
@@ -224,13 +282,15 @@ def _execute(con: duckdb.DuckDBPyConnection, query: str) -> pd.DataFrame:
 class _AnswerBook:
     """The hidden SQL function: answers known questions, records the others for the next batch.
 
-    A question is (call site fields, instruction, values as prompt text). DuckDB may call the function from
-    several threads, so the book is guarded by a lock.
+    A question is (call site fields, instruction, values as prompt text). A question the engine refused is known
+    too (its value is NULL), so it is not asked again. DuckDB may call the function from several threads, so the
+    book is guarded by a lock.
     """
 
     def __init__(self, site_fields: list[_Fields]) -> None:
         self._site_fields = site_fields
-        self._answers: dict[tuple[_Fields, str, _Values], str] = {}
+        self._answers: dict[tuple[_Fields, str, _Values], str | None] = {}
+        self._errors: dict[tuple[_Fields, str, _Values], str] = {}
         self._new: dict[tuple[_Fields, str], dict[_Values, None]] = {}  # a dict keeps first-seen order
         self._lock = threading.Lock()
 
@@ -246,10 +306,10 @@ class _AnswerBook:
         out: list[str | None] = []
         with self._lock:
             for instruction_text, *row in cells.itertuples(index=False, name=None):
-                answer = self._answers.get((fields, instruction_text, tuple(row)))
-                if answer is None:
+                key = (fields, instruction_text, tuple(row))
+                if key not in self._answers:
                     self._new.setdefault((fields, instruction_text), {})[tuple(row)] = None
-                out.append(answer)
+                out.append(self._answers.get(key))
         return pa.array(out, pa.string())
 
     def take_new_questions(self) -> dict[tuple[_Fields, str], list[_Values]]:
@@ -258,7 +318,49 @@ class _AnswerBook:
             new, self._new = self._new, {}
         return {group: list(rows) for group, rows in new.items()}
 
-    def learn(self, fields: _Fields, instruction: str, rows: list[_Values], answers: list[str]) -> None:
+    def learn(self, fields: _Fields, instruction: str, row: _Values, answer: str, error: str | None) -> None:
+        """One question's answer, or why the engine refused it (its value is then NULL)."""
+        key = (fields, instruction, tuple(row))
         with self._lock:
-            for row, answer in zip(rows, answers):
-                self._answers[(fields, instruction, row)] = answer
+            self._answers[key] = None if error else answer
+            if error:
+                self._errors[key] = error
+
+    def errors(self) -> pd.DataFrame:
+        """The refused questions and why."""
+        with self._lock:
+            rows = [(i, list(f), list(v), e) for (f, i, v), e in self._errors.items()]
+        return pd.DataFrame(rows, columns=["instruction", "fields", "values", "error"])
+
+
+class _Journal:
+    """Answers appended to a JSON-lines file as they arrive; with ``resume``, the file's answers are learnt first
+    (a last line cut short by a crash is dropped)."""
+
+    def __init__(self, path: Path, book: _AnswerBook, resume: bool) -> None:
+        if path.exists() and not resume:
+            raise TableError(f"{path} exists; pass resume=True to keep its answers, or choose another file")
+        kept: list[str] = []
+        if path.exists():
+            lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+            for number, line in enumerate(lines, start=1):
+                try:
+                    entry = json.loads(line)
+                    key = (tuple(entry["fields"]), entry["instruction"], tuple(entry["values"]))
+                    answer, error = entry["answer"], entry["error"]
+                except (ValueError, KeyError, TypeError):
+                    if number == len(lines):
+                        break  # cut short
+                    raise TableError(f"{path}, line {number}: not an answer this front end wrote") from None
+                book.learn(key[0], key[1], key[2], answer, error)
+                kept.append(json.dumps(entry) + "\n")
+            path.write_text("".join(kept), encoding="utf-8")
+        self._handle: TextIO = path.open("a", encoding="utf-8")
+
+    def write(self, fields: _Fields, instruction: str, values: _Values, answer: str, error: str | None) -> None:
+        entry = {"instruction": instruction, "fields": list(fields), "values": list(values)}
+        self._handle.write(json.dumps({**entry, "answer": answer, "error": error}) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()

@@ -22,8 +22,10 @@ from typing import Any
 import pandas as pd
 
 from kvreuse.batch.backend import MAX_TOKENS, Completion
-from kvreuse.batch.distributed import JobFigures, ReplicaPool, answer_rows, answer_stream
+from kvreuse.batch.distributed import JobFigures, ReplicaPool, answer_stream, new_figures
 from kvreuse.batch.job import plan_table
+from kvreuse.batch.output import AnswerOutput
+from kvreuse.batch.table_io import csv_chunks
 from kvreuse.errors import TableError
 from kvreuse.reorder import prepare_table, render_prompt
 
@@ -54,7 +56,7 @@ def _file_chunks(path: Path, rows_per_chunk: int) -> Iterator[pd.DataFrame]:
         raise TableError(f"table file {path} does not exist")
     suffix = path.suffix.lower()
     if suffix == ".csv":
-        yield from pd.read_csv(path, dtype=str, keep_default_na=False, chunksize=rows_per_chunk)
+        yield from csv_chunks(path, rows_per_chunk)  # one dialect, header and field counts checked per line
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -106,10 +108,11 @@ def answer_table_stream(
 
 @dataclass(frozen=True)
 class ReplicaTableAnswers:
-    """A DataFrame's answers (its index, its order), their completions, and the job's figures."""
+    """A DataFrame's answers (its index, its order; ``None`` where the engine refused the row), their
+    completions (``None`` for a row answered by an earlier run), and the job's figures."""
 
     answers: pd.Series
-    completions: list[Completion]
+    completions: list[Completion | None]
     figures: JobFigures
 
 
@@ -122,14 +125,32 @@ def run_table_on_replicas(
     order: str = "ggr",
     fmt: str = "lines",
     max_tokens: int = MAX_TOKENS,
+    pin: Sequence[str] | None = None,
+    out: str | os.PathLike | None = None,
+    resume: bool = False,
     **options: Any,
 ) -> ReplicaTableAnswers:
     """Like :func:`kvreuse.batch.run_table`, on a pool of replicas: ``order`` picks each row's field order (and
-    a first row order), then rows are bucketed by prefix and routed (options of ``answer_stream``)."""
-    plan = plan_table(df, instruction, fields, order=order, fmt=fmt)
-    sent, figures = answer_rows(plan.prompts, pool, max_tokens=max_tokens, **options)
-    completions: list[Completion] = [None] * len(sent)  # type: ignore[list-item]
-    for position, row in enumerate(plan.rows.tolist()):
-        completions[row] = sent[position]
-    answers = pd.Series([c.text for c in completions], index=df.index, dtype=object, name="answer")
+    a first row order; ``pin``: fields that lead every prompt), then rows are bucketed by prefix and routed (options
+    of ``answer_stream``). ``out`` gets
+    each row as it is answered and ``resume`` asks only the rows it does not hold (as in ``run_table``)."""
+    plan = plan_table(df, instruction, fields, order=order, fmt=fmt, pin=pin)
+    output = None if out is None else AnswerOutput(Path(out), df, resume=resume)
+    done = output.done if output is not None else {}
+    completions: list[Completion | None] = [None] * len(df)
+    texts: list[str | None] = [None] * len(df)
+    for row, (answer, error) in done.items():
+        texts[row] = None if error else answer
+    rows = [(row, prompt) for row, prompt in zip(plan.rows.tolist(), plan.prompts) if row not in done]
+    figures = new_figures(pool.size, options.get("router", "prefix-aware"))
+    try:
+        for row, completion in answer_stream(rows, pool, max_tokens=max_tokens, figures=figures, **options):
+            completions[row] = completion
+            texts[row] = None if completion.error else completion.text
+            if output is not None:
+                output.write(row, completion.text, completion.error)
+    finally:
+        if output is not None:
+            output.close(complete=len(output.done) == len(df))
+    answers = pd.Series(texts, index=df.index, dtype=object, name="answer")
     return ReplicaTableAnswers(answers, completions, figures)

@@ -1,19 +1,31 @@
 """Settings of the ``modules`` plugin (the tiered store of encoded prompt modules, :mod:`kvreuse.modules.store`).
 
 Capacities count the bytes of the stored KV tensors (``EncodedModule.nbytes``); a tier with capacity 0 is off.
-The default keeps 2 GiB of modules on the GPU and 8 GiB in host memory, with the disk tier off (it needs a size
-chosen for the machine's disk).
+The default keeps 8 GiB of modules in host memory, a device (GPU) tier only of the size the engine adapter carves
+out of the engine's own memory budget (``gpu_bytes`` -1, auto: none on a machine without CUDA, and none until the
+adapter passes a budget), and the disk tier off (it needs a size chosen for the machine's disk).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from kvreuse import config
 
-EVICTION_POLICIES = ("lru", "lfu", "fifo")
+
+class EvictionPolicy(StrEnum):
+    """Which module a full tier moves down first (``modules.eviction``)."""
+
+    LRU = "lru"  # least recently used
+    LFU = "lfu"  # least frequently used
+    FIFO = "fifo"  # first in
+
+
+EVICTION_POLICIES = tuple(EvictionPolicy)
+AUTO = -1  # gpu_bytes: the device tier's size is the budget the engine adapter gives the store
 
 
 @dataclass(frozen=True)
@@ -23,7 +35,12 @@ class ModulesConfig:
     In vLLM they are read from ``--additional-config '{"kvreuse": {"modules": {...}}}'`` or ``KVREUSE_MODULES_*``.
     """
 
-    gpu_bytes: int = config.setting(2 * 1024**3, "store: bytes of module KV kept on the GPU tier (0 = tier off)", low=0)
+    gpu_bytes: int = config.setting(
+        AUTO,
+        "store: bytes of module KV kept on the GPU (device) tier; -1 = what the engine adapter carves out of the "
+        "engine's memory budget (none yet: off), 0 = off; no tier without CUDA",
+        low=AUTO,
+    )
     cpu_bytes: int = config.setting(8 * 1024**3, "store: bytes of module KV kept in host memory (0 = tier off)", low=0)
     disk_bytes: int = config.setting(
         0, "store: bytes of module KV kept as safetensors files in disk_dir (0 = tier off)", low=0
@@ -31,10 +48,9 @@ class ModulesConfig:
     disk_dir: str = config.setting(
         "", "store: folder of the disk tier's files; empty = a fresh temporary folder removed on close"
     )
-    eviction: str = config.setting(
-        "lru",
+    eviction: EvictionPolicy = config.setting(
+        EvictionPolicy.LRU,
         "store: which module a full tier moves down first: least recently used, least frequently used, or first in",
-        choices=EVICTION_POLICIES,
     )
     pin_cpu_memory: bool = config.setting(
         True, "store: pin the host tier's tensors (only when CUDA is available) for faster copies to the GPU"
@@ -43,7 +59,13 @@ class ModulesConfig:
         8, "store: most modules one prefetch call promotes, in the order given (0 = prefetch off)", low=0
     )
     gpu_device: str = config.setting(
-        "cuda", "store: torch device of the fastest tier; a cuda device falls back to cpu when CUDA is absent"
+        "cuda", "store: torch device of the device tier; a cuda device without CUDA means no device tier"
+    )
+    index_bytes: int = config.setting(
+        256 * 1024**2,
+        "index: bytes the token index that finds modules in prompts may use (32 per registered token); "
+        "a module past it is refused",
+        low=0,
     )
 
     @classmethod

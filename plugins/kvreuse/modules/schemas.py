@@ -75,6 +75,19 @@ class DatabaseSchema:
             f"database {self.name!r} has no table {name!r} (tables: {', '.join(t.name for t in self.tables)})"
         )
 
+    def references(self, table: Table) -> list[str]:
+        """The tables ``table``'s foreign keys reference (resolved as :meth:`table` does), in key order, each once;
+        ``table`` itself and tables the schema does not have (dangling keys) are left out."""
+        referenced: list[str] = []
+        for fk in table.foreign_keys:
+            try:
+                name = self.table(fk.table).name
+            except UnknownTable:
+                continue
+            if name != table.name and name not in referenced:
+                referenced.append(name)
+        return referenced
+
     def encoding_order(self) -> list[str]:
         """Table names, each after the tables it references (see the module docstring for cycles)."""
         by_lower = {t.name.lower(): t.name for t in self.tables}

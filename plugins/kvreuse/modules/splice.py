@@ -11,12 +11,18 @@ instruction) is itself registered as a module.
 
 Each :class:`Piece` moves a module's keys from the positions it was encoded at to the prompt positions it takes:
 ``delta = prompt_start - (module_start + offset)``, one rotation for the whole piece (``kvreuse.kernels.rerotate``).
+
+A module found in a prompt but not spliced is reported, with the reason (:func:`skipped_modules`,
+:class:`SkipReason`), so an operator can tell a layout that defeats the cache from a store that is too small;
+so is a module the prompt holds all but the last token of (``ModuleTrie.near_misses``): the text after it merged
+with its last token, so its tokens differ from the module's and it cannot be found at all.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
@@ -63,6 +69,53 @@ def plan_splice(
         pieces.append(Piece(match.name, pos - match.start, pos, end - pos))
         pos = end
     return pieces
+
+
+class SkipReason(StrEnum):
+    """Why a module found in a prompt was not spliced (the ``reason`` label of
+    ``kvreuse:module_splice_skipped_total``)."""
+
+    NOT_STORED = "not_stored"  # the store does not hold it (evicted, or not encoded yet)
+    AFTER_FREE_TEXT = "after_free_text"  # free text, or a module not spliced, comes first and ends the run
+    PROMPT_END = "prompt_end"  # it starts at the prompt's last token, which the engine must compute
+    TOKEN_BOUNDARY = "token_boundary"  # the text after it merged with its last token: its tokens are not in the prompt
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """Module ``name``, at prompt token ``start``, was not spliced because of ``reason``."""
+
+    name: Hashable
+    start: int
+    reason: SkipReason
+
+
+def skipped_modules(
+    matches: Sequence[ModuleMatch],
+    pieces: Sequence[Piece],
+    start: int,
+    stop: int,
+    available: Callable[[Hashable], bool],
+    near_misses: Sequence[ModuleMatch] = (),
+) -> list[Skipped]:
+    """The modules of a prompt that :func:`plan_splice` (called with the same arguments, giving ``pieces``) did not
+    splice, each with its reason, in prompt order; ``near_misses`` (from ``ModuleTrie.near_misses``) are added as
+    :attr:`SkipReason.TOKEN_BOUNDARY`. Modules inside the engine's own prefix hit (ending by ``start``) are not
+    skipped: they are cached already."""
+    end = pieces[-1].prompt_end if pieces else start
+    skipped = []
+    for match in matches:
+        if match.end <= start or match.start < end:
+            continue  # cached by the engine, or spliced
+        if match.start >= stop:
+            reason = SkipReason.PROMPT_END
+        elif not available(match.name):
+            reason = SkipReason.NOT_STORED
+        else:
+            reason = SkipReason.AFTER_FREE_TEXT
+        skipped.append(Skipped(match.name, match.start, reason))
+    skipped += [Skipped(m.name, m.start, SkipReason.TOKEN_BOUNDARY) for m in near_misses]
+    return sorted(skipped, key=lambda s: s.start)
 
 
 def token_slots(block_ids: Sequence[int], block_size: int, start: int, stop: int) -> list[int]:

@@ -5,16 +5,28 @@ An :class:`EncodedModule` is a module's KV cache for every layer, one tensor ``k
 encoded at the module's reference position ``start``; a splice at position ``p`` re-rotates them by
 ``p - start`` (:mod:`kvreuse.kernels.rerotate`), values carry no position.
 
-A module is identified by a :class:`ModuleKey`: its name and a fingerprint of the model id, the tokenizer id and
-its token ids. A store serves one model and tokenizer; a module encoded for another is refused with
-:class:`ModuleMismatch`.
+Keys name everything the KV depends on. A module is stored under a :class:`ModuleKey`: its namespace
+(:mod:`kvreuse.modules.namespace`: global, or a tenant's cache salt), its name, a fingerprint of what its KV was
+computed from (:func:`module_fingerprint`: kvreuse's KV format version, model id, tokenizer id, the module's token
+ids, the hash of the context it was encoded after, its start position and the recovery method applied to it) and a
+version. A namespace binds each name to one entry. Putting a name again with the same fingerprint keeps the stored
+entry (same key, same KV); with another fingerprint it is refused (:class:`ModuleConflict`) unless the put says
+``replace=True``: the new entry then takes the name atomically (under the store's lock, no get sees neither) and
+gets a new version. Versions come from one counter per store, so no two entries a store ever held share one: KV
+computed from an old entry (an engine's prefix-cache blocks) can be told apart from the new entry's by the key. A
+store serves one model and tokenizer; a module encoded for another is refused with :class:`ModuleMismatch`.
 
-Tiers, fastest first: ``gpu`` (tensors on ``ModulesConfig.gpu_device``; on a machine without CUDA that device
-falls back to ``cpu``, so the tier logic runs and is tested anywhere), ``cpu`` (host tensors, pinned when
-``pin_cpu_memory`` and CUDA is available) and ``disk`` (one safetensors file per module, written to a temporary
-file and renamed into place, in ``disk_dir`` or a temporary folder). A tier of capacity 0 is off. The disk tier is
-a cache of this process, not a persistent store: files are deleted when their module leaves it and on
-:meth:`ModuleStore.close`, and files found in ``disk_dir`` at start are not read. Invariants, after every public call:
+Tiers, fastest first: the device tier (accelerator memory, labelled ``gpu`` on a CUDA device; tensors on
+``ModulesConfig.gpu_device``), ``cpu`` (host tensors, pinned when ``pin_cpu_memory`` and CUDA is available) and
+``disk`` (one safetensors file per module, written to a temporary file and renamed into place, in ``disk_dir`` or a
+temporary folder). A tier of capacity 0 is off. The device tier's size is ``gpu_bytes`` or, by default (-1), the
+budget the engine adapter carves out of the engine's own memory budget (``device_bytes``); without one it is off.
+On a machine without CUDA a ``cuda`` device tier is off too: no host memory is passed off as a GPU tier. A device
+tier placed on another device on purpose (``gpu_device="cpu"``: tests of the tier logic) is labelled ``device``.
+
+The disk tier is a cache of this process, not a persistent store: files are deleted when their module leaves it
+and on :meth:`ModuleStore.close`, and files found in ``disk_dir`` at start are not read. Invariants, after every
+public call:
 
 * each module lives in exactly one tier;
 * the bytes of the modules in a tier (``EncodedModule.nbytes``; file headers not counted) never exceed the
@@ -32,8 +44,10 @@ and the engine's thread can share the store.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -46,27 +60,61 @@ from pathlib import Path
 
 import torch
 
-from kvreuse.errors import ConfigError, ModuleMismatch, ModuleRegistrationError, ModuleTooLarge
+from kvreuse.errors import ConfigError, ModuleConflict, ModuleMismatch, ModuleRegistrationError, ModuleTooLarge
 from kvreuse.kernels import SUPPORTED_DTYPES
-from kvreuse.modules.config import ModulesConfig
+from kvreuse.modules.config import AUTO, ModulesConfig
+from kvreuse.modules.namespace import GLOBAL, namespace_label
 from kvreuse.reorder.rerank import rerank_by_module_sets
 
-TIERS = ("gpu", "cpu", "disk")
+logger = logging.getLogger("kvreuse.modules.store")
+
+# Tier labels, fastest first, with their rank (the device tier is "gpu" on CUDA, "device" elsewhere).
+TIER_RANK = {"gpu": 0, "device": 0, "cpu": 1, "disk": 2}
+# kvreuse's layout of a module's KV ([layers, 2, tokens, kv_heads, head_dim], keys at `start`); part of every
+# fingerprint, so KV stored by a kvreuse that laid it out differently is never taken for today's.
+FORMAT_VERSION = 1
+NO_RECOVERY = "none"  # the recovery method of a module spliced as it was encoded
+MAX_LABEL_LENGTH = 64
 
 
-def module_fingerprint(model_id: str, tokenizer_id: str, token_ids: Sequence[int]) -> str:
-    """Hex digest identifying what a module's KV depends on: the model, the tokenizer and the token ids."""
-    digest = hashlib.sha256()
-    digest.update(json.dumps([str(model_id), str(tokenizer_id), [int(t) for t in token_ids]]).encode())
-    return digest.hexdigest()[:32]
+def context_fingerprint(token_ids: Sequence[int]) -> str:
+    """Hex digest of the token ids a module was encoded after (its attention saw them)."""
+    return hashlib.sha256(json.dumps([int(t) for t in token_ids]).encode()).hexdigest()[:32]
+
+
+NO_CONTEXT = context_fingerprint(())
+
+
+def module_fingerprint(
+    model_id: str,
+    tokenizer_id: str,
+    token_ids: Sequence[int],
+    *,
+    context: str = NO_CONTEXT,
+    start: int = 0,
+    recovery: str = NO_RECOVERY,
+) -> str:
+    """Hex digest of everything a module's KV depends on: kvreuse's KV format version, the model, the tokenizer,
+    the token ids, the context's :func:`context_fingerprint`, the start position and the recovery method."""
+    what = [FORMAT_VERSION, str(model_id), str(tokenizer_id), [int(t) for t in token_ids], context, start, recovery]
+    return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
 class ModuleKey:
-    """How the store finds a module: its registered name and :func:`module_fingerprint`."""
+    """How the store finds a module: namespace, name, :func:`module_fingerprint` and the entry's version."""
 
     name: Hashable
     fingerprint: str
+    namespace: str = GLOBAL
+    version: int = 0
+
+    @property
+    def identity(self) -> str:
+        """Hex digest of the whole key, for what must differ whenever the entry does (e.g. the extra keys of the
+        prefix-cache blocks a splice produces, so a replaced entry's blocks never match again)."""
+        what = json.dumps([self.namespace, repr(self.name), self.fingerprint, self.version])
+        return hashlib.sha256(what.encode()).hexdigest()[:32]
 
 
 @dataclass
@@ -74,7 +122,9 @@ class EncodedModule:
     """One module's KV cache for every layer, keys as encoded at token position ``start``.
 
     ``kv``: ``[layers, 2, tokens, kv_heads, head_dim]``, fp16, bf16 or fp32; ``kv[layer, 0]`` are keys,
-    ``kv[layer, 1]`` values; ``tokens == len(token_ids)``.
+    ``kv[layer, 1]`` values; ``tokens == len(token_ids)``. ``context``: :func:`context_fingerprint` of the tokens
+    it was encoded after; ``recovery``: the method applied to its KV when spliced (plain data here, ``"none"``);
+    ``namespace``: global or a tenant's; ``version``: set by :meth:`ModuleStore.put` (with ``key``).
     """
 
     name: Hashable
@@ -83,6 +133,10 @@ class EncodedModule:
     token_ids: tuple[int, ...]
     start: int
     kv: torch.Tensor
+    context: str = NO_CONTEXT
+    recovery: str = NO_RECOVERY
+    namespace: str = GLOBAL
+    version: int = 0
     key: ModuleKey = field(init=False)
 
     def __post_init__(self):
@@ -103,7 +157,27 @@ class EncodedModule:
             )
         if kv.dtype not in SUPPORTED_DTYPES:
             raise ModuleRegistrationError(f"module {self.name!r}: kv dtype {kv.dtype} is not fp16, bf16 or fp32")
-        self.key = ModuleKey(self.name, module_fingerprint(self.model_id, self.tokenizer_id, self.token_ids))
+        for what, value in (("context", self.context), ("recovery", self.recovery)):
+            if not isinstance(value, str) or not value or len(value) > MAX_LABEL_LENGTH:
+                raise ModuleRegistrationError(
+                    f"module {self.name!r}: {what} must be a string of 1-{MAX_LABEL_LENGTH} characters, got {value!r}"
+                )
+        if not isinstance(self.namespace, str):
+            raise ModuleRegistrationError(f"module {self.name!r}: namespace must be a string (a cache salt)")
+        fingerprint = module_fingerprint(
+            self.model_id,
+            self.tokenizer_id,
+            self.token_ids,
+            context=self.context,
+            start=self.start,
+            recovery=self.recovery,
+        )
+        self.key = ModuleKey(self.name, fingerprint, self.namespace, self.version)
+
+    def _stamp(self, version: int) -> None:
+        """Give the module the version its store entry has (and the key with it)."""
+        self.version = version
+        self.key = ModuleKey(self.key.name, self.key.fingerprint, self.key.namespace, version)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -148,11 +222,10 @@ class StoreFigures:
 
     def promotions(self, into: str = "gpu") -> int:
         """Modules moved up into tier ``into`` (from any slower tier)."""
-        order = TIERS.index(into)
         return sum(
             n
             for move, n in self.moves.items()
-            if move.endswith(f"->{into}") and TIERS.index(move.split("->")[0]) > order
+            if move.endswith(f"->{into}") and TIER_RANK[move.split("->")[0]] > TIER_RANK[into]
         )
 
 
@@ -181,15 +254,25 @@ def _checksum(kv: torch.Tensor) -> str:
 
 
 class ModuleStore:
-    """Encoded modules of one model and tokenizer, in tiers ``gpu`` -> ``cpu`` -> ``disk`` (see the module doc)."""
+    """Encoded modules of one model and tokenizer, in tiers device -> ``cpu`` -> ``disk`` (see the module doc).
 
-    def __init__(self, config: ModulesConfig, *, model_id: str, tokenizer_id: str):
-        if not (config.gpu_bytes or config.cpu_bytes or config.disk_bytes):
-            raise ConfigError("modules: gpu_bytes, cpu_bytes and disk_bytes are all 0; give at least one tier a size")
+    ``device_bytes``: the device tier's size when ``gpu_bytes`` is -1 (auto), given by the engine adapter out of
+    the engine's memory budget; ``None``: no budget, the tier is off unless ``gpu_bytes`` sizes it.
+    """
+
+    def __init__(self, config: ModulesConfig, *, model_id: str, tokenizer_id: str, device_bytes: int | None = None):
+        device = torch.device(config.gpu_device)
+        device_capacity = config.gpu_bytes if config.gpu_bytes != AUTO else int(device_bytes or 0)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            if device_capacity:
+                logger.info("kvreuse modules: no CUDA device, so no gpu tier (modules.gpu_bytes does not apply)")
+            device_capacity = 0
+        if not (device_capacity or config.cpu_bytes or config.disk_bytes):
+            raise ConfigError(
+                "modules: every tier is off (no device tier: gpu_bytes is 0, auto without a budget, or there is no "
+                "CUDA device; cpu_bytes and disk_bytes are 0); give cpu_bytes or disk_bytes a size"
+            )
         self.config, self.model_id, self.tokenizer_id = config, str(model_id), str(tokenizer_id)
-        gpu = torch.device(config.gpu_device)
-        if gpu.type == "cuda" and not torch.cuda.is_available():
-            gpu = torch.device("cpu")
         self._pin = config.pin_cpu_memory and torch.cuda.is_available()
         self._owns_dir = False
         self._dir: Path | None = None
@@ -200,12 +283,14 @@ class ModuleStore:
             else:
                 self._dir, self._owns_dir = Path(tempfile.mkdtemp(prefix="kvreuse-modules-")), True
         all_tiers = [
-            _Tier("gpu", config.gpu_bytes, gpu),
+            _Tier("gpu" if device.type == "cuda" else "device", device_capacity, device),
             _Tier("cpu", config.cpu_bytes, torch.device("cpu")),
             _Tier("disk", config.disk_bytes, None),
         ]
         self._tiers = [tier for tier in all_tiers if tier.capacity > 0]
         self._where: dict[ModuleKey, _Tier] = {}
+        self._bound: dict[tuple[str, Hashable], ModuleKey] = {}  # (namespace, name) -> the entry holding the name
+        self._versions = 0  # the last version given to an entry
         self._uses: Counter = Counter()  # gets and puts per module (lfu)
         self._last: dict[ModuleKey, int] = {}  # tick of the last get or put (lru)
         self._tick = 0
@@ -219,15 +304,19 @@ class ModuleStore:
         """Names of the tiers that are on, fastest first."""
         return tuple(tier.name for tier in self._tiers)
 
-    def key(self, name: Hashable, token_ids: Sequence[int]) -> ModuleKey:
-        """The key of module ``name`` with ``token_ids`` for this store's model and tokenizer."""
-        return ModuleKey(name, module_fingerprint(self.model_id, self.tokenizer_id, token_ids))
+    def current(self, name: Hashable, namespace: str = GLOBAL) -> ModuleKey | None:
+        """The key of the entry that holds ``name`` in ``namespace`` now, or ``None``."""
+        with self._lock:
+            return self._bound.get((namespace, name))
 
-    def put(self, module: EncodedModule) -> str:
-        """Store ``module`` (replacing one with the same key) in the fastest tier that can hold it; its tier name.
+    def put(self, module: EncodedModule, *, replace: bool = False) -> str:
+        """Store ``module`` under its namespace and name in the fastest tier that can hold it; its tier name.
 
-        Raises :class:`ModuleMismatch` for a module of another model or tokenizer and :class:`ModuleTooLarge` for
-        one larger than every tier.
+        The module is stamped with its entry's version (``module.version``, ``module.key``). The same name with the
+        same fingerprint again keeps the stored entry; with another fingerprint it raises :class:`ModuleConflict`
+        unless ``replace``, which swaps the entries atomically under a new version. Raises :class:`ModuleMismatch`
+        for a module of another model or tokenizer and :class:`ModuleTooLarge` for one larger than every tier
+        (nothing changes then).
         """
         for what, theirs, ours in (
             ("model", module.model_id, self.model_id),
@@ -246,12 +335,28 @@ class ModuleStore:
                 f"cpu_bytes or disk_bytes, or split the module"
             )
         with self._lock:
-            if module.key in self._where:
-                self._remove(module.key)
+            binding = (module.namespace, module.name)
+            old = self._bound.get(binding)
+            if old is not None and old.fingerprint == module.key.fingerprint and not replace:
+                module._stamp(old.version)
+                self._touch(old)
+                return self._where[old].name
+            if old is not None and not replace:
+                raise ModuleConflict(
+                    f"module {module.name!r} is already stored in namespace {namespace_label(module.namespace)} "
+                    f"with other content (tokens, context, start or recovery differ); replace it explicitly "
+                    f"(replace=True) or register it under another name"
+                )
+            if old is not None:
+                self._remove(old)
+                self._forget(old)
+            self._versions += 1
+            module._stamp(self._versions)
             self._touch(module.key)
             start = next(i for i, tier in enumerate(self._tiers) if tier.capacity >= module.nbytes)
             landed = self._insert(module, start, source=None)
             assert landed is not None  # the first tier that can hold it always takes it
+            self._bound[binding] = module.key
             return landed
 
     def get(self, key: ModuleKey) -> EncodedModule | None:
@@ -338,6 +443,7 @@ class ModuleStore:
         with self._lock:
             for key in list(self._where):
                 self._remove(key)
+            self._bound.clear()
             if self._owns_dir and self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -442,8 +548,11 @@ class ModuleStore:
         return module
 
     def _forget(self, key: ModuleKey) -> None:
+        """``key`` left the store for good: its use counts and its name go."""
         self._uses.pop(key, None)
         self._last.pop(key, None)
+        if self._bound.get((key.namespace, key.name)) == key:
+            del self._bound[(key.namespace, key.name)]
 
     def _remove(self, key: ModuleKey) -> None:
         tier = self._where.pop(key)
@@ -460,8 +569,7 @@ class ModuleStore:
             kv = kv.pin_memory()
         if kv is module.kv:
             return module
-        moved = EncodedModule(module.name, module.model_id, module.tokenizer_id, module.token_ids, module.start, kv)
-        return moved
+        return dataclasses.replace(module, kv=kv)
 
     def _write(self, module: EncodedModule, tick: int) -> _Entry:
         from safetensors.torch import save_file
@@ -474,9 +582,13 @@ class ModuleStore:
             "tokenizer_id": module.tokenizer_id,
             "token_ids": json.dumps(list(module.token_ids)),
             "start": str(module.start),
+            "context": module.context,
+            "recovery": module.recovery,
+            "namespace": module.namespace,
+            "version": str(module.version),
             "fingerprint": module.key.fingerprint,
         }
-        stem = hashlib.sha256(f"{module.key.name!r}\0{module.key.fingerprint}".encode()).hexdigest()[:40]
+        stem = hashlib.sha256(repr(module.key).encode()).hexdigest()[:40]
         path = self._dir / f"{stem}.safetensors"
         handle, tmp = tempfile.mkstemp(dir=self._dir, prefix=f".{stem}.", suffix=".tmp")
         os.close(handle)
@@ -517,6 +629,10 @@ class ModuleStore:
                 tuple(json.loads(meta["token_ids"])),
                 int(meta["start"]),
                 kv,
+                context=meta["context"],
+                recovery=meta["recovery"],
+                namespace=meta["namespace"],
+                version=int(meta["version"]),
             )
             if module.key.fingerprint != meta["fingerprint"]:
                 raise ValueError("the file's module is not the one asked for")

@@ -6,8 +6,9 @@ with a small cache, a shared prefix is evicted between two requests that use it.
 each waiting request with a :class:`PrefixProbe` (how many leading blocks are cached right now, and the key of
 the first block it would compute) and this module picks, among requests of the best priority:
 
-1. a request that has been passed over ``max_skips`` times or has waited ``max_wait_s`` since arrival, in
-   arrival order (bounded waiting);
+1. a request that has been passed over ``max_skips`` times (or has waited ``max_wait_s`` since arrival, off by
+   default), in arrival order (bounded waiting: no request waits more than ``max_skips`` admissions of later
+   arrivals beyond its place in arrival order, however long the backlog);
 2. otherwise the request with the most cached leading blocks, so it reuses them before they are evicted;
 3. among requests with equally many, one whose next block is shared by the most waiting requests: the engine
    caches a block as soon as it is allocated, so once this one is admitted the others hit it, even later in
@@ -15,7 +16,14 @@ the first block it would compute) and this module picks, among requests of the b
 4. ties go to the earliest arrival.
 
 Priority (smaller value first) wins over all of this; affinity orders only requests of equal priority.
-Everything here is plain Python: the engine is reached only through the ``probe`` callback.
+
+Admission to completion (``admit_to_completion``): admitting a request whose prefix is cached takes few new
+blocks, so affinity packs more requests into the cache than arrival order does, and their decodes then run out
+of blocks and preempt each other. With a ``room`` callback the queue hands out its pick only while the cache can
+hold it and every running request up to their ``max_tokens`` (:func:`room_to_finish`); otherwise it reads as
+empty until the pass ends, and the engine runs what it has.
+
+Everything here is plain Python: the engine is reached only through the ``probe`` and ``room`` callbacks.
 """
 
 from __future__ import annotations
@@ -43,6 +51,12 @@ class PrefixProbe:
 
     cached_blocks: int
     next_block_key: Hashable | None
+
+
+def room_to_finish(free_blocks: int, request_blocks: int, running_growth_blocks: int) -> bool:
+    """Whether a request needing ``request_blocks`` new blocks to finish fits beside the running requests, which
+    need ``running_growth_blocks`` more to finish, in ``free_blocks``: admitted so, no one is preempted for it."""
+    return free_blocks - request_blocks >= running_growth_blocks
 
 
 class Candidate(NamedTuple):
@@ -87,6 +101,7 @@ class ReorderCounters:
     cached_blocks: int = 0  # cached leading blocks of those admissions, summed
     forced: int = 0  # admissions bounded waiting made in place of the affinity pick
     max_skips: int = 0  # most times any request has been passed over
+    held: int = 0  # scheduling passes that stopped admitting because the pick would not fit to completion
 
 
 @dataclass(slots=True, eq=False)  # identity-hashed: entries key the probe memo
@@ -130,12 +145,15 @@ class PrefixAffinityQueue(Generic[T]):
         arrival_time: Callable[[T], float],
         priority: Callable[[T], int] | None = None,
         clock: Callable[[], float] = time.time,
+        room: Callable[[T, PrefixProbe], bool] | None = None,
     ) -> None:
         self.config = config
         self._probe = probe
         self._arrival_time = arrival_time
         self._priority = priority
         self._clock = clock
+        self._room = room
+        self._held = False  # the pick did not fit: read as empty until close_step
         self._front: deque[T] = deque()
         self._entries: dict[T, _Entry[T]] = {}
         self._classes: dict[int, list[_Entry[T]]] = {}  # priority -> entries sorted by order
@@ -191,7 +209,8 @@ class PrefixAffinityQueue(Generic[T]):
         self._peeked = None
 
     def peek_request(self) -> T:
-        self._peeked = self._pick()
+        if self._peeked is None:
+            self._peeked = self._pick()
         return self._peeked.item
 
     def pop_request(self) -> T:
@@ -233,12 +252,32 @@ class PrefixAffinityQueue(Generic[T]):
                 c.cached_blocks += probe.cached_blocks
         self._picked.clear()
         self._probes.clear()
+        self._held = False
 
     def __len__(self) -> int:
         return len(self._front) + len(self._entries)
 
     def __bool__(self) -> bool:
-        return len(self) > 0
+        """Whether the engine should peek: requests wait and, with ``room``, the next pick fits to completion.
+
+        Requests at the front (preempted, or skipped by the engine) are never held back: they go first, as in
+        vLLM. A pass that holds back a pick stays held back until :meth:`close_step`.
+        """
+        if not len(self):
+            return False
+        if self._room is None or self._front:
+            return True
+        if self._held:
+            return False
+        if self._peeked is None:
+            self._peeked = self._pick()
+        pick = self._peeked
+        assert pick.choice is not None
+        if self._room(pick.item, pick.probes[pick.choice.index]):
+            return True
+        self._held = True
+        self._counters.held += 1
+        return False
 
     def __iter__(self) -> Iterator[T]:
         """Front requests, then by priority and arrival (not the affinity order, which depends on the cache)."""

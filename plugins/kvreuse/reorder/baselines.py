@@ -1,4 +1,8 @@
-"""The orders GGR is compared with: as given, sorted, and sorted on the statistics-based fixed field order."""
+"""The orders GGR is compared with: as given, sorted, and sorted on the statistics-based fixed field order.
+
+Each takes ``lead``, the pinned columns (see :mod:`kvreuse.reorder.pinning`): they lead every row's fields in the
+order given, and the rest follow in the order's own field order.
+"""
 
 from __future__ import annotations
 
@@ -18,19 +22,25 @@ def sort_rows(codes: np.ndarray, rows: np.ndarray, field_order: Sequence[int]) -
     return rows[np.lexsort(keys)]
 
 
-def original_order(encoded: EncodedTable) -> Ordering:
-    """Rows and fields as the table gives them."""
+def original_order(encoded: EncodedTable, lead: Sequence[int] = ()) -> Ordering:
+    """Rows as the table gives them; fields too, after the pinned ones."""
     rows = np.arange(encoded.n_rows, dtype=np.int64)
-    return Ordering.from_segments([(rows, tuple(range(encoded.n_cols)))])
+    return Ordering.from_segments([(rows, _after(lead, range(encoded.n_cols)))])
 
 
-def sorted_order(encoded: EncodedTable) -> Ordering:
-    """Rows sorted lexicographically on the table's own field order (a stable sort)."""
-    order = tuple(range(encoded.n_cols))
+def sorted_order(encoded: EncodedTable, lead: Sequence[int] = ()) -> Ordering:
+    """Rows sorted lexicographically on the table's own field order, after the pinned ones (a stable sort)."""
+    order = _after(lead, range(encoded.n_cols))
     return Ordering.from_segments([(sort_rows(encoded.codes, np.arange(encoded.n_rows), order), order)])
 
 
-def stats_order(encoded: EncodedTable) -> Ordering:
-    """Fields in the statistics-based fixed order (:func:`fixed_field_order`), rows sorted on that order."""
-    order = fixed_field_order(encoded.stats())
+def stats_order(encoded: EncodedTable, lead: Sequence[int] = ()) -> Ordering:
+    """Fields in the statistics-based fixed order (:func:`fixed_field_order`) after the pinned ones, rows sorted
+    on that order."""
+    order = _after(lead, fixed_field_order(encoded.stats()))
     return Ordering.from_segments([(sort_rows(encoded.codes, np.arange(encoded.n_rows), order), order)])
+
+
+def _after(lead: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
+    """``lead``, then the columns of ``order`` not in it, in ``order``'s order."""
+    return tuple(lead) + tuple(c for c in order if c not in lead)

@@ -14,16 +14,23 @@ class ReorderConfig:
     """Settings of request reordering; see the README's table of flags.
 
     In vLLM they are read from ``--additional-config '{"kvreuse": {"reorder": {...}}}'`` or ``KVREUSE_REORDER_*``.
-    The waiting bounds trade hit rate for latency: a request passed over ``max_skips`` times, or waiting
-    ``max_wait_s``, is admitted in arrival order. The defaults let a batch of a few hundred requests regroup on
-    a slow machine; online services with tight latency targets lower them.
+    The waiting bound trades hit rate for latency: a request passed over ``max_skips`` times is admitted in
+    arrival order, so none waits more than ``max_skips`` admissions of later arrivals beyond its place in arrival
+    order, however long the backlog. ``max_wait_s`` adds a bound in seconds, off by default: a fixed number of
+    seconds turns the policy off exactly when a backlog makes regrouping pay (a backlog that takes two minutes to
+    drain makes every request due after ten seconds).
     """
 
     max_skips: int = config.setting(
         64, "scheduler: most times a waiting request may be passed over by a later one", low=0, high=1_000_000
     )
     max_wait_s: float = config.setting(
-        10.0, "scheduler: seconds after arrival past which a request is admitted in arrival order", low=0.0
+        float("inf"), "scheduler: seconds after arrival past which a request is admitted in arrival order", low=0.0
+    )
+    admit_to_completion: bool = config.setting(
+        True,
+        "scheduler: admit a waiting request only while the KV cache can hold it and every running request up to "
+        "their max_tokens (fewer preemptions)",
     )
     lookahead: int = config.setting(
         256, "scheduler: how many waiting requests are scanned for prefix affinity per step", low=1, high=1_000_000

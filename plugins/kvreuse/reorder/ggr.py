@@ -39,16 +39,37 @@ from kvreuse.reorder.baselines import sort_rows
 from kvreuse.reorder.config import ReorderConfig
 from kvreuse.reorder.dependencies import Dependencies, holding_fds
 from kvreuse.reorder.ordering import Ordering
+from kvreuse.reorder.pinning import pinned_runs
 from kvreuse.reorder.stats import EncodedTable, fixed_field_order
 
 # Below this many rows the rescanning path is faster than the heap path (measured on fec_contributions.csv).
 SMALL_SUBPROBLEM = 24
 
 
-def ggr_order(encoded: EncodedTable, fds: Dependencies, config: ReorderConfig) -> Ordering:
-    """The GGR send order of an encoded table, using the functional dependencies ``fds``."""
-    solver = _GreedyGroups(encoded, fds, config)
-    solver.order(np.arange(encoded.n_rows, dtype=np.int64), tuple(range(encoded.n_cols)), (), 0)
+def ggr_order(
+    encoded: EncodedTable,
+    fds: Dependencies,
+    config: ReorderConfig,
+    lead: tuple[int, ...] = (),
+    weights: tuple[np.ndarray, ...] | None = None,
+    blocks: tuple[int, int] | None = None,
+    field_order: tuple[int, ...] | None = None,
+) -> Ordering:
+    """The GGR send order of an encoded table, using the functional dependencies ``fds``.
+
+    ``lead`` are pinned columns: every row leads with them, and GGR orders each run of equal pinned values over
+    the other columns (see :mod:`kvreuse.reorder.pinning`). ``weights[c][code]`` is what sharing that cell earns
+    (default: its squared length in characters, the paper's PHC); the engine's measure is the cell's line in
+    tokens (:mod:`kvreuse.reorder.tokens`). With token weights, ``blocks = (head tokens, block size)`` says that
+    only full blocks are reused: a subproblem whose shared prefix already reaches the last block boundary any of
+    its prompts can hit (a hit never covers a prompt's last token) cannot earn more, and is sorted, not searched.
+    ``field_order`` is the fixed order rows are sent in where no group is formed (default: the statistics order,
+    :func:`fixed_field_order`); it also orders fields that lead together.
+    """
+    solver = _GreedyGroups(encoded, fds, config, weights, blocks, field_order)
+    rest = tuple(c for c in range(encoded.n_cols) if c not in lead)
+    for run in pinned_runs(encoded.codes, lead):
+        solver.order(run, rest, lead, 0)
     return Ordering.from_segments(solver.segments)
 
 
@@ -59,19 +80,38 @@ class _GreedyGroups:
     (field, value) pair and keys sort by field, then by value.
     """
 
-    def __init__(self, encoded: EncodedTable, fds: Dependencies, config: ReorderConfig) -> None:
+    def __init__(
+        self,
+        encoded: EncodedTable,
+        fds: Dependencies,
+        config: ReorderConfig,
+        weights: tuple[np.ndarray, ...] | None = None,
+        blocks: tuple[int, int] | None = None,
+        field_order: tuple[int, ...] | None = None,
+    ) -> None:
         self.codes = encoded.codes
         self.exact = holding_fds(encoded.codes, fds)
         self.max_depth = config.max_depth
         self.threshold = config.min_group_hit
-        self.cell_weight = encoded.cell_lengths() ** 2
+        if weights is None:
+            weights = tuple(lengths**2 for lengths in encoded.lengths)
+        self.cell_weight = np.empty(encoded.codes.shape, dtype=np.int64)
+        for c, column_weights in enumerate(weights):
+            self.cell_weight[:, c] = column_weights[encoded.codes[:, c]]
+        self.blocks = blocks
+        if blocks is not None:
+            head, block = blocks
+            # The last block boundary each row's prompt can hit: its length less the recomputed last token.
+            self.last_boundary = (head + self.cell_weight.sum(axis=1) - 1) // block * block
         cardinality = np.array([len(lengths) for lengths in encoded.lengths], dtype=np.int64)
         self.offset = np.concatenate([[0], np.cumsum(cardinality)[:-1]]).astype(np.int64)
         self.key_column = np.repeat(np.arange(encoded.n_cols), cardinality).tolist()
-        self.key_weight = np.concatenate([lengths**2 for lengths in encoded.lengths]).astype(np.int64)
+        self.key_weight = np.concatenate(weights).astype(np.int64)
         self.key_card = np.repeat(cardinality, cardinality)
         self.key_neg_len = -np.concatenate(encoded.lengths).astype(np.int64)
-        self.rank = {c: i for i, c in enumerate(fixed_field_order(encoded.stats()))}
+        if field_order is None:
+            field_order = fixed_field_order(encoded.stats())
+        self.rank = {c: i for i, c in enumerate(field_order)}
         self.dependents = {c: sorted(dependents, key=self.rank.__getitem__) for c, dependents in fds.items()}
         self.segments: list[tuple[np.ndarray, tuple[int, ...]]] = []
 
@@ -82,7 +122,7 @@ class _GreedyGroups:
 
     def order(self, rows: np.ndarray, cols: tuple[int, ...], prefix: tuple[int, ...], depth: int) -> None:
         """Send ``rows``, which share the cells of ``prefix``, over the fields ``cols``."""
-        if len(rows) < 2 or not cols or depth >= self.max_depth:
+        if len(rows) < 2 or not cols or depth >= self.max_depth or self.filled(rows, prefix):
             self.fixed(rows, cols, prefix)
             return
         if len(rows) == 2:
@@ -118,6 +158,13 @@ class _GreedyGroups:
             self.order(group, tuple(c for c in cols if c not in lead), prefix + lead, depth + 1)
         if alive.any():
             self.fixed(rows[alive], cols, prefix)
+
+    def filled(self, rows: np.ndarray, prefix: tuple[int, ...]) -> bool:
+        """Whether ``rows``' shared ``prefix`` reaches the last block boundary any of them can hit (token mode)."""
+        if self.blocks is None:
+            return False
+        shared = self.blocks[0] + int(self.cell_weight[rows[0], list(prefix)].sum())
+        return shared >= int(self.last_boundary[rows].max())
 
     def pair(self, rows: np.ndarray, cols: tuple[int, ...], prefix: tuple[int, ...]) -> None:
         """Two rows: the non-empty cells they share lead, all at once (the rest cannot earn), as in :meth:`order`."""

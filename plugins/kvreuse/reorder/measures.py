@@ -8,14 +8,14 @@ with a real tokenizer and no engine.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from kvreuse.errors import ConfigError
-from kvreuse.reorder.ordering import Ordering, prompts
+from kvreuse.reorder.ordering import Ordering
 from kvreuse.reorder.stats import encode_table
 
 
@@ -39,6 +39,12 @@ def prefix_hit_count(table: pd.DataFrame, ordering: Ordering) -> int:
     return int((leading * weights[1:]).sum())
 
 
+def hit_rate(cached_tokens: int, prompt_tokens: int) -> float:
+    """Share of prompt tokens served from the prefix cache (0 for no prompt tokens): the one definition of a hit
+    rate that kvreuse's figures, the engines' counters and the benchmarks report."""
+    return cached_tokens / prompt_tokens if prompt_tokens else 0.0
+
+
 @dataclass(frozen=True)
 class BlockHitStats:
     """Token counts of a replay: prompt tokens, those served from the cache, and those computed."""
@@ -50,7 +56,7 @@ class BlockHitStats:
     @property
     def hit_rate(self) -> float:
         """Share of prompt tokens served from the cache (0 for no tokens)."""
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return hit_rate(self.hit_tokens, self.prompt_tokens)
 
 
 def block_hit_stats(
@@ -93,22 +99,3 @@ def block_hit_stats(
         while capacity_blocks is not None and len(cache) > capacity_blocks:
             cache.popitem(last=False)
     return BlockHitStats(prompt_tokens, hit_tokens, prompt_tokens - hit_tokens)
-
-
-def token_hit_measure(
-    table: pd.DataFrame,
-    instruction: str,
-    fmt: str,
-    tokenize: Callable[[list[str]], Sequence[Sequence[int]]],
-    block_size: int,
-) -> Callable[[Ordering], float]:
-    """Score an order of ``table`` by the token hit rate the engine would see: its tokenizer, its block size.
-
-    ``tokenize`` maps prompts to token ids as the engine does (with special tokens). Pass the result to
-    ``solve(..., measure=...)``.
-    """
-
-    def measure(ordering: Ordering) -> float:
-        return block_hit_stats(tokenize(prompts(ordering, table, instruction, fmt)), block_size).hit_rate
-
-    return measure

@@ -18,10 +18,21 @@ import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from enum import StrEnum
 
 from kvreuse.errors import ConfigError
 
-ROUTERS = ("random", "round-robin", "least-loaded", "prefix-aware")
+
+class Router(StrEnum):
+    """How batches are routed to replicas (``--router``); see :func:`make_router`."""
+
+    RANDOM = "random"
+    ROUND_ROBIN = "round-robin"
+    LEAST_LOADED = "least-loaded"
+    PREFIX_AWARE = "prefix-aware"
+
+
+ROUTERS = tuple(Router)
 
 
 class LoadBoard:

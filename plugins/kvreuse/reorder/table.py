@@ -11,13 +11,22 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Sequence
+from enum import StrEnum
 
 import numpy as np
 import pandas as pd
 
 from kvreuse.errors import ConfigError, TableError
 
-PROMPT_FORMATS = ("lines", "json")
+
+class PromptFormat(StrEnum):
+    """How a prompt shows a row's fields (``--format``, ``fmt=``)."""
+
+    LINES = "lines"  # one "field: value" line per field
+    JSON = "json"  # one JSON object
+
+
+PROMPT_FORMATS = tuple(PromptFormat)
 
 
 def prepare_table(df: pd.DataFrame, fields: Sequence[str] | None = None) -> pd.DataFrame:

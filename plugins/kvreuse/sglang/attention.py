@@ -34,13 +34,14 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from kvreuse.errors import ConfigError
 from kvreuse.kernels.key_sketch import KeySketch
-from kvreuse.sglang.settings import SPARSE_ATTENTION_BACKEND
+from kvreuse.patches import sglang_0_5
+from kvreuse.sglang.names import BackendName
 from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.paged import PagedBatch, SparseAttention
 
 logger = logging.getLogger("sglang.plugins.kvreuse.attention")
 
-_FLAG = f"--attention-backend {SPARSE_ATTENTION_BACKEND}"
+_FLAG = f"--attention-backend {BackendName.SPARSE_ATTENTION}"
 
 
 def paged_batch(forward_batch: ForwardBatch, req_to_token: torch.Tensor, page_size: int) -> PagedBatch:
@@ -85,14 +86,13 @@ class SparseAttnBackend(AttentionBackend):
 
     def __init__(self, model_runner: Any, config: SparseConfig | None = None) -> None:
         super().__init__()
-        self.device = model_runner.device
-        self.page_size = int(model_runner.page_size)
-        self.req_to_token_pool = model_runner.req_to_token_pool
-        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.device, self.page_size, self.req_to_token_pool, self.token_to_kv_pool, uses_mla = sglang_0_5.runner_kv(
+            model_runner
+        )
         problems = [
             what
             for what, given in (
-                ("MLA models", getattr(model_runner, "use_mla_backend", False)),
+                ("MLA models", uses_mla),
                 (
                     f"KV pool {type(self.token_to_kv_pool).__name__} (sliding-window, hybrid or quantized KV caches)",
                     type(self.token_to_kv_pool) is not MHATokenToKVPool,
@@ -122,7 +122,9 @@ class SparseAttnBackend(AttentionBackend):
         if forward_batch.forward_mode.is_idle():
             self.forward_metadata = None
             return
-        self.forward_metadata = paged_batch(forward_batch, self.req_to_token_pool.req_to_token, self.page_size)
+        self.forward_metadata = paged_batch(
+            forward_batch, sglang_0_5.token_slot_table(self.req_to_token_pool), self.page_size
+        )
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         raise ConfigError(f"{_FLAG} does not support CUDA graphs: start SGLang with --disable-cuda-graph")
@@ -205,10 +207,9 @@ class SparseAttnBackend(AttentionBackend):
             self.attention.log = logger
         return self.attention
 
-    def _caches(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _caches(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor, KeySketch]:
         """The layer's K and V buffers as ``[pages, page_size, kv_heads, head_dim]`` views, and its key sketch."""
-        keys = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        values = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        keys, values = sglang_0_5.layer_kv_buffers(self.token_to_kv_pool, layer.layer_id)
         if keys.shape[0] % self.page_size:
             raise ConfigError(
                 f"SGLang's KV buffer has {keys.shape[0]} slots, not a multiple of --page-size {self.page_size}"

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvreuse.batch.backend import Completion, PrefixCacheModel
 from kvreuse.errors import BackendError
+from kvreuse.patches import sglang_0_5
 
 
 def greedy_sampling_params(max_tokens: int) -> dict[str, Any]:
@@ -42,9 +43,9 @@ class SGLangBackend:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        tokenizer = getattr(getattr(engine, "tokenizer_manager", None), "tokenizer", None)
+        tokenizer = sglang_0_5.engine_tokenizer(engine)
         # SGLang's radix cache shares prefixes at page granularity (--page-size, 1 by default).
-        page_size = int(getattr(engine.server_args, "page_size", None) or 1)
+        page_size = sglang_0_5.engine_page_size(engine)
         self.cache_model = (
             None
             if tokenizer is None

@@ -40,9 +40,11 @@ from kvreuse.errors import ConfigError
 from kvreuse.kernels.rerotate import RopeSpec, check_rerotation, rope_spec_from_hf_config
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.splice import Piece, piece_kv, plan_splice
-from kvreuse.modules.store import EncodedModule, ModuleStore
+from kvreuse.modules.store import EncodedModule, ModuleStore, context_fingerprint
 from kvreuse.modules.trie import ModuleTrie
-from kvreuse.sglang.settings import MODULE_CACHE_BACKEND, SPARSE_ATTENTION_BACKEND, SGLangConfig, read_modules_file
+from kvreuse.patches import sglang_0_5
+from kvreuse.sglang.names import BackendName
+from kvreuse.sglang.settings import SGLangConfig, read_modules_file
 
 logger = logging.getLogger("sglang.plugins.kvreuse.module_cache")
 
@@ -61,7 +63,8 @@ class ModuleRadixCache(RadixCache):
         super().__init__(params)
         self.store = store
         self.rope = rope
-        self.module_trie = ModuleTrie(modules)  # the module-sets schedule policy reads it too
+        # the module-sets schedule policy reads it too
+        self.module_trie = ModuleTrie(modules, budget_bytes=store.config.index_bytes)
         self._module_tokens = {name: tuple(ids) for name, ids in modules}
         self.spliced_tokens = 0  # prompt tokens taken from modules instead of computed
         self.learnt_modules = 0
@@ -75,18 +78,17 @@ class ModuleRadixCache(RadixCache):
 
     def insert(self, params: InsertParams) -> InsertResult:
         result = super().insert(params)
-        if not self.disable and params.value is not None and len(self.module_trie):
+        if not sglang_0_5.cache_disabled(self) and params.value is not None and len(self.module_trie):
             self._learn(params.key, params.value)
         return result
 
     def _learn(self, key: RadixKey, slots: torch.Tensor) -> None:
         ids = key.token_ids[: len(slots)]
         for match in self.module_trie.find(ids):
-            module_key = self.store.key(match.name, self._module_tokens[match.name])
-            if module_key in self.store:
+            if self.store.current(match.name) is not None:
                 continue
             kv = self._read_kv(slots[match.start : match.end])
-            self.store.put(
+            self.store.put(  # keyed by what its KV attended to: the tokens before it in this request
                 EncodedModule(
                     match.name,
                     self.store.model_id,
@@ -94,67 +96,63 @@ class ModuleRadixCache(RadixCache):
                     self._module_tokens[match.name],
                     match.start,
                     kv,
+                    context=context_fingerprint(ids[: match.start]),
                 )
             )
             self.learnt_modules += 1
 
-    def _pool(self) -> Any:
-        return self.token_to_kv_pool_allocator.get_kvcache()
-
     def _read_kv(self, slots: torch.Tensor) -> torch.Tensor:
-        pool = self._pool()
-        slots = slots.to(pool.get_key_buffer(pool.start_layer).device)
+        pool = sglang_0_5.cache_kv_pool(self)
+        layers = sglang_0_5.pool_layers(pool)
+        slots = slots.to(sglang_0_5.layer_kv_buffers(pool, layers[0])[0].device)
         return torch.stack(
-            [
-                torch.stack([pool.get_key_buffer(layer)[slots], pool.get_value_buffer(layer)[slots]])
-                for layer in range(pool.start_layer, pool.start_layer + pool.layer_num)
-            ]
+            [torch.stack([buffer[slots] for buffer in sglang_0_5.layer_kv_buffers(pool, layer)]) for layer in layers]
         ).clone()
 
     # -- splicing --------------------------------------------------------------------------------------------------
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         result = super().match_prefix(params)
-        if self.disable or not len(self.module_trie):
+        if sglang_0_5.cache_disabled(self) or not len(self.module_trie):
             return result
         ids = params.key.token_ids
         hit = result.device_prefix_len
         pieces = plan_splice(self.module_trie.find(ids), hit, len(ids) - 1, self._available)
-        end = hit + (sum(piece.length for piece in pieces) // self.page_size) * self.page_size
+        page = sglang_0_5.cache_page_size(self)
+        end = hit + (sum(piece.length for piece in pieces) // page) * page
         if end <= hit or not self._splice(params.key, result, pieces, end):
             return result
         return super().match_prefix(params)
 
     def _available(self, name: Hashable) -> bool:
-        return self.store.key(name, self._module_tokens[name]) in self.store
+        return self.store.current(name) is not None
 
     def _splice(self, key: RadixKey, result: MatchResult, pieces: list[Piece], end: int) -> bool:
         """Write the pieces' KV for tokens ``[hit, end)`` into new slots and insert them; False if it could not."""
         hit = result.device_prefix_len
         modules = {}
         for piece in pieces:
-            module = self.store.get(self.store.key(piece.name, self._module_tokens[piece.name]))
+            module_key = self.store.current(piece.name)
+            module = self.store.get(module_key) if module_key is not None else None
             if module is None:  # gone since the plan (a failed disk load): splice nothing, compute as usual
                 return False
             modules[piece.name] = module
-        slots = self.token_to_kv_pool_allocator.alloc(end - hit)
+        slots = sglang_0_5.allocate_slots(self, end - hit)
         if slots is None:
             return False
-        pool = self._pool()
+        pool = sglang_0_5.cache_kv_pool(self)
+        layers = sglang_0_5.pool_layers(pool)
         at = 0
         for piece in pieces:
             length = min(piece.length, end - hit - at)
             if length <= 0:
                 break
-            layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
-            device = pool.get_key_buffer(pool.start_layer).device
+            device = sglang_0_5.layer_kv_buffers(pool, layers[0])[0].device
             part = slots[at : at + length].to(device)
             for layer, (keys, values) in zip(layers, piece_kv(modules[piece.name], piece, self.rope, device, length)):
-                key_buffer, value_buffer = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
-                key_buffer[part] = keys.to(key_buffer.dtype)
-                value_buffer[part] = values.to(value_buffer.dtype)
+                sglang_0_5.write_pool_kv(pool, layer, part, keys, values)
             at += length
-        prefix = self.path_device_indices(result.last_device_node).to(slots.device)
+        prefix = sglang_0_5.node_slots(self, result.last_device_node).to(slots.device)
         inserted = super().insert(
             InsertParams(
                 key=RadixKey(key.token_ids[:end], key.extra_key, cache_salt=key.cache_salt),
@@ -162,7 +160,7 @@ class ModuleRadixCache(RadixCache):
             )
         )
         if inserted.prefix_len > hit:  # another request inserted part of it meanwhile: ours are duplicates
-            self.token_to_kv_pool_allocator.free(slots[: inserted.prefix_len - hit])
+            sglang_0_5.free_slots(self, slots[: inserted.prefix_len - hit])
         self.spliced_tokens += end - hit
         return True
 
@@ -178,8 +176,8 @@ def create_module_radix_cache(ctx: Any) -> ModuleRadixCache:
             ("hierarchical caching (--enable-hierarchical-cache)", ctx.enable_hierarchical_cache),
             ("hybrid sliding-window or state-space models", ctx.is_hybrid_swa or ctx.is_hybrid_ssm),
             (
-                f"--attention-backend {SPARSE_ATTENTION_BACKEND} (spliced slots would have no key sketch)",
-                SPARSE_ATTENTION_BACKEND
+                f"--attention-backend {BackendName.SPARSE_ATTENTION} (spliced slots would have no key sketch)",
+                BackendName.SPARSE_ATTENTION
                 in (getattr(args, "attention_backend", None), getattr(args, "decode_attention_backend", None)),
             ),
             ("speculative decoding with EAGLE (bigram keys)", ctx.params.is_eagle),
@@ -188,7 +186,7 @@ def create_module_radix_cache(ctx: Any) -> ModuleRadixCache:
         if given
     ]
     if problems:
-        raise ConfigError(f"--radix-cache-backend {MODULE_CACHE_BACKEND} does not support {', '.join(problems)}")
+        raise ConfigError(f"--radix-cache-backend {BackendName.MODULE_CACHE} does not support {', '.join(problems)}")
     hf_config = ctx.model_config.hf_config
     rope = check_rerotation(rope_spec_from_hf_config(hf_config.to_dict()))
     settings = SGLangConfig.load()

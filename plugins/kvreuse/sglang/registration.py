@@ -2,8 +2,10 @@
 
 SGLang calls ``register()`` through ``load_plugins()`` in each of its processes (the server or ``Engine``, before it
 parses its arguments; the scheduler processes, before they build the scheduler), if the plugin is allowed by
-``SGLANG_PLUGINS`` (unset = all plugins), and then applies the hooks registered with its ``HookRegistry``. It only
-adds names to SGLang's registries; choosing a plugin is left to the user's own flags:
+``SGLANG_PLUGINS`` (unset = all plugins), and then applies the hooks registered with its ``HookRegistry``. It first
+imports kvreuse's boundary with SGLang (``kvreuse.patches.sglang_0_5``), which refuses an SGLang version kvreuse was
+not tested with; then it only adds names to SGLang's registries, and choosing a plugin is left to the user's own
+flags:
 
 * the schedule policy: ``sglang.srt.managers.schedule_policy.SchedulePolicy`` is replaced (a ``HookType.REPLACE``
   of the class) by :class:`kvreuse.sglang.scheduler.KVReuseSchedulePolicy`, which is SGLang's own class unless
@@ -21,25 +23,33 @@ import logging
 import os
 from typing import Any
 
-from kvreuse.sglang.settings import MODULE_CACHE_BACKEND, SPARSE_ATTENTION_BACKEND
+from kvreuse.errors import EngineVersionError
+from kvreuse.sglang.names import BackendName
 
 logger = logging.getLogger("sglang.plugins.kvreuse")
 
 _REGISTERED_PIDS: set[int] = set()
 
-SCHEDULE_POLICY_TARGET = "sglang.srt.managers.schedule_policy.SchedulePolicy"
-
 
 def register() -> None:
-    """Register kvreuse's names with SGLang. Idempotent: SGLang may call it more than once per process."""
+    """Register kvreuse's names with SGLang. Idempotent: SGLang may call it more than once per process.
+
+    An untested SGLang version stops the process with the one-line ``EngineVersionError`` message (``SystemExit``,
+    unless ``KVREUSE_ALLOW_UNTESTED_ENGINE`` is set): SGLang's plugin loader logs and ignores any ``Exception`` a
+    plugin raises, and running on would silently leave out kvreuse's schedule policy.
+    """
     if os.getpid() in _REGISTERED_PIDS:
         return
+    try:
+        from kvreuse.patches import sglang_0_5  # noqa: F401  (the version check)
+    except EngineVersionError as refusal:
+        raise SystemExit(str(refusal)) from None
     _REGISTERED_PIDS.add(os.getpid())
-    # Each name on its own: an SGLang version that moved one extension point still gets the others.
+    # Each name on its own: one that fails to register still leaves the others.
     for what, step in (
         ("schedule policy", _register_schedule_policy),
-        (f"attention backend {SPARSE_ATTENTION_BACKEND}", _register_sparse_backend),
-        (f"radix cache backend {MODULE_CACHE_BACKEND}", _register_module_cache),
+        (f"attention backend {BackendName.SPARSE_ATTENTION}", _register_sparse_backend),
+        (f"radix cache backend {BackendName.MODULE_CACHE}", _register_module_cache),
     ):
         try:
             step()
@@ -54,14 +64,13 @@ def registered_pids() -> frozenset[int]:
 
 
 def _register_schedule_policy() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
+    from kvreuse.patches import sglang_0_5
     from kvreuse.sglang.scheduler import KVReuseSchedulePolicy
 
-    HookRegistry.register(SCHEDULE_POLICY_TARGET, KVReuseSchedulePolicy, HookType.REPLACE)
+    sglang_0_5.replace_schedule_policy(KVReuseSchedulePolicy)
 
 
-def create_sparse_backend(model_runner: Any):
+def create_sparse_backend(model_runner: Any) -> Any:
     """SGLang's attention factory for ``--attention-backend kvreuse_sparse``."""
     from kvreuse.sglang.attention import SparseAttnBackend
 
@@ -69,23 +78,18 @@ def create_sparse_backend(model_runner: Any):
 
 
 def _register_sparse_backend() -> None:
-    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
-    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
+    from kvreuse.patches import sglang_0_5
 
-    existing = ATTENTION_BACKENDS.get(SPARSE_ATTENTION_BACKEND)
-    if existing is not None and existing is not create_sparse_backend:
+    existing = sglang_0_5.add_attention_backend(BackendName.SPARSE_ATTENTION, create_sparse_backend)
+    if existing is not None:
         logger.warning(
             "kvreuse: attention backend %s is already registered as %r; not replaced",
-            SPARSE_ATTENTION_BACKEND,
+            BackendName.SPARSE_ATTENTION,
             existing,
         )
-    else:
-        register_attention_backend(SPARSE_ATTENTION_BACKEND)(create_sparse_backend)
-    if SPARSE_ATTENTION_BACKEND not in ATTENTION_BACKEND_CHOICES:
-        add_attention_backend_choices([SPARSE_ATTENTION_BACKEND])
 
 
-def create_module_cache(ctx: Any):
+def create_module_cache(ctx: Any) -> Any:
     """SGLang's radix-cache factory for ``--radix-cache-backend kvreuse_modules``."""
     from kvreuse.sglang.module_cache import create_module_radix_cache
 
@@ -93,7 +97,6 @@ def create_module_cache(ctx: Any):
 
 
 def _register_module_cache() -> None:
-    from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
+    from kvreuse.patches import sglang_0_5
 
-    if MODULE_CACHE_BACKEND not in registered_radix_cache_backends():
-        register_radix_cache_backend(MODULE_CACHE_BACKEND, create_module_cache)
+    sglang_0_5.add_radix_cache_backend(BackendName.MODULE_CACHE, create_module_cache)

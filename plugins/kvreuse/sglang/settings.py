@@ -24,26 +24,17 @@ from typing import Any
 
 from kvreuse import config
 from kvreuse.errors import ConfigError
-
-# KVREUSE_SGLANG_SCHEDULE_POLICY values (spelt like SGLang's own policy names).
-AFFINITY_POLICY = "prefix-affinity"
-MODULES_POLICY = "module-sets"
-SCHEDULE_POLICIES = (AFFINITY_POLICY, MODULES_POLICY)
-
-# --attention-backend and --radix-cache-backend values (SGLang's backends are named with "_").
-SPARSE_ATTENTION_BACKEND = "kvreuse_sparse"
-MODULE_CACHE_BACKEND = "kvreuse_modules"
+from kvreuse.sglang.names import SchedulePolicyName
 
 
 @dataclass(frozen=True)
 class SGLangConfig:
     """What the SGLang adapter needs beyond the plugins' own settings (``KVREUSE_SGLANG_*``)."""
 
-    schedule_policy: str = config.setting(
-        "",
+    schedule_policy: SchedulePolicyName = config.setting(
+        SchedulePolicyName.SGLANG,
         "waiting-queue order in place of --schedule-policy: prefix-affinity (cached prefixes first, shared "
         "prefixes together, bounded waiting) or module-sets (neighbours share modules); empty = SGLang's own",
-        choices=("",) + SCHEDULE_POLICIES,
     )
     affinity_block: int = config.setting(
         16,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from kvreuse import config
@@ -87,13 +88,18 @@ class SparseConfig:
     )
 
     def __post_init__(self) -> None:
-        parse_layer_betas(self.layer_betas)
+        self.layer_beta_overrides  # noqa: B018 (parsed, hence checked, at construction)
         if self.sink + self.local < 1:
             raise ConfigError(
                 f"sparse.sink ({config.env_name('sparse', 'sink')}) and sparse.local "
                 f"({config.env_name('sparse', 'local')}): at least one must be >= 1, the window gives "
                 f"DIPR its lower bound on the largest score"
             )
+
+    @cached_property
+    def layer_beta_overrides(self) -> dict[int, float]:
+        """``layer_betas`` parsed, once per config: every user of the overrides reads them here."""
+        return parse_layer_betas(self.layer_betas)
 
     @classmethod
     def load(cls, flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> SparseConfig:

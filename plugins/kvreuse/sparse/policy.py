@@ -17,14 +17,14 @@ from collections.abc import Sequence
 
 import torch
 
-from kvreuse.sparse.config import SparseConfig, parse_layer_betas
+from kvreuse.sparse.config import SparseConfig
 
 INF = float("inf")
 
 
 def layer_beta(config: SparseConfig, layer: int, overrides: dict[int, float] | None = None) -> float:
     """The beta of ``layer`` by rules 1 and 2 (``inf`` = dense)."""
-    overrides = parse_layer_betas(config.layer_betas) if overrides is None else overrides
+    overrides = config.layer_beta_overrides if overrides is None else overrides
     if layer in overrides:
         return overrides[layer]
     return INF if layer < config.dense_layers else config.beta
@@ -54,7 +54,7 @@ class RuleBasedPolicy:
 
     def __init__(self, config: SparseConfig):
         self.config = config
-        self._overrides = parse_layer_betas(config.layer_betas)
+        self._overrides = config.layer_beta_overrides
 
     def layer_beta(self, layer: int) -> float:
         return layer_beta(self.config, layer, self._overrides)

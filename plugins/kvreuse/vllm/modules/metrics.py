@@ -1,7 +1,7 @@
-"""The module cache's counters as stats keys of kvreuse's connectors (see ``kvreuse.vllm.connector_metrics``).
+"""The module cache's counters as stats keys of kvreuse's connectors (the channel: ``kvreuse.vllm.metrics``).
 
-Each worker sends the change of its counters every step (``ModuleWorker.take_stats``); vLLM logs them with its
-other KV-transfer figures (``KV Transfer metrics: tokens_loaded=..., hits:gpu=...``) and, where it runs a
+Each worker sends the increments of its counters every step (``ModuleWorker.take_increments``); vLLM logs them
+with its other KV-transfer figures (``KV Transfer metrics: tokens_loaded=..., hits:gpu=...``) and, where it runs a
 Prometheus logger, adds them to these counters:
 
 * ``kvreuse:module_hits_total`` (label ``tier``), ``kvreuse:module_misses_total``;
@@ -9,7 +9,9 @@ Prometheus logger, adds them to these counters:
   ``kvreuse:module_load_failures_total``;
 * ``kvreuse:module_encoded_total``, ``kvreuse:module_encode_failures_total``;
 * ``kvreuse:module_bytes_moved_total`` (label ``move``, e.g. ``cpu->gpu``), ``kvreuse:module_evictions_total``
-  (label ``tier``), ``kvreuse:module_drops_total``.
+  (label ``tier``), ``kvreuse:module_drops_total``;
+* ``kvreuse:module_splice_skipped_total`` (label ``reason``, see ``kvreuse.modules.splice.SkipReason``), counted
+  by the scheduler side.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from kvreuse.modules.store import StoreFigures
 
 # Stats name -> (Prometheus name, documentation, label name or None). A labelled counter's stats keys are
 # "<name>:<label value>".
-MODULE_COUNTERS = {
+MODULE_COUNTERS: dict[str, tuple[str, str, str | None]] = {
     "hits": ("kvreuse:module_hits_total", "Module look-ups answered, by the tier that held the module", "tier"),
     "misses": ("kvreuse:module_misses_total", "Module look-ups of modules the store did not hold", None),
     "tokens_loaded": (
@@ -40,10 +42,15 @@ MODULE_COUNTERS = {
     "bytes_moved": ("kvreuse:module_bytes_moved_total", "Bytes of module KV moved between tiers", "move"),
     "evictions": ("kvreuse:module_evictions_total", "Modules moved out of a full tier", "tier"),
     "drops": ("kvreuse:module_drops_total", "Modules that left the store to make room", None),
+    "splice_skipped": (
+        "kvreuse:module_splice_skipped_total",
+        "Registered modules found in a prompt (or all but their last token) but not spliced, by reason",
+        "reason",
+    ),
 }
 
 
-def counter_values(figures: Any, store: StoreFigures) -> dict[str, int]:
+def module_counter_values(figures: Any, store: StoreFigures) -> dict[str, int]:
     """The worker's and its store's counters as flat stats keys (see :data:`MODULE_COUNTERS`)."""
     out = {name: value for name, value in asdict(figures).items() if name in MODULE_COUNTERS}
     out.update(misses=store.misses, drops=store.drops)

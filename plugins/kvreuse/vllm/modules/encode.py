@@ -1,6 +1,6 @@
 """Putting modules into a vLLM engine that runs the ``KVReuseModuleCache`` connector, and prompts that use them.
 
-A module enters the cache through an *encode request* (see ``kvreuse.vllm.connector``): a one-token generation
+A module enters the cache through an *encode request* (see ``kvreuse.vllm.modules.connector``): a one-token generation
 whose ``kv_transfer_params`` name the module. :func:`encode_modules` sends them for plain texts or token ids,
 :func:`encode_database` for the tables of a database (each table after the tables it references, so its KV attends
 to them, as in TableCache), :func:`encode_schema` for every cached run of a PML schema. Afterwards any prompt that
@@ -22,31 +22,25 @@ from kvreuse.modules.linear import prompt_token_ids, schema_runs
 from kvreuse.modules.pml import parse_prompt, parse_schema
 from kvreuse.modules.schemas import DatabaseSchema
 from kvreuse.modules.trie import module_text
-from kvreuse.vllm.connector import ENCODE_CONTEXT, ENCODE_MODULE
-
-
-def encode_params(name: str, context_tokens: int = 0) -> dict[str, Any]:
-    """The ``kv_transfer_params`` of an encode request for module ``name`` after ``context_tokens`` tokens."""
-    return {ENCODE_MODULE: name, ENCODE_CONTEXT: int(context_tokens)}
-
+from kvreuse.vllm.modules.common import encode_params
 
 SPECIAL_PREFIX = "<special-prefix>"
 
 
-def special_prefix(tokenizer) -> list[int]:
+def special_prefix(tokenizer: Any) -> list[int]:
     """The token ids the tokenizer adds before every text (e.g. ``[BOS]``; empty for most chat-less tokenizers)."""
     plain = tokenizer.encode("a", add_special_tokens=False)
     full = tokenizer.encode("a")
     return list(full[: len(full) - len(plain)]) if full[len(full) - len(plain) :] == plain else []
 
 
-def module_token_ids(tokenizer, text: str) -> list[int]:
+def module_token_ids(tokenizer: Any, text: str) -> list[int]:
     """A module's token ids: ``module_text(text)`` without special tokens."""
     return list(tokenizer.encode(module_text(text), add_special_tokens=False))
 
 
 def encode_modules(
-    llm, modules: Mapping[str, str | Sequence[int]], contexts: Mapping[str, Sequence[int]] | None = None
+    llm: Any, modules: Mapping[str, str | Sequence[int]], contexts: Mapping[str, Sequence[int]] | None = None
 ) -> dict[str, list[int]]:
     """Encode each module (text, or token ids taken as they are) after its context's token ids (default none).
 
@@ -67,7 +61,8 @@ def encode_modules(
         for name, value in modules.items()
     }
     prefix = special_prefix(tokenizer)
-    prompts, params = [], []
+    prompts: list[TokensPrompt] = []
+    params: list[SamplingParams] = []
     for name, module_ids in ({SPECIAL_PREFIX: prefix, **ids} if prefix else ids).items():
         context = list(contexts.get(name, ()))
         prompts.append(TokensPrompt(prompt_token_ids=context + module_ids))
@@ -84,7 +79,7 @@ def encode_modules(
     return ids
 
 
-def encode_database(llm, schema: DatabaseSchema) -> dict[str, list[int]]:
+def encode_database(llm: Any, schema: DatabaseSchema) -> dict[str, list[int]]:
     """Encode one module per table; a table's context is the DDL of the tables it references.
 
     Returns the table modules' token ids by table name.
@@ -92,34 +87,24 @@ def encode_database(llm, schema: DatabaseSchema) -> dict[str, list[int]]:
     tokenizer = llm.get_tokenizer()
     texts = dict(schema.modules())
     ids = {name: module_token_ids(tokenizer, text) for name, text in texts.items()}
-    contexts = {}
-    for table in schema.tables:
-        referenced = []
-        for fk in table.foreign_keys:
-            try:
-                name = schema.table(fk.table).name
-            except LookupError:
-                continue  # a dangling foreign key: nothing to attend to
-            if name != table.name and name not in referenced:
-                referenced.append(name)
-        contexts[table.name] = [t for name in referenced for t in ids[name]]
+    contexts = {table.name: [t for name in schema.references(table) for t in ids[name]] for table in schema.tables}
     return encode_modules(llm, ids, contexts)
 
 
-def schema_layout(llm, schema_pml: str) -> SchemaLayout:
+def schema_layout(llm: Any, schema_pml: str) -> SchemaLayout:
     """Parse and lay out a PML schema with the engine's tokenizer (each text run tokenized alone)."""
     tokenizer = llm.get_tokenizer()
     return layout_schema(parse_schema(schema_pml), lambda text: tokenizer.encode(text, add_special_tokens=False))
 
 
-def encode_schema(llm, schema_pml: str) -> SchemaLayout:
+def encode_schema(llm: Any, schema_pml: str) -> SchemaLayout:
     """Encode every cached run of a PML schema (``kvreuse.modules.linear.schema_runs``); its layout, for prompts."""
     layout = schema_layout(llm, schema_pml)
     encode_modules(llm, schema_runs(layout))
     return layout
 
 
-def pml_prompt(llm, prompt_pml: str, layout: SchemaLayout) -> list[int]:
+def pml_prompt(llm: Any, prompt_pml: str, layout: SchemaLayout) -> list[int]:
     """Token ids of a PML prompt against an encoded schema; :class:`PMLError` names what is wrong and where."""
     tokenizer = llm.get_tokenizer()
     resolution = resolve_prompt(

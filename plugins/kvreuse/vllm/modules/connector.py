@@ -7,11 +7,15 @@ Switched on with vLLM's own flag (``register()`` puts the name in vLLM's connect
 
 Store settings come from ``--additional-config '{"kvreuse": {"modules": {...}}}'`` or ``KVREUSE_MODULES_*``. Its
 per-step stats carry the module cache's counters into vLLM's metrics and, where the sparse attention backend runs,
-the sparse figures too (``kvreuse.vllm.connector_metrics``).
+the sparse figures too (``kvreuse.vllm.metrics``).
+
+Layout, as vLLM's own ``OffloadingConnector``: this class is a thin facade that routes vLLM's calls to the scheduler
+side (``kvreuse.vllm.modules.scheduler``) or the worker side (``kvreuse.vllm.modules.worker``); what crosses between
+them is in ``kvreuse.vllm.modules.common``, the counters in ``kvreuse.vllm.modules.metrics``.
 
 How a module gets in. An *encode request* is an ordinary request whose ``kv_transfer_params`` are
 ``{"kvreuse_module": NAME, "kvreuse_context": N}``: its prompt is ``N`` context tokens followed by the module's
-tokens (``kvreuse.vllm.modules`` builds them). The engine computes it like any prompt; the worker then copies the
+tokens (``kvreuse.vllm.modules.encode`` builds them). The engine computes it like any prompt; the worker then copies the
 module's keys and values out of the paged cache, every layer, into the store (``kvreuse.modules.store``), keys
 as encoded at position ``N``. The context lets a table's module attend to the tables it references (TableCache);
 for a plain module it is empty. The scheduler learns of the module from the worker's per-step metadata and adds
@@ -42,112 +46,59 @@ in its place (``KVREUSE_SPARSE_CPU_BACKEND=1``; with ``beta = inf`` it is dense 
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorWorkerMetadata,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
-from kvreuse.modules.splice import Piece
-from kvreuse.modules.store import ModuleKey
-from kvreuse.vllm.connector_metrics import KVReuseMetrics
+from kvreuse.patches import vllm_0_32
+from kvreuse.vllm.metrics import KVReuseMetrics, KVReuseStats
+from kvreuse.vllm.modules.common import ModuleCacheMetadata, ModuleCacheWorkerMeta
+from kvreuse.vllm.modules.scheduler import ModuleScheduler
+from kvreuse.vllm.modules.worker import ModuleWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-# The keys of an encode request's kv_transfer_params.
-ENCODE_MODULE = "kvreuse_module"
-ENCODE_CONTEXT = "kvreuse_context"
-
-
-@dataclass(frozen=True)
-class LoadSpec:
-    """Write these pieces (``Piece.name`` is a :class:`ModuleKey`) into request ``req_id``'s slots."""
-
-    req_id: str
-    pieces: tuple[Piece, ...]
-    slots: tuple[tuple[int, ...], ...]  # per piece, the slot of each of its tokens
-    blocks: tuple[tuple[int, ...], ...]  # per piece, the blocks its tokens lie in (reported if it fails)
-
-
-@dataclass(frozen=True)
-class SaveSpec:
-    """After this step, copy tokens at ``slots`` of request ``req_id`` into the store as module ``name``."""
-
-    req_id: str
-    name: Hashable
-    token_ids: tuple[int, ...]
-    start: int  # position of the module's first token (the context's length)
-    slots: tuple[int, ...]
-
-
-@dataclass
-class ModuleCacheMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, once per step."""
-
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
-    prefetch: list[ModuleKey] = field(default_factory=list)  # modules waiting requests will load, in order
-
-
-@dataclass
-class ModuleCacheWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, once per step: what entered and left the store.
-
-    With tensor parallelism each worker stores its own heads' share; a module is usable once every worker stored
-    it, and unusable as soon as one lost it, so aggregation intersects ``stored`` and unites ``dropped``.
-    """
-
-    stored: dict[ModuleKey, tuple[int, ...]] = field(default_factory=dict)
-    dropped: set[ModuleKey] = field(default_factory=set)
-    failed: dict[str, str] = field(default_factory=dict)  # module name -> why its encoding was not stored
-
-    def aggregate(self, other: ModuleCacheWorkerMeta) -> ModuleCacheWorkerMeta:
-        return ModuleCacheWorkerMeta(
-            stored={key: ids for key, ids in self.stored.items() if key in other.stored},
-            dropped=self.dropped | other.dropped,
-            failed={**self.failed, **other.failed},
-        )
-
 
 class KVReuseModuleCache(KVReuseMetrics, KVConnectorBase_V1):
     """The connector vLLM builds in its scheduler (``role=SCHEDULER``) and in each worker (``role=WORKER``).
 
-    It only routes vLLM's calls to :class:`~kvreuse.vllm.module_scheduler.ModuleScheduler` or
-    :class:`~kvreuse.vllm.module_worker.ModuleWorker`.
+    It only routes vLLM's calls to :class:`~kvreuse.vllm.modules.scheduler.ModuleScheduler` or
+    :class:`~kvreuse.vllm.modules.worker.ModuleWorker`.
     """
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            from kvreuse.vllm.module_scheduler import ModuleScheduler
-
             self._scheduler = ModuleScheduler(vllm_config)
         else:
-            from kvreuse.vllm.module_worker import ModuleWorker
-
             self._worker = ModuleWorker(vllm_config)
 
+    def _metadata(self) -> ModuleCacheMetadata:
+        meta = vllm_0_32.connector_metadata(self)
+        assert isinstance(meta, ModuleCacheMetadata)
+        return meta
+
     # ------------------------------------------------------------------------------------------- scheduler side
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler.kv_cache_manager = kv_cache_manager
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         return self._scheduler.matched_tokens(request, num_computed_tokens), False
 
-    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
-        self._scheduler.allocated(request, blocks.get_block_ids()[0], num_external_tokens)
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler.allocated(request, vllm_0_32.allocated_block_ids(blocks), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ModuleCacheMetadata:
-        return self._scheduler.build_metadata(scheduler_output, self._kv_cache_manager)
+        return self._scheduler.build_metadata(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -163,22 +114,16 @@ class KVReuseModuleCache(KVReuseMetrics, KVConnectorBase_V1):
         self._worker.register(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, ModuleCacheMetadata)
-        self._worker.load(meta, forward_context)
+        self._worker.load(self._metadata(), forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # every layer was written in start_load_kv (see the module docstring)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, ModuleCacheMetadata)
-        self._worker.copy_layer(meta, layer_name, kv_layer)
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self._worker.copy_layer(self._metadata(), layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, ModuleCacheMetadata)
-        self._worker.store_saved(meta)
+        self._worker.store_saved(self._metadata())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()
@@ -186,10 +131,14 @@ class KVReuseModuleCache(KVReuseMetrics, KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> ModuleCacheWorkerMeta | None:
         return self._worker.take_report()
 
-    def get_kv_connector_stats(self):
-        # vLLM asks both sides; the figures live in the workers (the store's, and the sparse backend's if it runs).
-        return self._worker.take_stats() if self._role == KVConnectorRole.WORKER else None
+    def get_kv_connector_stats(self) -> KVReuseStats | None:
+        # vLLM asks both sides: the workers hold the store's (and the sparse backend's) figures, the scheduler side
+        # the modules it found but did not splice.
+        if self.role == KVConnectorRole.WORKER:
+            return self._worker.take_increments()
+        skipped = self._scheduler.take_stats()
+        return self.build_kv_connector_stats(skipped) if skipped else None
 
     def shutdown(self) -> None:
-        if self._role == KVConnectorRole.WORKER:
+        if self.role == KVConnectorRole.WORKER:
             self._worker.close()

@@ -7,9 +7,9 @@ of CPU_ATTN in that process (and in vLLM's workers, which inherit the variable).
 
 The classes here are thin: the cache write, the key sketch and the attention live in ``kvreuse.sparse.paged``.
 Settings come from ``--additional-config '{"kvreuse": {"sparse": {...}}}'`` or ``KVREUSE_SPARSE_*``. The attended
-fractions per layer reach vLLM's metrics through a kvreuse KV connector (``kvreuse.vllm.sparse_connector``), are
+fractions per layer reach vLLM's metrics through a kvreuse KV connector (``kvreuse.vllm.sparse.connector``), are
 logged (logger ``vllm.plugins.kvreuse``) every ``LOG_EVERY_STEPS`` engine steps and at shutdown, and are read in
-the worker process with ``sparse_figures()`` (e.g. through ``LLM.collective_rpc``).
+the worker process with ``kvreuse.vllm.runtime.sparse_figures()`` (e.g. through ``LLM.collective_rpc``).
 
 The key sketch (``kvreuse.kernels.key_sketch``: an int8 code per key channel and an fp32 scale per token and KV
 head) is inside vLLM's KV cache budget: ``customize_spec`` pads each block's page by the token rows the block's
@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import atexit
 import logging
-from dataclasses import dataclass, replace
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
-from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.model_executor.models.utils import extract_layer_index
-from vllm.utils.torch_utils import get_dtype_size
+from vllm.config import VllmConfig
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -41,44 +39,16 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvreuse.errors import ConfigError
 from kvreuse.kernels.key_sketch import KeySketch
+from kvreuse.patches import vllm_0_32
 from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.paged import PagedBatch, SparseAttention
-from kvreuse.vllm.registration import SPARSE_CPU_SWITCH
+from kvreuse.vllm.names import SPARSE_CPU_SWITCH
+from kvreuse.vllm.runtime import runtime, sparse_figures
 from kvreuse.vllm.settings import kvreuse_flags
 
 logger = logging.getLogger("vllm.plugins.kvreuse")
 
 LOG_EVERY_STEPS = 1000  # engine steps between two log lines of the figures
-
-# One per worker process and model shape (all layers share it, so the figures are per process).
-_ATTENTION: SparseAttention | None = None
-_OWNER: VllmConfig | None = None
-
-
-def sparse_attention() -> SparseAttention | None:
-    """This process's ``SparseAttention`` (``None`` until the backend's first layer is built)."""
-    return _ATTENTION
-
-
-def sparse_figures() -> list[dict]:
-    """Rows of the attended fractions per layer in this process (``AttendedFractions.rows``)."""
-    return [] if _ATTENTION is None else _ATTENTION.figures.rows()
-
-
-def reset_sparse_figures() -> None:
-    if _ATTENTION is not None:
-        from kvreuse.sparse.figures import AttendedFractions
-
-        _ATTENTION.figures = AttendedFractions()
-
-
-def configure_sparse(flags: dict) -> SparseConfig:
-    """Replace this process's sparse settings between steps (``flags`` as in ``additional_config``)."""
-    config = SparseConfig.load(flags)
-    if _ATTENTION is None:
-        raise ConfigError("the kvreuse sparse attention backend is not running in this process")
-    _ATTENTION.configure(config)
-    return config
 
 
 @atexit.register
@@ -102,24 +72,24 @@ def log_sparse_figures() -> None:
 
 
 def _shared_attention(num_heads: int, num_kv_heads: int, head_size: int, scale: float) -> SparseAttention:
-    """The process's ``SparseAttention``, built by the first layer of each engine (an in-process engine started
-    after another gets its own settings and figures)."""
-    global _ATTENTION, _OWNER
-    vllm_config = get_current_vllm_config()
-    if _ATTENTION is None or _OWNER is not vllm_config:
+    """The process's ``SparseAttention`` for the engine being built (see ``ProcessRuntime.sparse_attention_for``)."""
+    vllm_config = vllm_0_32.current_vllm_config()
+
+    def build() -> SparseAttention:
         config = SparseConfig.load(kvreuse_flags(vllm_config.additional_config, "sparse"))
         block_size = vllm_config.cache_config.block_size
-        _ATTENTION = SparseAttention(num_heads, num_kv_heads, head_size, block_size, scale, config)
-        _ATTENTION.log = logger
-        _OWNER = vllm_config
+        attention = SparseAttention(num_heads, num_kv_heads, head_size, block_size, scale, config)
+        attention.log = logger
         logger.info("kvreuse sparse attention: %s", config)
-    return _ATTENTION
+        return attention
+
+    return runtime().sparse_attention_for(vllm_config, build)
 
 
 class SparseAttentionBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto"]
 
     @staticmethod
     def get_name() -> str:
@@ -135,20 +105,21 @@ class SparseAttentionBackend(AttentionBackend):
         return SparseAttentionMetadataBuilder
 
     @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+    def get_supported_kernel_block_sizes(kv_cache_spec: AttentionSpec | None = None) -> list[int | MultipleOf]:
         return [MultipleOf(16)]
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
         """Pad each page by the token rows of the block's key sketch (see ``page_sketch``), so that vLLM counts it
         in the KV cache budget. A page someone already padded enough is kept as it is."""
-        needed = spec.unpadded_page_size_bytes + sketch_rows(spec) * row_bytes(spec)
-        if spec.page_size_padded is None:
-            return replace(spec, page_size_padded=needed)
-        if spec.page_size_padded < needed:
+        unpadded, padded = vllm_0_32.page_sizes(spec)
+        needed = unpadded + sketch_rows(spec) * row_bytes(spec)
+        if padded is None:
+            return vllm_0_32.with_padded_page(spec, needed)
+        if padded < needed:
             raise ConfigError(
                 f"the kvreuse sparse attention backend needs {needed} bytes per KV page (the block "
-                f"plus its key sketch) but vLLM padded the page to {spec.page_size_padded}"
+                f"plus its key sketch) but vLLM padded the page to {padded}"
             )
         return spec
 
@@ -161,7 +132,7 @@ class SparseAttentionBackend(AttentionBackend):
 
 def row_bytes(spec: AttentionSpec) -> int:
     """Bytes of one token row of a page: K and V of every KV head."""
-    return spec.num_kv_heads * 2 * spec.head_size * get_dtype_size(spec.dtype)
+    return spec.num_kv_heads * 2 * spec.head_size * torch.empty((), dtype=spec.dtype).element_size()
 
 
 def sketch_bytes(block_size: int, num_kv_heads: int, head_size: int) -> int:
@@ -232,15 +203,10 @@ class SparseAttentionMetadataBuilder(AttentionMetadataBuilder[SparseAttentionMet
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> SparseAttentionMetadata:
         m = common_attn_metadata
-        # vLLM's host copy of the lengths, so that building a step does not wait for the device. It is exact except
-        # for decode rows under asynchronous speculative decoding (an upper bound there); the host lengths only
-        # choose dense or DIPR per request and count the figures of dense decodes, and the kernels read the device
-        # lengths.
-        seq_lens_cpu = (
-            m.seq_lens[: m.num_reqs].cpu()
-            if m.seq_lens_cpu_upper_bound is None
-            else m.seq_lens_cpu_upper_bound[: m.num_reqs]
-        )
+        # The host lengths (see host_seq_lens: an upper bound for decode rows under asynchronous speculative
+        # decoding) only choose dense or DIPR per request and count the figures of dense decodes; the kernels read
+        # the device lengths.
+        seq_lens_cpu = vllm_0_32.host_seq_lens(m)
         return SparseAttentionMetadata(
             PagedBatch(
                 query_start_loc=m.query_start_loc[: m.num_reqs + 1],
@@ -268,7 +234,7 @@ class SparseAttentionImpl(AttentionImpl[SparseAttentionMetadata]):
         logits_soft_cap: float | None = None,
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name: str | None = None,
-        **unsupported,
+        **unsupported: Any,
     ) -> None:
         problems = [
             name
@@ -297,7 +263,7 @@ class SparseAttentionImpl(AttentionImpl[SparseAttentionMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
         self.attention = _shared_attention(num_heads, self.num_kv_heads, head_size, scale)
-        self._views: tuple[tuple, tuple[torch.Tensor, torch.Tensor, KeySketch]] | None = None
+        self._views: tuple[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, KeySketch]] | None = None
         self._layer: int | None = None
         self._steps = 0
 
@@ -312,9 +278,9 @@ class SparseAttentionImpl(AttentionImpl[SparseAttentionMetadata]):
             self._views = (key, (key_cache, value_cache, page_sketch(kv_cache, self.head_size)))
         return self._views[1]
 
-    def _layer_index(self, layer) -> int:
+    def _layer_index(self, layer: Any) -> int:
         if self._layer is None:
-            self._layer = extract_layer_index(layer.layer_name)
+            self._layer = vllm_0_32.layer_index(layer.layer_name)
         return self._layer
 
     def do_kv_cache_update(
@@ -330,7 +296,7 @@ class SparseAttentionImpl(AttentionImpl[SparseAttentionMetadata]):
 
     def forward(
         self,
-        layer,
+        layer: Any,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,

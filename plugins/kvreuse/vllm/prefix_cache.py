@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvreuse.reorder.measures import hit_rate
+
 
 @dataclass(frozen=True)
 class PrefixCacheCounters:
@@ -18,7 +20,7 @@ class PrefixCacheCounters:
 
     @property
     def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
+        return hit_rate(self.hits, self.queries)
 
 
 def prefix_cache_counters(llm: Any) -> PrefixCacheCounters:

@@ -1,23 +1,24 @@
-"""Worker side of the module-cache connector (``kvreuse.vllm.connector``): the store, and KV in and out of vLLM's cache.
+"""Worker side of the module-cache connector (``kvreuse.vllm.modules.connector``): the store, and KV in and out of
+vLLM's cache.
 
 It runs in each vLLM worker process and owns that process's :class:`~kvreuse.modules.store.ModuleStore`. Per step
 it writes the planned pieces into their slots (re-rotated, through the attention backend's ``do_kv_cache_update``),
 copies the KV of finished encode requests out of the paged cache into the store, and reports back what entered and
 left the store and which blocks could not be loaded.
 
-``module_figures()`` gives this process's counters (e.g. through ``LLM.collective_rpc``); the same counts go to
-vLLM's metrics every step (``kvreuse.vllm.module_metrics``), with the sparse backend's figures where it runs.
+The worker registers itself in the process's runtime handle (``kvreuse.vllm.runtime``), where
+``module_figures()`` reads its counters (e.g. through ``LLM.collective_rpc``); the same counts go to vLLM's metrics
+every step (``kvreuse.vllm.modules.metrics``), with the sparse backend's figures where it runs.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from vllm.model_executor.models.utils import extract_layer_index
 
 from kvreuse.errors import (
     ConfigError,
@@ -30,13 +31,15 @@ from kvreuse.kernels.rerotate import RopeSpec, check_rerotation
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.splice import Piece, piece_kv
 from kvreuse.modules.store import EncodedModule, ModuleKey, ModuleStore
+from kvreuse.patches import vllm_0_32
 from kvreuse.sparse.figures import FigureIncrements
-from kvreuse.vllm.connector import LoadSpec, ModuleCacheMetadata, ModuleCacheWorkerMeta
-from kvreuse.vllm.connector_metrics import KVReuseStats
-from kvreuse.vllm.module_metrics import counter_values
-from kvreuse.vllm.registration import MODULE_CONNECTOR, SPARSE_CPU_SWITCH
+from kvreuse.vllm.metrics import KVReuseStats
+from kvreuse.vllm.modules.common import LoadSpec, ModuleCacheMetadata, ModuleCacheWorkerMeta
+from kvreuse.vllm.modules.metrics import module_counter_values
+from kvreuse.vllm.names import SPARSE_CPU_SWITCH, ConnectorName
+from kvreuse.vllm.runtime import runtime
 from kvreuse.vllm.settings import kvreuse_flags
-from kvreuse.vllm.sparse_metrics import sparse_stats
+from kvreuse.vllm.sparse.metrics import sparse_increments
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,8 +53,6 @@ PACKED_LAYOUT_BACKENDS = {
     "kvreuse's attention backend over the plain layout instead (dense with "
     '--additional-config \'{"kvreuse": {"sparse": {"beta": "inf"}}}\')'
 }
-
-_WORKER: ModuleWorker | None = None  # this process's, for module_figures()
 
 
 def model_identity(vllm_config: VllmConfig) -> tuple[str, str]:
@@ -79,34 +80,10 @@ class ModuleFigures:
     load_s: float = 0.0
 
 
-def module_figures() -> dict[str, Any]:
-    """This worker's counters and its store's, as plain values (``{}`` if no connector runs in this process)."""
-    if _WORKER is None:
-        return {}
-    store = _WORKER.store
-    figures = store.figures
-    return {
-        **asdict(_WORKER.figures),
-        "modules": len(store),
-        "used_bytes": store.used_bytes(),
-        "hits": dict(figures.hits),
-        "misses": figures.misses,
-        "bytes_moved": dict(figures.bytes_moved),
-        "evictions": dict(figures.evictions),
-        "drops": figures.drops,
-        "store_load_failures": figures.load_failures,
-        "prefetched": figures.prefetched,
-    }
-
-
-def module_worker() -> ModuleWorker | None:
-    """This process's worker side (its ``store``, ``layers`` and ``last_loads``), ``None`` if there is none."""
-    return _WORKER
-
-
 class ModuleWorker:
-    def __init__(self, vllm_config: VllmConfig):
-        global _WORKER
+    """One worker process's module store and the copies of KV between it and vLLM's paged cache."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
         self.config = ModulesConfig.load(kvreuse_flags(vllm_config.additional_config, "modules"))
         model_id, tokenizer_id = model_identity(vllm_config)
@@ -117,28 +94,28 @@ class ModuleWorker:
         self._errors: set[int] = set()
         self._report = ModuleCacheWorkerMeta()
         self._known: set[ModuleKey] = set()
-        self._reported_stats: dict[str, int] = {}
+        self._reported: dict[str, int] = {}
         self._sparse_increments = FigureIncrements()  # the sparse backend's figures, sent with the module counters
         self.figures = ModuleFigures()
         # (request id, piece, slots) of every piece written by the last step that loaded any: lets a test or an
         # operator read back exactly what was spliced where.
         self.last_loads: list[tuple[str, Piece, tuple[int, ...]]] = []
-        _WORKER = self
+        runtime().module_worker = self
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Learn the attention layers (in model order), refuse packed layouts, check RoPE on the cache's device."""
-        layers = self.vllm_config.compilation_config.static_forward_context
-        self.layers = sorted(kv_caches, key=extract_layer_index)
+        self.layers = sorted(kv_caches, key=vllm_0_32.layer_index)
+        backends = vllm_0_32.attention_backend_names(self.vllm_config, self.layers)
         for name in self.layers:
-            backend = layers[name].attn_backend.get_name() if name in layers else "?"
+            backend = backends[name]
             if backend in PACKED_LAYOUT_BACKENDS:
                 raise ConfigError(
-                    f"{MODULE_CONNECTOR} cannot use attention backend {backend} (layer {name}): "
+                    f"{ConnectorName.MODULE_CACHE} cannot use attention backend {backend} (layer {name}): "
                     f"{PACKED_LAYOUT_BACKENDS[backend]}"
                 )
             if kv_caches[name].dim() != 4:
                 raise ConfigError(
-                    f"{MODULE_CONNECTOR} needs per-layer KV caches [blocks, kv_heads, block_size, "
+                    f"{ConnectorName.MODULE_CACHE} needs per-layer KV caches [blocks, kv_heads, block_size, "
                     f"2 * head_dim]; layer {name} ({backend}) has {tuple(kv_caches[name].shape)}"
                 )
         first = kv_caches[self.layers[0]]
@@ -186,11 +163,11 @@ class ModuleWorker:
         self, module: EncodedModule, piece: Piece, slots: tuple[int, ...], forward_context: ForwardContext
     ) -> None:
         assert self.spec is not None
-        layers = [forward_context.no_compile_layers[name] for name in self.layers]
-        device = layers[0].kv_cache.device
+        layers = vllm_0_32.attention_layers(forward_context, self.layers)
+        device = vllm_0_32.layer_kv_cache(layers[0]).device
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
         for layer, (keys, values) in zip(layers, piece_kv(module, piece, self.spec, device)):
-            layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slot_mapping)
+            vllm_0_32.write_kv(layer, keys, values, slot_mapping)
 
     def take_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
@@ -249,17 +226,17 @@ class ModuleWorker:
         self._report = ModuleCacheWorkerMeta()
         return report if (report.stored or report.dropped or report.failed) else None
 
-    def take_stats(self):
-        """Counts since the last call, for vLLM's metrics (``None`` when nothing changed)."""
-        now = counter_values(self.figures, self.store.figures)
-        delta = {name: value - self._reported_stats.get(name, 0) for name, value in now.items()}
+    def take_increments(self) -> KVReuseStats | None:
+        """The counters' increments since the last call, for vLLM's metrics (``None`` when nothing changed)."""
+        now = module_counter_values(self.figures, self.store.figures)
+        delta: dict[str, float] = {name: value - self._reported.get(name, 0) for name, value in now.items()}
         delta = {name: value for name, value in delta.items() if value}
-        self._reported_stats = now
-        delta.update(sparse_stats(self._sparse_increments))
+        self._reported = now
+        delta.update(sparse_increments(runtime().sparse_attention, self._sparse_increments))
         return KVReuseStats(data=delta) if delta else None
 
     def close(self) -> None:
-        global _WORKER
         self.store.close()
-        if _WORKER is self:
-            _WORKER = None
+        handle = runtime()
+        if handle.module_worker is self:
+            handle.module_worker = None

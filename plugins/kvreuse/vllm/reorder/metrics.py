@@ -1,0 +1,91 @@
+"""Export the prefix-affinity scheduler's counters as Prometheus metrics ``kvreuse:reorder_*``.
+
+The scheduler runs in vLLM's engine-core process; metrics live in the front-end process, which receives one
+``SchedulerStats`` per step. The scheduler carries its cumulative counters there, under keys
+``kvreuse:reorder_<counter>`` (:func:`attach_reorder_counters`, only with LoRA off: see
+``kvreuse.patches.vllm_0_32.carry_in_scheduler_stats`` why), and :class:`ReorderStatLogger` reads them back.
+vLLM loads it from the entry point group ``vllm.stat_logger_plugins``, which its ``AsyncLLM`` front end
+(``vllm serve``) honours and the offline ``LLM`` does not. Offline, read the scheduler's ``reorder_counters()``
+or its INFO log lines instead. The other plugins' counters take the connectors' way (``kvreuse.vllm.metrics``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from prometheus_client import Counter, Gauge
+from vllm.config import VllmConfig
+from vllm.v1.metrics.loggers import AggregateStatLoggerBase
+from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
+
+from kvreuse.patches import vllm_0_32
+from kvreuse.reorder.affinity import ReorderCounters
+from kvreuse.vllm.metrics import replace_metrics
+
+PREFIX = "kvreuse:reorder_"
+_FIELDS = tuple(f.name for f in dataclasses.fields(ReorderCounters))
+# ``max_skips`` is a high-water mark, not a count of events.
+_GAUGES = frozenset({"max_skips"})
+
+
+def attach_reorder_counters(stats: SchedulerStats, counters: ReorderCounters) -> None:
+    """Put ``counters`` into ``stats`` for the front end (only when LoRA is off; see the module docstring)."""
+    vllm_0_32.carry_in_scheduler_stats(stats, {PREFIX + name: getattr(counters, name) for name in _FIELDS})
+
+
+def read_reorder_counters(stats: SchedulerStats) -> ReorderCounters | None:
+    """The counters :func:`attach_reorder_counters` put into ``stats``, or ``None`` if there are none."""
+    carried = vllm_0_32.carried_in_scheduler_stats(stats)
+    if PREFIX + _FIELDS[0] not in carried:
+        return None
+    return ReorderCounters(**{name: int(carried[PREFIX + name]) for name in _FIELDS})
+
+
+class ReorderStatLogger(AggregateStatLoggerBase):
+    """Prometheus counters ``kvreuse:reorder_*`` (and the gauge ``kvreuse:reorder_max_skips``), per engine."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int] | None = None) -> None:
+        engine_indexes = engine_indexes or [0]
+        # A second front end in one process (tests, restarts) must replace, not duplicate, the collectors.
+        replace_metrics([PREFIX + name for name in _FIELDS])
+        labels = ["model_name", "engine"]
+        self._metrics: dict[str, Counter | Gauge] = {
+            name: (
+                Gauge(PREFIX + name, _doc(name), labels, multiprocess_mode="max")
+                if name in _GAUGES
+                else Counter(PREFIX + name, _doc(name), labels)
+            )
+            for name in _FIELDS
+        }
+        model = vllm_config.model_config.served_model_name
+        self._labels = {idx: (model, str(idx)) for idx in engine_indexes}
+        self._last = {idx: ReorderCounters() for idx in engine_indexes}
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        mm_cache_stats: MultiModalCacheStats | None = None,
+        engine_idx: int = 0,
+    ) -> None:
+        counters = read_reorder_counters(scheduler_stats) if scheduler_stats is not None else None
+        if counters is None:
+            return
+        last = self._last[engine_idx]
+        for name in _FIELDS:
+            metric = self._metrics[name].labels(*self._labels[engine_idx])
+            value = getattr(counters, name)
+            if name in _GAUGES:
+                metric.set(value)
+            else:
+                # Totals only grow while an engine lives; a smaller one is a restarted engine counting afresh.
+                before = getattr(last, name)
+                metric.inc(value - before if value >= before else value)
+        self._last[engine_idx] = counters
+
+    def log_engine_initialized(self) -> None:
+        """Nothing to say at start-up: the scheduler logs its own settings."""
+
+
+def _doc(name: str) -> str:
+    return f"PrefixAffinityScheduler: {name.replace('_', ' ')} (see kvreuse.reorder.affinity.ReorderCounters)"
