@@ -3,9 +3,10 @@
 No GPU needed: the blocks read are those of the kernel's PyTorch reference (``dipr_selection_reference``, which the
 kernel tests hold the kernel to), for one decode step per context length, beta and block size.
 
-Bytes counted (fp16 cache): K and V of every block read, plus the bounds of every block checked (``2 * head_dim``
-values per block and KV head) and the window's keys read once more by the window pass; dense reads K and V of
-every block. The ratio is per KV head, averaged over KV heads.
+Bytes counted (fp16 cache): K and V of every block read, plus the key sketch of every token (an int8 code per
+channel and an fp32 scale, ``head_dim + 4`` bytes per token and KV head, ``kvreuse.kernels.key_sketch``); dense
+reads K and V of every block. The ratio is per KV head, averaged over KV heads. Real keys of SmolLM2-135M are in
+``benchmarks/sparse_real_keys.py`` and the retrieval benchmark ``benchmarks/sparse_qa.py``.
 
 Synthetic keys, per KV head (``head_dim`` 128, 4 query heads per KV head as in GQA models), built so that the
 logits have a chosen distribution (all figures in nats of logit):
@@ -37,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from kvreuse.kernels.block_bounds import recompute_bounds_reference
 from kvreuse.kernels.dipr_decode import dipr_selection_reference
+from kvreuse.kernels.key_sketch import KeySketch, sketch_reference
 from kvreuse.sparse.figures import recovery_ratio
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -99,15 +100,12 @@ def measure(n: int, beta: float, block_size: int, query, keys) -> dict:
     cache = cache.view(blocks, block_size, KV_HEADS, DIM)
     table = torch.arange(blocks, dtype=torch.int32)[None]
     seq_lens = torch.tensor([n], dtype=torch.int32)
-    bounds = recompute_bounds_reference(
-        cache, table[0], torch.tensor([block_size] * (blocks - 1) + [n - (blocks - 1) * block_size])
-    )
-    sel = dipr_selection_reference(query, cache, bounds, table, seq_lens, beta, DIM**-0.5, SINK, LOCAL)
+    sketch = KeySketch(*sketch_reference(cache))
+    sel = dipr_selection_reference(query, cache, sketch, table, seq_lens, beta, DIM**-0.5, SINK, LOCAL)
     read = sel.blocks_read[0].float().sum(1)  # per KV head
-    window_blocks = len({p // block_size for p in list(range(min(SINK, n))) + list(range(max(0, n - LOCAL), n))})
     row = DIM * ELEMENT_BYTES
     dense = 2 * n * row
-    sparse = read * 2 * block_size * row + (blocks - window_blocks) * 2 * row + (min(SINK + LOCAL, n)) * row
+    sparse = read * 2 * block_size * row + n * (DIM + 4)
     recovery = recovery_ratio(sel.logits[0], sel.attended[0])
     return {
         "context": n,

@@ -1,24 +1,28 @@
 """DIPR decode against dense decode on a GPU: time, bytes read, and the memory-bandwidth floor.
 
-For each context (4K-128K tokens) and batch (1-64 sequences), one decode step per layer-shaped call: the keys are
-the structured synthetic keys of ``sparse_bytes.py`` (rows sharing a centre, outlier channels, an attention sink;
-fp16, ``head_dim`` 128, 4 KV heads x 4 query heads), each sequence in its own paged blocks (vLLM's layout,
-block size 16). Arms:
+Two key sets. *Real keys*: the keys and decode queries of SmolLM2-135M (``tests/data/smollm2_keys.pt``, written by
+``sparse_real_keys.py --fixture``: three layers of a retrieval prompt, 3 KV heads x 3 query heads, ``head_dim``
+64), at their own length and tiled to longer contexts (the tiles repeat the prompt, so each copy holds the needle
+again: the fraction of blocks read stays that of the real prompt). *Synthetic keys*: the structured keys of
+``sparse_bytes.py`` (rows sharing a centre, outlier channels, an attention sink; ``head_dim`` 128, 4 KV heads x 4
+query heads) for contexts of 4K-128K tokens and batches of 1-64 sequences. Both fp16, each sequence in its own
+paged blocks (vLLM's layout, block size 16). Arms:
 
 - ``dense``: FlashAttention through PyTorch (``scaled_dot_product_attention`` with GQA) on contiguous K/V, which
   favours dense (no paging);
 - ``dense paged``: ``kvreuse.kernels.paged_causal.PagedCausalAttention``, the sparse backend's own dense path, on
   the same pages as DIPR;
-- ``dipr beta=B``: ``kvreuse.kernels.dipr_decode.DIPRDecode`` with its block bounds, for each beta.
+- ``dipr beta=B``: ``kvreuse.kernels.dipr_decode.DIPRDecode`` with the keys' sketch, for each beta.
 
 A second table times prefill, which the backend keeps dense: one request of 4K-32K new tokens through
 ``PagedCausalAttention`` against FlashAttention's causal prefill (``scaled_dot_product_attention(is_causal=True)``)
 on contiguous K/V.
 
 Reported per arm: median time of 20 launches (CUDA events, after 3 warm-ups), the fraction of blocks read (the
-kernel's own counters), bytes read (K and V of the blocks read, the bounds, the window), and the floor = those
-bytes / the device's measured copy bandwidth. The issue's target: at 32K and more with at most 10% of blocks
-kept, DIPR at least 3x faster than dense and within 2x of its floor.
+kernel's own counters), bytes read (K and V of the blocks read, and the sketch of every token: ``head_dim + 4``
+bytes per token and KV head), and the floor = those bytes / the device's measured copy bandwidth. The issue's
+target: at 32K and more with at most 10% of blocks kept, DIPR at least 3x faster than dense and within 2x of its
+floor.
 
 Run on a GPU: ``.venv/bin/python benchmarks/sparse_decode_gpu.py`` (writes ``results/sparse_decode_gpu.json``
 and ``.png``). ``--smoke`` runs tiny sizes on the CPU in Triton's interpreter to check the script itself; its
@@ -43,11 +47,13 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from sparse_bytes import DIM, GROUP, KV_HEADS, LOCAL, SINK, synthetic_step  # noqa: E402
 
-from kvreuse.kernels.block_bounds import BlockBounds  # noqa: E402
 from kvreuse.kernels.dipr_decode import DIPRDecode  # noqa: E402
+from kvreuse.kernels.key_sketch import KeySketch, sketch_reference  # noqa: E402
 from kvreuse.kernels.paged_causal import PagedCausalAttention  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+REAL_KEYS = Path(__file__).resolve().parents[1] / "tests" / "data" / "smollm2_keys.pt"
+REAL_TILES = [1] if SMOKE else [1, 4, 16, 64]  # the real prompt, and copies of it end to end
 BLOCK = 16
 CONTEXTS = [256] if SMOKE else [4096, 16384, 32768, 65536, 131072]
 BATCHES = [1, 2] if SMOKE else [1, 8, 64]
@@ -83,18 +89,20 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() / timed(lambda: dst.copy_(src), device, 10)
 
 
+def paged(x: torch.Tensor, block: int, batch: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``x[n, kv_heads, dim]`` in paged blocks, repeated for ``batch`` sequences (distinct memory per sequence)."""
+    n, heads, dim = x.shape
+    blocks = -(-n // block)
+    x = torch.cat([x, x.new_zeros(blocks * block - n, heads, dim)]).to(device=device, dtype=dtype)
+    return x.view(blocks, block, heads, dim).repeat(batch, 1, 1, 1)
+
+
 def paged_batch(context: int, batch: int, device: torch.device, dtype: torch.dtype):
     """Query, paged K/V caches (one run of blocks per sequence), block table, lengths, and contiguous K/V."""
     query, keys = synthetic_step(context, seed=context)
     values = torch.randn(context, KV_HEADS, DIM, generator=torch.Generator().manual_seed(1))
-    blocks_per_seq = -(-context // BLOCK)
-    pad = blocks_per_seq * BLOCK - context
-
-    def paged(x: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([x, x.new_zeros(pad, KV_HEADS, DIM)]).to(device=device, dtype=dtype)
-        return x.view(blocks_per_seq, BLOCK, KV_HEADS, DIM).repeat(batch, 1, 1, 1)  # distinct memory per sequence
-
-    key_cache, value_cache = paged(keys), paged(values)
+    key_cache, value_cache = (paged(x, BLOCK, batch, device, dtype) for x in (keys, values))
+    blocks_per_seq = key_cache.shape[0] // batch
     table = torch.arange(batch * blocks_per_seq, dtype=torch.int32, device=device).view(batch, blocks_per_seq)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = query.expand(batch, -1, -1).to(device=device, dtype=dtype).contiguous()
@@ -103,88 +111,114 @@ def paged_batch(context: int, batch: int, device: torch.device, dtype: torch.dty
     return q, key_cache, value_cache, table, seq_lens, k, v
 
 
+def decode_rows(
+    label: str, q, key_cache, value_cache, table, seq_lens, k, v, device, dtype, repeats, bandwidth, sink, local
+) -> list[dict]:
+    """The dense, dense paged and DIPR arms on one batch (``q[batch, q_heads, dim]``, paged caches, and the
+    contiguous ``k``/``v[batch, kv_heads, n, dim]`` FlashAttention reads)."""
+    batch, q_heads, dim = q.shape
+    kv_heads, context = k.shape[1], k.shape[2]
+    element = torch.finfo(dtype).bits // 8
+    sketch = KeySketch(*sketch_reference(key_cache))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    dense_s = timed(partial(sdpa, q[:, :, None], k, v, enable_gqa=True), device, repeats)
+    dense_bytes = 2 * batch * context * kv_heads * dim * element
+    common = dict(keys=label, context=context, batch=batch)
+    rows = [
+        dict(common, arm="dense", seconds=dense_s, blocks_read=1.0, bytes=dense_bytes, floor_s=dense_bytes / bandwidth)
+    ]
+    paged_dense = PagedCausalAttention(q_heads, kv_heads, dim, BLOCK)
+    starts = torch.arange(batch, dtype=torch.int32, device=device)
+    paged_dense.plan(starts, starts + 1, seq_lens, table, 1)
+    paged_s = timed(partial(paged_dense.run, q, key_cache, value_cache), device, repeats)
+    rows.append(
+        dict(
+            common,
+            arm="dense paged",
+            seconds=paged_s,
+            blocks_read=1.0,
+            bytes=dense_bytes,
+            floor_s=dense_bytes / bandwidth,
+            speedup_vs_dense=dense_s / paged_s,
+        )
+    )
+    decode = DIPRDecode(q_heads, kv_heads, dim, BLOCK, sink=sink, local=local)
+    decode.plan(seq_lens, table, max_seq_len=context)
+    for beta in BETAS:
+        _, counters = decode.run(q, key_cache, value_cache, sketch, beta, return_counters=True)
+        read = int(counters.blocks_read.sum())  # (sequence, KV head) blocks whose K and V were loaded
+        total = int(counters.blocks_total.sum()) * kv_heads
+        sketch_bytes = batch * context * kv_heads * (dim + 4)  # every token's codes and scale
+        dipr_bytes = 2 * read * BLOCK * dim * element + sketch_bytes
+        seconds = timed(partial(decode.run, q, key_cache, value_cache, sketch, beta), device, repeats)
+        rows.append(
+            dict(
+                common,
+                arm=f"dipr beta={beta:g}",
+                seconds=seconds,
+                blocks_read=read / total,
+                bytes=dipr_bytes,
+                floor_s=dipr_bytes / bandwidth,
+                speedup_vs_dense=dense_s / seconds,
+            )
+        )
+    return rows
+
+
+def real_batches(device: torch.device, dtype: torch.dtype):
+    """The real-key fixture, per layer and tiling: (label, q, caches, table, lens, k, v) for one sequence."""
+    data = torch.load(REAL_KEYS)
+    for i, layer in enumerate(data["layers"]):
+        keys = data["keys"][i].float()  # [n, kv_heads, dim]
+        query = data["queries"][i][-1:].float()  # the last decode step's query, [1, q_heads, dim]
+        for tiles in REAL_TILES:
+            tiled = keys.repeat(tiles, 1, 1)
+            values = torch.randn(tiled.shape, generator=torch.Generator().manual_seed(tiles))
+            key_cache, value_cache = (paged(x, BLOCK, 1, device, dtype) for x in (tiled, values))
+            table = torch.arange(key_cache.shape[0], dtype=torch.int32, device=device)[None]
+            seq_lens = torch.tensor([len(tiled)], dtype=torch.int32, device=device)
+            k, v = (x.to(device=device, dtype=dtype).transpose(0, 1)[None].contiguous() for x in (tiled, values))
+            yield (
+                f"real L{layer} x{tiles}",
+                query.to(device=device, dtype=dtype),
+                key_cache,
+                value_cache,
+                table,
+                seq_lens,
+                k,
+                v,
+            )
+
+
 def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not SMOKE:
         sys.exit("no GPU: run with --smoke to check the script in Triton's interpreter")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    element = torch.finfo(dtype).bits // 8
     bandwidth = copy_bandwidth(device)
     repeats = 2 if SMOKE else 20
     rows = []
+    for label, *batch in real_batches(device, dtype):
+        rows += decode_rows(label, *batch, device, dtype, repeats, bandwidth, SINK, LOCAL)
     for context in CONTEXTS:
         for batch in BATCHES:
             if context * batch > MAX_TOKENS:
                 continue
-            q, key_cache, value_cache, table, seq_lens, k, v = paged_batch(context, batch, device, dtype)
-            bounder = BlockBounds(BLOCK, KV_HEADS, DIM)
-            bounds = bounder.allocate(key_cache.shape[0], dtype, device)
-            blocks = torch.arange(key_cache.shape[0], device=device)
-            bounder.recompute(key_cache, bounds, blocks, torch.full_like(blocks, BLOCK))
-            sdpa = torch.nn.functional.scaled_dot_product_attention
-            dense_s = timed(partial(sdpa, q[:, :, None], k, v, enable_gqa=True), device, repeats)
-            dense_bytes = 2 * batch * context * KV_HEADS * DIM * element
-            rows.append(
-                dict(
-                    context=context,
-                    batch=batch,
-                    arm="dense",
-                    seconds=dense_s,
-                    blocks_read=1.0,
-                    bytes=dense_bytes,
-                    floor_s=dense_bytes / bandwidth,
-                )
+            rows += decode_rows(
+                "synthetic", *paged_batch(context, batch, device, dtype), device, dtype, repeats, bandwidth, SINK, LOCAL
             )
-            paged_dense = PagedCausalAttention(KV_HEADS * GROUP, KV_HEADS, DIM, BLOCK)
-            starts = torch.arange(batch, dtype=torch.int32, device=device)
-            paged_dense.plan(starts, starts + 1, seq_lens, table, 1)
-            paged_s = timed(partial(paged_dense.run, q, key_cache, value_cache), device, repeats)
-            rows.append(
-                dict(
-                    context=context,
-                    batch=batch,
-                    arm="dense paged",
-                    seconds=paged_s,
-                    blocks_read=1.0,
-                    bytes=dense_bytes,
-                    floor_s=dense_bytes / bandwidth,
-                    speedup_vs_dense=dense_s / paged_s,
-                )
-            )
-            decode = DIPRDecode(KV_HEADS * GROUP, KV_HEADS, DIM, BLOCK, sink=SINK, local=LOCAL)
-            decode.plan(seq_lens, table, max_seq_len=context)
-            for beta in BETAS:
-                _, counters = decode.run(q, key_cache, value_cache, bounds, beta, return_counters=True)
-                read = int(counters.blocks_read.sum())  # (sequence, KV head) blocks whose K and V were loaded
-                total = int(counters.blocks_total.sum()) * KV_HEADS  # each has bounds of 2 x DIM values
-                window_tokens = batch * KV_HEADS * min(SINK + LOCAL, context)  # keys read again by the window pass
-                dipr_bytes = (2 * read * BLOCK + 2 * total + window_tokens) * DIM * element
-                seconds = timed(partial(decode.run, q, key_cache, value_cache, bounds, beta), device, repeats)
-                rows.append(
-                    dict(
-                        context=context,
-                        batch=batch,
-                        arm=f"dipr beta={beta:g}",
-                        seconds=seconds,
-                        blocks_read=read / total,
-                        bytes=dipr_bytes,
-                        floor_s=dipr_bytes / bandwidth,
-                        speedup_vs_dense=dense_s / seconds,
-                    )
-                )
-            del q, key_cache, value_cache, k, v, bounds
     print(
         f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (smoke)'}, "
         f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
     )
     print(
-        f"{'context':>8} {'batch':>5} {'arm':>14} {'time us':>10} {'blocks':>7} {'MB read':>9} "
+        f"{'keys':>14} {'context':>8} {'batch':>5} {'arm':>14} {'time us':>10} {'blocks':>7} {'MB read':>9} "
         f"{'x floor':>8} {'vs dense':>9}"
     )
     for r in rows:
         print(
-            f"{r['context']:>8} {r['batch']:>5} {r['arm']:>14} {r['seconds'] * 1e6:>10.1f} {r['blocks_read']:>7.1%} "
-            f"{r['bytes'] / 1e6:>9.1f} {r['seconds'] / r['floor_s']:>8.2f} "
+            f"{r['keys']:>14} {r['context']:>8} {r['batch']:>5} {r['arm']:>14} {r['seconds'] * 1e6:>10.1f} "
+            f"{r['blocks_read']:>7.1%} {r['bytes'] / 1e6:>9.1f} {r['seconds'] / r['floor_s']:>8.2f} "
             f"{r.get('speedup_vs_dense', 1.0):>8.2f}x"
         )
     prefills = prefill_rows(device, dtype, repeats)
@@ -197,7 +231,7 @@ def main() -> None:
     name = "sparse_decode_smoke" if SMOKE else "sparse_decode_gpu"
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps({"decode": rows, "prefill": prefills}, indent=2))
-    plot(rows, RESULTS / f"{name}.png")
+    plot([r for r in rows if r["keys"] == "synthetic"], RESULTS / f"{name}.png")
     print(f"wrote {RESULTS / (name + '.json')} and {RESULTS / (name + '.png')}")
 
 

@@ -205,7 +205,11 @@ def test_the_module_counters_and_the_sparse_figures_reach_vllms_metrics_through_
     """One connector carries both: the module cache's counters, and those of the sparse backend when it decodes
     with DIPR (here every layer at beta = inf, which attends to everything)."""
     llm.reset_prefix_cache()
-    names = ("kvreuse:module_tokens_loaded_total", "kvreuse:sparse_blocks_total", "kvreuse:sparse_blocks_read_total")
+    names = (
+        "kvreuse:module_tokens_loaded_total",
+        "vllm:kvreuse_sparse_blocks_total",
+        "vllm:kvreuse_sparse_blocks_read_total",
+    )
     before = [_kvreuse_counter(name) for name in names]
     llm.collective_rpc(_set_sparse({"beta": float("inf"), "min_context": 0, "dense_layers": 0}))
     try:

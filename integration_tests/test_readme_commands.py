@@ -137,7 +137,7 @@ def test_kvreuse_serve_with_the_readmes_file_answers_the_readmes_url_command_and
             serve.kill()
 
 
-@pytest.mark.parametrize("which", ["KVReuseModuleCache", '"sparse": {"beta": 6.0'])
+@pytest.mark.parametrize("which", ["KVReuseModuleCache", '"sparse": {"beta": 4.0'])
 def test_the_readmes_cpu_server_commands_start_as_written(workdir, small_model, which):
     port = free_port()
     command = the_command("vllm.entrypoints.openai.api_server", which).replace("MODEL", str(small_model))

@@ -5,7 +5,7 @@ layer (``dense_layers = 0``, ``min_context = 0``), which is reconfigured between
 (``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` lets it send a function). The second also runs the figures' connector
 ``KVReuseSparseFigures``, which takes the figures into vLLM's metrics and must change no answer, and has
 ``TRITON_INTERPRET=1``, so that one test can switch its worker to the Triton path a GPU runs (the cache write,
-bounds, paged causal and DIPR kernels, in Triton's interpreter) on vLLM's own tensors and metadata.
+key sketch, paged causal and DIPR kernels, in Triton's interpreter) on vLLM's own tensors and metadata.
 """
 
 from __future__ import annotations
@@ -62,22 +62,21 @@ def _figures(llm):
     return llm.collective_rpc(call)[0]
 
 
-def _sparse_counters() -> dict[tuple[str, int], float]:
-    """The ``kvreuse:sparse_*`` counters of the offline front end (this process's Prometheus registry; vLLM's
-    ``LLM.get_metrics`` lists only its own ``vllm:`` metrics), by name and layer."""
-    from prometheus_client import REGISTRY
-
+def _sparse_counters(llm) -> dict[tuple[str, int], float]:
+    """The ``vllm:kvreuse_sparse_*`` counters as ``LLM.get_metrics()`` lists them, by name and layer."""
+    prefix = "vllm:kvreuse_sparse_"
     return {
-        (s.name, int(s.labels["layer"])): s.value
-        for family in REGISTRY.collect()
-        for s in family.samples
-        if s.name.startswith("kvreuse:sparse_") and s.name.endswith("_total")
+        (m.name.removeprefix(prefix), int(m.labels["layer"])): m.value
+        for m in llm.get_metrics()
+        if m.name.startswith(prefix)
     }
 
 
 def _kv_layout(worker):
-    """Layer 0's KV cache and bounds as the worker holds them: sizes, and whether the bounds share its memory."""
+    """Layer 0's KV cache and key sketch as the worker holds them: sizes, and whether the sketch shares its memory."""
     import torch
+
+    from kvreuse.kernels.key_sketch import sketch_reference
 
     layer = next(
         module
@@ -85,16 +84,18 @@ def _kv_layout(worker):
         if getattr(module, "impl", None) is not None and getattr(module.impl, "_views", None)
     )
     kv_cache = layer.kv_cache
-    key_cache, _, bounds = layer.impl._views[1]
-    written = torch.isfinite(bounds[:, :, 0]).all(-1).all(-1)  # blocks whose bounds hold keys
+    key_cache, _, sketch = layer.impl._views[1]
+    written = (sketch.scales > 0).all(-1).all(-1)  # blocks whose every slot holds a sketched key
     first = int(written.nonzero()[0])
+    codes, scales = sketch_reference(key_cache[first])
     return {
         "num_blocks": kv_cache.shape[0],
         "block_stride_bytes": kv_cache.stride(0) * kv_cache.element_size(),
         "page_bytes": kv_cache[0].numel() * kv_cache.element_size(),
-        "same_memory": bounds.untyped_storage().data_ptr() == kv_cache.untyped_storage().data_ptr(),
+        "same_memory": sketch.codes.untyped_storage().data_ptr() == kv_cache.untyped_storage().data_ptr(),
         "written_blocks": int(written.sum()),
-        "max_is_key_max": bool((bounds[first, :, 0] == key_cache[first].amax(0)).all()),
+        "sketch_is_the_keys_sketch": bool(torch.equal(sketch.codes[first], codes))
+        and bool(torch.equal(sketch.scales[first], scales)),
     }
 
 
@@ -164,39 +165,40 @@ def test_finite_beta_runs_and_reports_what_each_layer_attended(sparse_llm):
     rows = _figures(sparse_llm)
     assert [r["layer"] for r in rows] == [0, 1]
     for row in rows:
-        # Random weights give keys without structure: per-block bounds exclude no block (1.000 of blocks read, both
-        # layers); DIPR attends ~0.22-0.24 of the tokens and keeps ~0.71 of the dense attention mass at beta = 2.
+        # Random weights give keys without structure: DIPR attends ~0.22-0.24 of the tokens, spread over every block,
+        # and keeps ~0.71 of the dense attention mass at beta = 2.
         assert 0.0 < row["block_fraction"] <= 1.0
         assert 0.0 < row["token_fraction"] < 0.5
         assert row["samples"] > 0 and 0.0 < row["recovery_min"] <= row["recovery_mean"] <= 1.0
 
 
-def test_block_bounds_are_one_padding_row_of_each_kv_page_inside_the_cache_budget(sparse_llm):
+def test_the_key_sketch_is_in_padding_rows_of_each_kv_page_inside_the_cache_budget(sparse_llm):
     from kvreuse.localmodel import local_engine_args
 
     sparse_llm.collective_rpc(_configure(EXACT))
     greedy(sparse_llm, [LONG_PROMPT], max_tokens=4)
     layout = sparse_llm.collective_rpc(_kv_layout)[0]
     # Small model: 2 layers, 2 KV heads x head_dim 64, fp32, 32-token blocks: a page is 32 x 2 x 128 x 4 = 32 KiB
-    # and its bounds row 2 x 128 x 4 = 1 KiB more; 256 MiB of cache then holds 3,971 blocks (4,096 without bounds).
+    # and its sketch 32 x 2 x (64 + 4) bytes = 5 token rows of 1 KiB more; 256 MiB of cache then holds 3,542 blocks
+    # (4,096 without the sketch).
     assert layout["page_bytes"] == 32 * 2 * 128 * 4
-    assert layout["block_stride_bytes"] == 33 * 2 * 128 * 4
+    assert layout["block_stride_bytes"] == 37 * 2 * 128 * 4
     budget = local_engine_args("model")["kv_cache_memory_bytes"]
-    assert layout["num_blocks"] == budget // (2 * 33 * 2 * 128 * 4) == 3971
+    assert layout["num_blocks"] == budget // (2 * 37 * 2 * 128 * 4) == 3542
     assert layout["same_memory"]
-    assert layout["written_blocks"] >= 1600 // 32 and layout["max_is_key_max"]
+    assert layout["written_blocks"] >= 1600 // 32 and layout["sketch_is_the_keys_sketch"]
 
 
-def test_the_figures_reach_vllms_metrics_per_layer_through_the_figures_connector(sparse_llm):
+def test_the_figures_and_decode_counts_reach_llm_get_metrics_per_layer_through_the_figures_connector(sparse_llm):
     sparse_llm.collective_rpc(_configure({**EXACT, "beta": 2.0, "sample_recovery": 4}))
-    before = _sparse_counters()
+    before = _sparse_counters(sparse_llm)
     greedy(sparse_llm, [LONG_PROMPT], max_tokens=8)
-    after = _sparse_counters()
+    after = _sparse_counters(sparse_llm)
     rows = _figures(sparse_llm)
     assert {layer for _, layer in after} == {row["layer"] for row in rows} == {0, 1}
 
     def grown(name: str, layer: int) -> float:
-        return after[(f"kvreuse:sparse_{name}_total", layer)] - before.get((f"kvreuse:sparse_{name}_total", layer), 0)
+        return after[(name, layer)] - before.get((name, layer), 0)
 
     for row in rows:
         layer = row["layer"]
@@ -204,16 +206,17 @@ def test_the_figures_reach_vllms_metrics_per_layer_through_the_figures_connector
         assert grown("blocks_read", layer) / grown("blocks", layer) == pytest.approx(row["block_fraction"])
         assert grown("tokens_attended", layer) / grown("tokens", layer) == pytest.approx(row["token_fraction"])
         assert grown("recovery_samples", layer) == row["samples"] > 0
-        assert grown("recovery_kept", layer) / row["samples"] == pytest.approx(row["recovery_mean"])
+        assert grown("recovery_kept_ppm", layer) / 1e6 / row["samples"] == pytest.approx(row["recovery_mean"], rel=1e-5)
+        assert grown("dipr_decodes", layer) == row["dipr_decodes"] == 7  # 8 tokens: the first comes from prefill
 
 
 def test_the_triton_path_in_the_engine_gives_the_pytorch_paths_tokens_and_figures(sparse_llm):
     """The kernels a GPU runs, fed by the real engine: the greedy tokens and attended fractions of the CPU path (the
-    reference), at a finite beta with DIPR in every layer. (Random weights: the bounds prune no block, and DIPR attends
-    ~0.30 of the tokens; about 20 s in the interpreter.) The kernels sum in other orders than the PyTorch references:
-    tokens agree at every decided step (``greedy.py``); the fractions agree but for DIPR decisions within rounding of
-    their threshold, which may flip (``tests/numerics.py``, rule 2): a logit moves by ~1e-5 at most, and with logits
-    spread over several units a flip touches well under 1e-3 of the decisions, the tolerance on token_fraction."""
+    reference), at a finite beta with DIPR in every layer. (Random weights; about 20 s in the interpreter.) The
+    kernels sum in other orders than the PyTorch references: tokens agree at every decided step (``greedy.py``); the
+    fractions agree but for DIPR decisions within rounding of their threshold, which may flip
+    (``tests/numerics.py``, rule 2): a logit moves by ~1e-5 at most, and with logits spread over several units a
+    flip touches well under 1e-3 of the decisions, the tolerance on token_fraction."""
     prompts = [PROMPTS[1], LONG_PROMPT[:900]]
     flags = {**EXACT, "beta": 2.0}
     results = {}

@@ -169,16 +169,16 @@ def test_the_servers_metrics_carry_the_sparse_figures_per_layer(server):
     alone(server, "Is this movie suitable for kids? " * 20)
     after = httpx.get(f"{server}/metrics", timeout=10).text
     for layer in (0, 1):
-        blocks = _metric(after, "kvreuse:sparse_blocks_total", layer) - _metric(
-            before, "kvreuse:sparse_blocks_total", layer
+        blocks = _metric(after, "vllm:kvreuse_sparse_blocks_total", layer) - _metric(
+            before, "vllm:kvreuse_sparse_blocks_total", layer
         )
-        read = _metric(after, "kvreuse:sparse_blocks_read_total", layer) - _metric(
-            before, "kvreuse:sparse_blocks_read_total", layer
+        read = _metric(after, "vllm:kvreuse_sparse_blocks_read_total", layer) - _metric(
+            before, "vllm:kvreuse_sparse_blocks_read_total", layer
         )
         assert blocks > 0 and read == blocks  # beta = inf reads every block
         assert (
-            _metric(after, "kvreuse:sparse_tokens_attended_total", layer)
-            == _metric(after, "kvreuse:sparse_tokens_total", layer)
+            _metric(after, "vllm:kvreuse_sparse_tokens_attended_total", layer)
+            == _metric(after, "vllm:kvreuse_sparse_tokens_total", layer)
             > 0
         )
 

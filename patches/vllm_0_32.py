@@ -354,7 +354,7 @@ def layer_kv_cache(layer: Any) -> torch.Tensor:
 def write_kv(layer: Any, keys: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write ``keys``/``values`` (``[tokens, kv_heads, head_dim]``) into ``layer``'s cache at ``slot_mapping``
     through the layer's own attention backend, as vLLM's ``unified_kv_cache_update`` does, so that a backend that
-    keeps more than K and V (the sparse backend's block bounds) stays right. Tested: vLLM 0.32.0."""
+    keeps more than K and V (the sparse backend's key sketch) stays right. Tested: vLLM 0.32.0."""
     layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slot_mapping)
 
 

@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from kvreuse.kernels.dipr_decode import BOUND_SLACK, DIPRSelection, dipr_selection_reference
+from kvreuse.kernels.dipr_decode import DIPRSelection, dipr_selection_reference
+from kvreuse.kernels.key_sketch import KeySketch
 
 ORDERINGS = 8
 ORDER_FACTOR = 4.0
@@ -136,25 +137,27 @@ def rotation_bound(keys: torch.Tensor, moves: int = 1) -> torch.Tensor:
 def dipr_rounding_reach(query: torch.Tensor, key_cache: torch.Tensor, beta: float, scale: float) -> float:
     """How far fp32 rounding can move either side of any DIPR decision on this data (rule 2).
 
-    Each decision compares a sum of ``head_dim`` products with ``tau = s - beta``, ``s`` a window token's logit: a
-    token's logit ``l_j = scale q . k_j`` or a block's bound ``U + BOUND_SLACK size``, ``U = sum_i max(q_i M_i,
-    q_i m_i)``, ``size = sum_i |q_i| max(|M_i|, |m_i|)`` (see ``kvreuse.kernels.dipr_decode``). No such sum has terms
-    larger in all than ``S = scale max_h sum_i |q_hi| max_j |k_ji|`` (``M``, ``m`` are coordinates of keys), so each
-    side is within ``gamma_{d+4} S (1 + BOUND_SLACK)`` of its exact value (``d`` products summed, the scale, the slack
-    term and the final sum each round once), and ``tau`` once more on ``|tau| <= S + beta``. Inputs of fp16/bf16 are
-    widened exactly and their products are exact in fp32, so fp32's ``u`` applies to every dtype.
+    Each decision compares a sum of ``head_dim`` products with ``tau = L - beta``, ``L`` the largest lower bound
+    of a logit: a token's logit ``l_j = scale q . k_j``, or a bound of it from the key sketch, ``s_j (q . u_j) +/-
+    s_j ||q||_1 (1/2 + CODE_SLACK)`` with ``q`` scaled, ``|u_ji| <= 127`` and ``127 s_j = max_i |k_ji|`` (see
+    ``kvreuse.kernels.key_sketch``). No term of these sums exceeds ``|q_i| K`` in size, ``K`` the largest
+    ``|k|`` in the cache, so with ``S = scale max_h sum_i |q_hi| K`` each sum is within ``gamma_{d+4} S`` of its
+    exact value (``d`` products summed, the scale, the scale ``s_j`` and the final sum each round once), the
+    half-width term, at most ``S / 127`` in size, within ``gamma_{d+4} S`` again, and ``tau`` once more on ``|tau|
+    <= 2 S + beta``. Inputs of fp16/bf16 are widened exactly and their products are exact in fp32, so fp32's ``u``
+    applies to every dtype.
     """
     head_dim = query.shape[-1]
-    largest_key = key_cache.detach().abs().double().amax(dim=tuple(range(key_cache.dim() - 1)))  # [head_dim]
-    reach = scale * float((query.detach().abs().double() @ largest_key).max())
+    largest_key = float(key_cache.detach().abs().double().max()) if key_cache.numel() else 0.0
+    reach = scale * float(query.detach().abs().double().sum(-1).max()) * largest_key
     u = unit_roundoff(torch.float32)
-    return 2 * gamma(head_dim + 4) * reach * (1 + BOUND_SLACK) + u * (reach + beta)
+    return 2 * 2 * gamma(head_dim + 4) * reach + u * (2 * reach + beta)
 
 
 def settled_dipr_selection(
     query: torch.Tensor,
     key_cache: torch.Tensor,
-    bounds: torch.Tensor,
+    sketch: KeySketch,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     beta: float | torch.Tensor,
@@ -169,8 +172,9 @@ def settled_dipr_selection(
     selections at ``beta - delta`` and ``beta + delta`` agree. Fails, naming the sequence, head and token or block,
     when planted data puts a decision within rounding of its threshold.
     """
-    args = (query, key_cache, bounds, block_table, seq_lens)
-    exact = [t.double() if t.is_floating_point() else t for t in args]
+    args = (query, key_cache, block_table, seq_lens)
+    q, k, table, lens = (t.double() if t.is_floating_point() else t for t in args)
+    exact = (q, k, sketch, table, lens)  # the sketch is data (int8 codes, fp32 scales), read alike by all
     betas = torch.as_tensor(beta, dtype=torch.float64).expand(len(seq_lens))
     if bool(torch.isinf(betas).all()):
         return dipr_selection_reference(*exact, betas, scale, sink, local)

@@ -164,8 +164,9 @@ def test_layer_betas_are_parsed_once_per_config(monkeypatch):
     monkeypatch.setattr(sparse_config, "parse_layer_betas", lambda text: calls.append(text) or real(text))
     cfg = SparseConfig.load({"layer_betas": "0:inf,3:6"}, environ={})
     policy = RuleBasedPolicy(cfg)
-    assert [policy.layer_beta(layer) for layer in range(5)] == [INF, INF, 8.0, 6.0, 8.0]
-    assert [layer_beta(cfg, layer) for layer in range(5)] == [INF, INF, 8.0, 6.0, 8.0]
+    # dense_layers defaults to 1: layer 0 dense, layer 3 from the overrides, the others at the default beta
+    assert [policy.layer_beta(layer) for layer in range(5)] == [INF, 8.0, 8.0, 6.0, 8.0]
+    assert [layer_beta(cfg, layer) for layer in range(5)] == [INF, 8.0, 8.0, 6.0, 8.0]
     assert len(calls) == 1
 
 

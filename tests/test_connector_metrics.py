@@ -42,10 +42,11 @@ def test_module_stats_flatten_the_counters_and_sum_across_steps_and_workers():
     assert KVReuseStats(data={"misses": 0}).is_empty() and not total.is_empty()
 
 
-def test_each_sparse_figure_has_one_prometheus_counter_per_layer():
-    assert set(SPARSE_COUNTERS) == {PREFIX + name for name in FIGURES}
+def test_each_sparse_figure_has_one_prometheus_counter_per_layer_in_vllms_namespace():
+    sent = {PREFIX + ("recovery_kept_ppm" if name == "recovery_kept" else name) for name in FIGURES}
+    assert set(SPARSE_COUNTERS) == sent
     assert all(
-        label == "layer" and prom.startswith("kvreuse:sparse_") and prom.endswith("_total")
+        label == "layer" and prom.startswith("vllm:kvreuse_sparse_") and prom.endswith("_total")
         for prom, _, label in SPARSE_COUNTERS.values()
     )
 
@@ -61,6 +62,7 @@ def test_increments_are_what_grew_since_the_last_call_and_restart_with_new_figur
         ("blocks_total", 3): 16,
         ("tokens_attended", 3): 40,
         ("tokens_total", 3): 160,
+        ("dipr_decodes", 3): 2,
         ("recovery_kept", 3): 1.5,
         ("recovery_samples", 3): 2,
     }
@@ -71,10 +73,12 @@ def test_increments_are_what_grew_since_the_last_call_and_restart_with_new_figur
         ("blocks_total", 3): 8,
         ("tokens_attended", 3): 20,
         ("tokens_total", 3): 80,
+        ("dipr_decodes", 3): 1,
         ("blocks_read", 0): 1,
         ("blocks_total", 0): 1,
         ("tokens_attended", 0): 20,
         ("tokens_total", 0): 80,
+        ("dipr_decodes", 0): 1,
     }
     assert increments.take(figures) == {}
     fresh = AttendedFractions()  # the figures were reset: counting starts again from zero
@@ -87,12 +91,14 @@ def test_dense_decodes_count_as_reading_everything_next_to_the_device_sums_that_
     monkeypatch.setattr(figures_module._HostCopy, "done", lambda self: landed["now"])
     figures, increments = AttendedFractions(), FigureIncrements()
     figures.add(2, _step(1, 4))
-    figures.add_dense(2, blocks=6, tokens=90)
+    figures.add_dense(2, blocks=6, tokens=90, decodes=3)
     assert increments.take(figures) == {
         ("blocks_read", 2): 6,
         ("blocks_total", 2): 6,
         ("tokens_attended", 2): 90,
         ("tokens_total", 2): 90,
+        ("dipr_decodes", 2): 1,  # counted on the host: no device wait
+        ("dense_decodes", 2): 3,
     }
     landed["now"] = True
     assert increments.take(figures) == {
@@ -110,8 +116,9 @@ def test_increments_wait_for_copies_still_in_flight_and_lose_nothing(monkeypatch
     monkeypatch.setattr(figures_module._HostCopy, "done", lambda self: landed["now"])
     figures, increments = AttendedFractions(), FigureIncrements()
     figures.add(1, _step(2, 4))
-    assert increments.take(figures) == {}
+    assert increments.take(figures) == {("dipr_decodes", 1): 1}  # counted on the host, current
     figures.add(1, _step(3, 4))
+    assert increments.take(figures) == {("dipr_decodes", 1): 1}
     for _ in range(FigureIncrements.MAX_IN_FLIGHT + 2):  # a device far behind: at most MAX_IN_FLIGHT copies queue
         assert increments.take(figures) == {}
     landed["now"] = True
@@ -133,13 +140,21 @@ def test_stats_sum_sparse_figures_over_workers_and_log_them_as_fractions_over_la
         data={
             f"{PREFIX}blocks_read:0": 5,
             f"{PREFIX}blocks_total:0": 20,
-            f"{PREFIX}recovery_kept:1": 1.8,
+            f"{PREFIX}recovery_kept_ppm:1": 1_800_000,
             f"{PREFIX}recovery_samples:1": 2,
+            f"{PREFIX}dipr_decodes:1": 30,
+            f"{PREFIX}dense_decodes:0": 30,
         }
     )
     both = one.aggregate(two)
     assert both.data[f"{PREFIX}blocks_read:0"] == 7
-    assert both.reduce() == {"tokens_loaded": 4, "sparse_block_fraction": 0.25, "sparse_recovery": 0.9}
+    assert both.reduce() == {
+        "tokens_loaded": 4,
+        "sparse_block_fraction": 0.25,
+        "sparse_recovery": 0.9,
+        "sparse_dipr_decodes": 30,
+        "sparse_dense_decodes": 30,
+    }
     assert sparse_fractions({}) == {}
 
 
@@ -157,7 +172,7 @@ def test_prometheus_counters_take_the_stats_with_their_labels():
             "hits:gpu": 2,
             "unknown": 1,
             f"{PREFIX}blocks_read:1": 3,
-            f"{PREFIX}recovery_kept:1": 0.75,
+            f"{PREFIX}recovery_kept_ppm:1": 750_000,
             "splice_skipped:token_boundary": 2,
         },
         0,
@@ -167,9 +182,28 @@ def test_prometheus_counters_take_the_stats_with_their_labels():
     assert get("kvreuse:module_tokens_loaded_total", {"engine": "0"}) == 100
     assert get("kvreuse:module_bytes_moved_total", {"engine": "0", "move": "cpu->gpu"}) == 4096
     assert get("kvreuse:module_hits_total", {"engine": "0", "tier": "gpu"}) == 2
-    assert get("kvreuse:sparse_blocks_read_total", {"engine": "0", "layer": "1"}) == 5
-    assert get("kvreuse:sparse_recovery_kept_total", {"engine": "0", "layer": "1"}) == pytest.approx(0.75)
+    assert get("vllm:kvreuse_sparse_blocks_read_total", {"engine": "0", "layer": "1"}) == 5
+    assert get("vllm:kvreuse_sparse_recovery_kept_ppm_total", {"engine": "0", "layer": "1"}) == 750_000
     assert get("kvreuse:module_splice_skipped_total", {"engine": "0", "reason": "token_boundary"}) == 2
+
+
+def test_sparse_counters_are_listed_by_vllms_metrics_snapshot_the_reader_of_llm_get_metrics():
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+    from vllm.config import VllmConfig
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+
+    metrics = KVReusePromMetrics(
+        VllmConfig(), {Counter: Counter, Gauge: Gauge, Histogram: Histogram}, ["engine"], {0: ["0"]}
+    )
+    try:
+        metrics.observe({f"{PREFIX}blocks_read:4": 3, f"{PREFIX}blocks_total:4": 12, f"{PREFIX}dense_decodes:0": 2}, 0)
+        listed = {(m.name, m.labels.get("layer")): m.value for m in get_metrics_snapshot() if "kvreuse" in m.name}
+        assert listed[("vllm:kvreuse_sparse_blocks_read", "4")] == 3
+        assert listed[("vllm:kvreuse_sparse_blocks", "4")] == 12
+        assert listed[("vllm:kvreuse_sparse_dense_decodes", "0")] == 2
+    finally:
+        for counter in metrics._counters.values():
+            REGISTRY.unregister(counter)
 
 
 def _figures_connector(role):

@@ -13,11 +13,11 @@ import pytest
 import torch
 from numerics import assert_close_to_exact, settled_dipr_selection, summation_orders
 
-from kvreuse.kernels.block_bounds import merge_written_keys_reference, recompute_bounds_reference
 from kvreuse.kernels.dipr_decode import dense_decode_reference, dipr_selection_reference, masked_decode_reference
+from kvreuse.kernels.key_sketch import KeySketch, sketch_reference
 from kvreuse.kernels.paged_write import store_kv_reference
 from kvreuse.sparse.config import SparseConfig
-from kvreuse.sparse.paged import PagedBatch, SparseAttention, merge_bounds
+from kvreuse.sparse.paged import PagedBatch, SparseAttention
 
 BLOCK, KV_HEADS, Q_HEADS, DIM, POOL = 32, 2, 4, 64, 40
 SCALE = DIM**-0.5
@@ -47,7 +47,7 @@ class Engine:
         # One tensor like vLLM's LBNHC layer view: [blocks, tokens, heads, K|V].
         kv = torch.zeros(POOL, BLOCK, KV_HEADS, 2 * DIM, dtype=dtype)
         self.key_cache, self.value_cache = kv.split(DIM, dim=-1)
-        self.bounds = self.attention.allocate_bounds(POOL, dtype, "cpu")
+        self.sketch = self.attention.allocate_sketch(POOL, "cpu")
         self.order = torch.randperm(POOL, generator=self.g).to(torch.int32)
         self.table = torch.zeros(len(PROMPTS), 16, dtype=torch.int32)
         self.lens = [0] * len(PROMPTS)
@@ -99,12 +99,12 @@ class Engine:
             total,
             max(self.lens),
         )
-        self.attention.write(key, value, self.key_cache, self.value_cache, self.bounds, batch.slot_mapping)
+        self.attention.write(key, value, self.key_cache, self.value_cache, self.sketch, batch.slot_mapping)
         return query, key, value, batch
 
     def attend(self, layer: int, query: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         out = torch.empty_like(query)
-        return self.attention.attend(layer, query, self.key_cache, self.value_cache, self.bounds, batch, out)
+        return self.attention.attend(layer, query, self.key_cache, self.value_cache, self.sketch, batch, out)
 
     def settled_dipr(self, query: torch.Tensor, batch: PagedBatch):
         """The exact selection of the step's DIPR decodes (sparse layers), checked for a margin; None if none."""
@@ -115,7 +115,7 @@ class Engine:
         return settled_dipr_selection(
             query[sub.query_starts.long()],
             self.key_cache,
-            self.bounds,
+            self.sketch,
             sub.block_table,
             sub.seq_lens,
             config.beta,
@@ -154,26 +154,33 @@ def test_cache_write_skips_padding_slots():
     assert int((cache[0] != 0).any(-1).sum()) == 2 and torch.equal(cache[1][1, 2, 0], torch.tensor([2.0, 2.0]))
 
 
-def test_bounds_stay_equal_to_bounds_recomputed_from_the_cache_after_prefill_and_every_decode():
+def test_the_sketch_is_the_sketch_of_every_stored_key_after_prefill_and_each_decode():
     engine = Engine(sparse(6.0))
-    expected = engine.attention.allocate_bounds(POOL, torch.float32, "cpu")
-    for new_tokens in (PROMPTS, [1, 1], [1, 1], *([[1, 1]] * 40)):  # request 1 crosses block boundaries
-        *_, batch = engine.step(new_tokens)
-        merge_written_keys_reference(expected, engine.key_cache, batch.slot_mapping)
-        assert torch.equal(engine.bounds, expected)  # maxima and minima: no rounding, bitwise
-    filled = torch.tensor([min(BLOCK, max(0, n - i * BLOCK)) for n in engine.lens for i in range(16)])
-    blocks = engine.table.flatten().long()
-    used = filled > 0
-    assert torch.equal(
-        engine.bounds[blocks[used]], recompute_bounds_reference(engine.key_cache, blocks[used], filled[used])
+    for new_tokens in (PROMPTS, [1, 1], *([[1, 1]] * 40)):  # request 1 crosses block boundaries
+        engine.step(new_tokens)
+        slots = torch.tensor(
+            [int(engine.table[r, p // BLOCK]) * BLOCK + p % BLOCK for r, n in enumerate(engine.lens) for p in range(n)]
+        )
+        codes, scales = sketch_reference(engine.key_cache.flatten(0, 1)[slots])
+        assert torch.equal(engine.sketch.codes.flatten(0, 1)[slots], codes)
+        assert torch.equal(engine.sketch.scales.flatten(0, 1)[slots], scales)
+
+
+def test_a_reused_slot_gets_its_new_keys_sketch():
+    attention = SparseAttention(1, 1, 2, 4, 1.0)
+    cache, sketch = torch.zeros(1, 4, 1, 2), attention.allocate_sketch(1, "cpu")
+    attention.write(
+        torch.tensor([[[100.0, -100.0]]]),
+        torch.zeros(1, 1, 2),
+        cache,
+        torch.zeros_like(cache),
+        sketch,
+        torch.tensor([0]),
     )
-
-
-def test_a_reused_block_forgets_its_previous_owners_keys():
-    bounds = SparseAttention(1, 1, 2, 4, 1.0).allocate_bounds(1, torch.float32, "cpu")
-    merge_bounds(bounds, torch.tensor([[[100.0, -100.0]]]), torch.tensor([0]), 4)
-    merge_bounds(bounds, torch.tensor([[[1.0, 2.0]], [[3.0, 0.0]]]), torch.tensor([0, 1]), 4)
-    assert bounds[0, 0].tolist() == [[3.0, 2.0], [1.0, 0.0]]
+    attention.write(
+        torch.tensor([[[1.0, 2.0]]]), torch.zeros(1, 1, 2), cache, torch.zeros_like(cache), sketch, torch.tensor([0])
+    )
+    assert sketch.codes[0, 0, 0].tolist() == [64, 127] and sketch.scales[0, 0, 0] == pytest.approx(2 / 127)
 
 
 def test_prefill_is_dense_and_causal():
@@ -213,7 +220,15 @@ def test_finite_beta_attends_a_superset_of_the_exact_dipr_set_and_reads_fewer_bl
     references = []
     for o in summation_orders(DIM):
         fp32 = dipr_selection_reference(
-            query[..., o], engine.key_cache[..., o], engine.bounds[..., o], table, lens, 4.0, SCALE, 4, 8
+            query[..., o],
+            engine.key_cache[..., o],
+            KeySketch(engine.sketch.codes[..., o], engine.sketch.scales),
+            table,
+            lens,
+            4.0,
+            SCALE,
+            4,
+            8,
         )
         assert all(torch.equal(a, b) for a, b in zip(fp32.attended, sel.attended))  # settled: fp32 decides alike
         references.append(masked_decode_reference(values, table, lens, fp32.logits, fp32.attended))
@@ -245,7 +260,10 @@ def test_the_triton_path_computes_what_the_pytorch_path_computes_step_by_step():
                 for engine, (query, _, _, batch) in zip((triton, exact, *pytorch), steps)
             )
             assert_close_to_exact(kernels, references, want, what=f"Triton path, layer {layer}, step {new_tokens}")
-        assert torch.equal(triton.bounds, pytorch[0].bounds)  # maxima and minima of the same keys: no rounding
+        # The same keys (pytorch[0] keeps the coordinates in order), each sketched by a maximum, one correctly rounded
+        # division and a floor: bitwise.
+        assert torch.equal(triton.sketch.codes, pytorch[0].sketch.codes)
+        assert torch.equal(triton.sketch.scales, pytorch[0].sketch.scales)
     # Counts of blocks and tokens; their decisions are settled, so they are equal in every implementation.
     rows = triton.attention.figures.rows()
     assert all(rows == engine.attention.figures.rows() for engine in (exact, *pytorch))
@@ -288,7 +306,7 @@ def test_a_step_is_split_once_per_kind_of_layer_and_again_after_new_settings(mon
     assert calls == [True, False]  # layers 0-1 dense, 2-3 sparse
     plan = engine.attention._plan(batch, False)
     assert plan.dipr.reqs == (0,) and plan.dense.reqs == (1,)  # request 1 (46 tokens) is under min_context
-    assert plan.dense_decodes == (2, 46)
+    assert plan.dense_decodes == (1, 2, 46)  # one decode, its 2 blocks and 46 tokens
     engine.attention.configure(sparse(4.0, dense_layers=2, min_context=10))
     again = engine.attend(2, query, batch)
     assert torch.equal(again[0], outs[2][0])  # request 0: DIPR under both settings, the same operations in order
@@ -297,3 +315,21 @@ def test_a_step_is_split_once_per_kind_of_layer_and_again_after_new_settings(mon
     references, exact = dense(engine, query, batch)
     assert_close_to_exact(again[1:], [r[1:] for r in references], exact[1:])
     assert calls == [True, False, False] and engine.attention._plan(batch, False).dipr.reqs == (0, 1)
+
+
+def test_a_decode_kept_dense_by_min_context_is_said_once_per_setting_with_the_fix(caplog):
+    engine = Engine(sparse(4.0, min_context=100))
+    engine.step(PROMPTS)
+    with caplog.at_level("INFO", logger="kvreuse.sparse"):
+        for _ in range(2):
+            query, _, _, batch = engine.step([1, 1])
+            for layer in range(2):
+                engine.attend(layer, query, batch)
+        notes = [r.getMessage() for r in caplog.records if "min_context" in r.getMessage()]
+        assert len(notes) == 1
+        assert "min_context = 100" in notes[0] and "(first one: 46 tokens)" in notes[0]
+        assert "KVREUSE_SPARSE_MIN_CONTEXT" in notes[0]
+        engine.attention.configure(sparse(4.0, min_context=10))  # nothing under it now: nothing said
+        query, _, _, batch = engine.step([1, 1])
+        engine.attend(0, query, batch)
+        assert len([r for r in caplog.records if "min_context" in r.getMessage()]) == 1

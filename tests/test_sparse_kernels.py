@@ -1,4 +1,5 @@
-"""DIPR kernels against their PyTorch references (on CPU in Triton's interpreter, see conftest.py).
+"""DIPR's kernels (the key sketch write and the decode) against their PyTorch references (on CPU in Triton's
+interpreter, see conftest.py).
 
 Shapes are vLLM's: block size 16, head_dim 64, 4 query heads on 2 KV heads, three sequences of 1, 37 and 150
 tokens scattered over a shuffled block pool. Outputs are compared with the float64 reference and selections are
@@ -12,12 +13,19 @@ import torch
 from numerics import assert_close_to_exact, gamma, settled_dipr_selection, summation_orders
 
 from kvreuse.errors import KernelArgumentError
-from kvreuse.kernels.block_bounds import BlockBounds, merge_written_keys_reference, recompute_bounds_reference
 from kvreuse.kernels.dipr_decode import (
     DIPRDecode,
     dense_decode_reference,
     dipr_selection_reference,
     masked_decode_reference,
+)
+from kvreuse.kernels.key_sketch import (
+    CODE_SLACK,
+    KeySketch,
+    KeySketchWrite,
+    logit_bounds_reference,
+    sketch_reference,
+    sketch_written_reference,
 )
 from kvreuse.sparse.figures import recovery_ratio, sample_recovery
 
@@ -29,7 +37,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def paged(lens, dtype, *, peaked=False, seed=0, pool=40, block=BLOCK):
-    """Random caches, a shuffled block table, exact bounds and queries.
+    """Random caches, a shuffled block table, the keys' sketch and queries.
 
     ``peaked``: keys are small noise except, per KV head, one key aligned with that head's queries at position
     0 (an attention sink, logit ~32) and a stronger one at position 70 (logit ~35, above every window logit, so
@@ -56,25 +64,18 @@ def paged(lens, dtype, *, peaked=False, seed=0, pool=40, block=BLOCK):
                     keys[table[s, pos // block], pos % block] = strength * direction
     keys, values, query = (t.to(dtype).to(DEVICE) for t in (keys, values, query))
     table = table.to(DEVICE)
-    bounds = BlockBounds(block, KV_HEADS, DIM)
-    b = bounds.allocate(pool, dtype, DEVICE)
-    bounds.recompute(
-        keys,
-        b,
-        torch.arange(pool, dtype=torch.int32, device=DEVICE),
-        torch.full((pool,), block, dtype=torch.int32, device=DEVICE),
-    )
+    sketch = KeySketch(*sketch_reference(keys))
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    return query, keys, values, b, table, seq_lens
+    return query, keys, values, sketch, table, seq_lens
 
 
 def decode(case, beta, *, splits=3):
     """The kernel's output and counters, and the exact (float64) selection, whose decisions have a margin."""
-    query, keys, values, bounds, table, seq_lens = case
+    query, keys, values, sketch, table, seq_lens = case
     op = DIPRDecode(Q_HEADS, KV_HEADS, DIM, keys.shape[1], sink=SINK, local=LOCAL)
     op.plan(seq_lens, table, num_splits=splits)
-    out, counters = op.run(query, keys, values, bounds, beta, return_counters=True)
-    selection = settled_dipr_selection(query, keys, bounds, table, seq_lens, beta, op.scale, SINK, LOCAL)
+    out, counters = op.run(query, keys, values, sketch, beta, return_counters=True)
+    selection = settled_dipr_selection(query, keys, sketch, table, seq_lens, beta, op.scale, SINK, LOCAL)
     return out, counters, selection
 
 
@@ -82,10 +83,10 @@ def attention_over(case, selection, beta):
     """Attention over ``selection``'s attended set: (the fp32 reference in each summation order, the float64 exact
     result, the same softmax over ``|v|``, the magnitude its rounding errors scale with). The fp32 reference must
     select alike in every order: the decisions are settled."""
-    query, keys, values, bounds, table, seq_lens = case
+    query, keys, values, sketch, table, seq_lens = case
     references = []
     for order in summation_orders(DIM):
-        q, k, b = query[..., order], keys[..., order], bounds[..., order]
+        q, k, b = query[..., order], keys[..., order], KeySketch(sketch.codes[..., order], sketch.scales)
         fp32 = dipr_selection_reference(q, k, b, table, seq_lens, beta, DIM**-0.5, SINK, LOCAL)
         assert all(torch.equal(ours, exact) for ours, exact in zip(fp32.attended, selection.attended))
         references.append(masked_decode_reference(values, table, seq_lens, fp32.logits, fp32.attended))
@@ -96,60 +97,40 @@ def attention_over(case, selection, beta):
     return references, exact, magnitude
 
 
-# ---------------------------------------------------------------------------------------------------- bounds
-# Bounds are maxima and minima of keys (widened exactly to fp32 and back): no rounding, so they compare bitwise.
+# ---------------------------------------------------------------------------------------------------- sketch
 
 
-def test_bounds_follow_a_sequence_of_writes_including_partial_blocks_and_reused_blocks():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_sketch_kernel_codes_each_written_key_as_the_reference_does_and_skips_padding(dtype):
     g = torch.Generator().manual_seed(1)
-    pool = 12
-    cache = torch.randn(pool, BLOCK, KV_HEADS, DIM, generator=g).to(DEVICE)
-    op = BlockBounds(BLOCK, KV_HEADS, DIM)
-    bounds = op.allocate(pool, torch.float32, DEVICE)
-    mirror = bounds.clone()
-    fill = {}  # block -> slots written by its current owner
-    free = list(range(pool))
-    seqs = {0: [], 1: []}  # sequence -> its blocks
-    lengths = {0: 0, 1: 0}
-    # (sequence, new tokens) per step: prefill 37 and 5, decode steps, a 20-token chunk, sequence 0 finishes and
-    # its blocks are re-used by sequence 2, whose first write starts them afresh.
-    steps = [[(0, 37), (1, 5)], [(0, 1), (1, 1)], [(0, 1), (1, 20)], [(1, 1)], [(2, 40), (1, 1)], [(2, 1)]]
-    for step in steps:
-        slots = []
-        for seq, new in step:
-            if seq == 2 and 0 in seqs:
-                free = seqs.pop(0) + free  # sequence 0 finished: its blocks (with stale bounds) are reused
-                seqs[2], lengths[2] = [], 0
-            for _ in range(new):
-                pos = lengths[seq]
-                if pos % BLOCK == 0:
-                    seqs[seq].append(free.pop(0))
-                block = seqs[seq][pos // BLOCK]
-                cache[block, pos % BLOCK] = torch.randn(KV_HEADS, DIM, generator=g).to(DEVICE)
-                fill[block] = 0 if pos % BLOCK == 0 else fill[block]
-                fill[block] += 1
-                slots.append(block * BLOCK + pos % BLOCK)
-                lengths[seq] += 1
-        slot_mapping = torch.tensor(slots + [-1, -1], dtype=torch.int64, device=DEVICE)  # with padding
-        op.plan(slot_mapping)
-        op.run(cache, bounds)
-        merge_written_keys_reference(mirror, cache, slot_mapping)
-        live = torch.tensor([b for blocks in seqs.values() for b in blocks], device=DEVICE)
-        exact = recompute_bounds_reference(cache, live, torch.tensor([fill[int(b)] for b in live], device=DEVICE))
-        assert torch.equal(bounds[live], exact)
-        assert torch.equal(bounds, mirror)
+    pool = 6
+    cache = torch.randn(pool, BLOCK, KV_HEADS, DIM, generator=g)
+    cache[..., 3] *= 20  # an outlier channel, as real keys have
+    cache[2, 5] = 0  # a zero key: scale 0, codes 0
+    cache = cache.to(dtype).to(DEVICE)
+    slots = torch.tensor([-1, 2 * BLOCK + 5, 7, 8, 5 * BLOCK + 15, -1], dtype=torch.int64, device=DEVICE)
+    sketch, mirror = (KeySketch.allocate(pool, BLOCK, KV_HEADS, DIM, DEVICE) for _ in range(2))
+    KeySketchWrite(BLOCK, KV_HEADS, DIM).run(cache, sketch, slots)
+    sketch_written_reference(cache, mirror, slots)
+    assert torch.equal(sketch.codes, mirror.codes) and torch.equal(sketch.scales, mirror.scales)
+    written = torch.zeros(pool * BLOCK, dtype=torch.bool)
+    written[slots[slots >= 0].cpu()] = True
+    assert not bool(sketch.codes.flatten(0, 1)[~written.to(DEVICE)].any())  # nothing else touched
+    assert int(sketch.codes[0, 7].abs().max()) == 127 and float(sketch.scales[2, 5].abs().max()) == 0.0
 
 
-def test_recompute_covers_only_filled_slots_and_leaves_empty_blocks_at_infinity():
-    cache = torch.randn(6, BLOCK, KV_HEADS, DIM, device=DEVICE).to(torch.bfloat16)
-    op = BlockBounds(BLOCK, KV_HEADS, DIM)
-    bounds = op.allocate(6, torch.bfloat16, DEVICE)
-    ids = torch.tensor([4, 1, 3], dtype=torch.int32, device=DEVICE)
-    filled = torch.tensor([16, 7, 0], dtype=torch.int32, device=DEVICE)
-    op.recompute(cache, bounds, ids, filled)
-    assert torch.equal(bounds[ids.long()], recompute_bounds_reference(cache, ids, filled))
-    assert bool((bounds[3, :, 0] == float("-inf")).all()) and bool((bounds[3, :, 1] == float("inf")).all())
-    assert bool((bounds[1, :, 0] == cache[1, :7].amax(0)).all())
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sketch_bounds_contain_every_logit_within_half_a_code_step(dtype):
+    g = torch.Generator().manual_seed(2)
+    keys = torch.randn(500, DIM, generator=g) * torch.linspace(0.1, 30, DIM)  # channels of very different sizes
+    keys = keys.to(dtype).float()
+    query = torch.randn(6, DIM, generator=g) * DIM**-0.5
+    codes, scales = sketch_reference(keys)
+    upper, lower = logit_bounds_reference(query, codes, scales)
+    logits = query @ keys.T
+    assert bool((lower <= logits).all()) and bool((logits <= upper).all())
+    width = query.abs().sum(-1, keepdim=True) * scales * (0.5 + CODE_SLACK)
+    torch.testing.assert_close(upper - lower, 2 * width)
 
 
 # ---------------------------------------------------------------------------------------------------- decode
@@ -174,7 +155,8 @@ def test_beta_inf_equals_dense_attention(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("peaked", "beta"), [(False, 1.0), (True, 8.0), (True, 30.0)])
+# beta 29, not 30: at 30 a token of the 37-token sequence lies within rounding of the sketch's threshold (a tie).
+@pytest.mark.parametrize(("peaked", "beta"), [(False, 1.0), (True, 8.0), (True, 29.0)])
 def test_output_is_attention_over_the_attended_set(dtype, peaked, beta):
     case = paged(LENS, dtype, peaked=peaked)
     out, counters, sel = decode(case, beta)
@@ -193,7 +175,7 @@ def test_attended_set_contains_the_exact_dipr_set(peaked, beta):
 
 def test_pruned_blocks_are_not_read_and_their_count_is_the_bound_count():
     case = paged(LENS, torch.float32, peaked=True)
-    query, keys, values, bounds, table, seq_lens = case
+    query, keys, values, sketch, table, seq_lens = case
     _, counters, sel = decode(case, 8.0)
     expected = [r.sum(1).tolist() for r in sel.blocks_read]
     assert counters.blocks_read.tolist() == expected
@@ -205,7 +187,7 @@ def test_pruned_blocks_are_not_read_and_their_count_is_the_bound_count():
         for h in range(KV_HEADS):
             skipped = table[s, : read.shape[1]][~read[h]].long()
             poisoned[skipped, :, h] = float("nan")
-    out, _, _ = decode((query, keys, poisoned, bounds, table, seq_lens), 8.0)
+    out, _, _ = decode((query, keys, poisoned, sketch, table, seq_lens), 8.0)
     assert bool(torch.isfinite(out).all())
 
 
@@ -244,36 +226,38 @@ def test_an_empty_sequence_yields_zeros_and_reads_nothing():
 
 
 def test_attended_set_keeps_at_least_the_dense_mass_of_the_exact_set():
-    query, keys, _, bounds, table, seq_lens = paged(LENS, torch.float32, peaked=True)
+    query, keys, _, sketch, table, seq_lens = paged(LENS, torch.float32, peaked=True)
     scale = DIM**-0.5
-    sel = dipr_selection_reference(query, keys, bounds, table, seq_lens, 2.0, scale, SINK, LOCAL)
-    kept = sample_recovery(query, keys, bounds, table, seq_lens, 2.0, scale, SINK, LOCAL)
+    sel = dipr_selection_reference(query, keys, sketch, table, seq_lens, 2.0, scale, SINK, LOCAL)
+    kept = sample_recovery(query, keys, sketch, table, seq_lens, 2.0, scale, SINK, LOCAL)
     exact = torch.stack([recovery_ratio(lg, ex) for lg, ex in zip(sel.logits, sel.exact)])
     # No tolerance: both sum the same softmax weights (the reference computed alike, bitwise) in the same order, the
     # attended set adding non-negative terms where the exact set has zeros, and rounding is monotone.
     assert bool((kept >= exact).all()) and bool((kept > 0.99).all())
-    dense = sample_recovery(query, keys, bounds, table, seq_lens, float("inf"), scale, SINK, LOCAL)
+    dense = sample_recovery(query, keys, sketch, table, seq_lens, float("inf"), scale, SINK, LOCAL)
     # All softmax weights: 1 up to the roundings of the exponentials, the division and a sum of max(LENS) terms.
     assert bool(((dense - 1).abs() <= gamma(max(LENS) + 4)).all()), dense
 
 
 def test_bad_arguments_name_the_tensor():
-    query, keys, values, bounds, table, seq_lens = paged([5, 20], torch.float16)
+    query, keys, values, sketch, table, seq_lens = paged([5, 20], torch.float16)
     op = DIPRDecode(Q_HEADS, KV_HEADS, DIM, BLOCK)
     with pytest.raises(KernelArgumentError, match="before plan"):
-        op.run(query, keys, values, bounds, 1.0)
+        op.run(query, keys, values, sketch, 1.0)
     with pytest.raises(KernelArgumentError, match="seq_lens must be a 1-D int32"):
         op.plan(seq_lens.long(), table)
     op.plan(seq_lens, table)
     with pytest.raises(KernelArgumentError, match=r"query must be \[num_seqs, num_q_heads, head_dim\]"):
-        op.run(query[:, :2], keys, values, bounds, 1.0)
+        op.run(query[:, :2], keys, values, sketch, 1.0)
     with pytest.raises(KernelArgumentError, match="value_cache dtype"):
-        op.run(query, keys, values.float(), bounds, 1.0)
-    with pytest.raises(KernelArgumentError, match=r"bounds must be \[num_blocks, num_kv_heads, 2, head_dim\]"):
-        op.run(query, keys, values, bounds[:, :, :1], 1.0)
+        op.run(query, keys, values.float(), sketch, 1.0)
+    with pytest.raises(KernelArgumentError, match="sketch codes must be int8"):
+        op.run(query, keys, values, KeySketch(sketch.codes.float(), sketch.scales), 1.0)
+    with pytest.raises(KernelArgumentError, match="sketch scales must be float32"):
+        op.run(query, keys, values, KeySketch(sketch.codes, sketch.scales[:, :, :1]), 1.0)
     with pytest.raises(KernelArgumentError, match="beta must be >= 0"):
-        op.run(query, keys, values, bounds, -1.0)
+        op.run(query, keys, values, sketch, -1.0)
     with pytest.raises(KernelArgumentError, match="num_q_heads .3. must be a positive multiple"):
         DIPRDecode(3, 2, DIM, BLOCK)
     with pytest.raises(KernelArgumentError, match="key_cache must be"):
-        BlockBounds(BLOCK, KV_HEADS, DIM).recompute(keys[:, :8], bounds, table[0], table[0])
+        KeySketchWrite(BLOCK, KV_HEADS, DIM).run(keys[:, :8], sketch, table[0])

@@ -26,7 +26,7 @@ INF = float("inf")
 def test_defaults_apply_without_flags_or_variables():
     cfg = SparseConfig.load({}, environ={})
     assert cfg == SparseConfig()
-    assert (cfg.beta, cfg.dense_layers, cfg.min_context, cfg.sink, cfg.local) == (8.0, 2, 2048, 16, 64)
+    assert (cfg.beta, cfg.dense_layers, cfg.min_context, cfg.sink, cfg.local) == (8.0, 1, 512, 16, 64)
 
 
 def test_beta_accepts_inf_from_a_variable_and_a_flag():
@@ -76,7 +76,7 @@ def test_short_contexts_are_dense_in_every_layer():
 
 
 def test_policy_object_gives_the_same_answers_as_the_functions():
-    cfg = SparseConfig(beta=7.0, layer_betas="0:3")
+    cfg = SparseConfig(beta=7.0, layer_betas="0:3", dense_layers=2)
     policy = RuleBasedPolicy(cfg)
     assert policy.name == "rules"
     assert [policy.layer_beta(layer) for layer in range(3)] == [layer_beta(cfg, layer) for layer in range(3)]

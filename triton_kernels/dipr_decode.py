@@ -1,4 +1,4 @@
-"""DIPR sparse decode attention over vLLM's paged KV cache: whole KV blocks are skipped by their key bounds.
+"""DIPR sparse decode attention over vLLM's paged KV cache: whole KV blocks are skipped by their keys' sketches.
 
 The query (AlayaDB, Deng et al., "AlayaDB: The Data Foundation for Efficient and Effective Long-context LLM
 Inference", SIGMOD 2025, the Dynamic Inner Product Range query): for a query, keep every key
@@ -8,30 +8,31 @@ DIPR set is ``D = {j : l_j >= max_i l_i - beta}``: the tokens whose attention we
 ``alpha = exp(-beta)`` times the largest weight. The paper's ``beta`` is on raw inner products; it equals ours
 divided by ``scale`` (``beta_raw = beta * sqrt(head_dim)``). ``beta = inf`` is dense attention.
 
-What the kernel computes, per sequence and query head (all query heads of one KV head together, so each KV block
+What the kernels compute, per sequence and query head (all query heads of one KV head together, so each KV block
 is loaded once for the group):
 
-1. ``s`` = the largest logit over an always-kept window, the first ``sink`` and the last ``local`` tokens
-   (``_window_max_kernel``; reads only the window's keys). ``s <= max_i l_i``, so ``tau = s - beta`` is a
-   threshold at or below the DIPR threshold.
-2. Each block outside the window is read only if Quest's bound (see ``block_bounds.py``) on its logits,
-   ``U = scale * sum_i max(q_i M_i, q_i m_i)``, reaches ``tau`` for at least one query head of the group
-   (plus a rounding slack, ``BOUND_SLACK``). Keys and values of other blocks are never loaded.
-3. In read blocks, a token is attended if it is in the window or ``l_j >= tau``; attention is the softmax over the
-   attended set ``A = W ∪ {j : l_j >= tau}``, with flash-decoding's split-K (Dao et al., "Flash-Decoding for
-   long-context inference", 2023): each program covers a range of blocks with an online softmax (Milakov and
-   Gimelshein, "Online normalizer calculation for softmax", 2018) and ``_merge_splits_kernel`` combines them.
+1. ``_sketch_scan_kernel`` reads every token's key sketch (``key_sketch.py``: int8 codes and a scale, a quarter
+   to a half of the key's bytes, never the key or the value) and bounds its logit from above, ``U_j``, and from
+   below, ``L_j``. It keeps the largest ``U_j`` of each block and the largest ``L_j`` of each split.
+2. ``tau = max_j L_j - beta``: ``max_j L_j <= max_j l_j``, so ``tau`` is at or below the DIPR threshold.
+3. ``_dipr_split_kernel`` reads the keys and values of a block only if the block holds a window token (the first
+   ``sink`` and last ``local`` tokens, always attended) or its largest ``U_j`` reaches ``tau`` for at least one
+   query head of the group. In read blocks, a token is attended if it is in the window or ``l_j >= tau``;
+   attention is the softmax over the attended set ``A = W ∪ {j : l_j >= tau}``, with flash-decoding's split-K
+   (Dao et al., "Flash-Decoding for long-context inference", 2023): each program covers a range of blocks with an
+   online softmax (Milakov and Gimelshein, "Online normalizer calculation for softmax", 2018) and
+   ``_merge_splits_kernel`` combines them.
 
-``A`` contains ``D`` (no false negatives): a token with ``l_j >= max - beta >= tau`` lies in a block whose bound is
-``>= l_j >= tau``, so its block is read and the token kept. ``A`` depends only on ``s``, not on the order blocks
-are processed in, so the output is the same for any split. Masking against a running maximum instead would
-drop a few more tokens from blocks that are read anyway (no bytes saved) at the cost of an order-dependent set.
+``A`` contains ``D`` (no false negatives): a token with ``l_j >= max - beta >= tau`` has ``U_j >= l_j >= tau``, so
+its block is read and the token kept. ``A`` depends only on ``tau``, not on which blocks are read nor on the order
+they are processed in, so the output is the same for any split (and equals the CPU path's, which computes ``A``
+its own way).
 
 Layouts: ``query[num_seqs, num_q_heads, head_dim]`` (one decode token per sequence; query head ``h`` uses KV head
 ``h // (num_q_heads // num_kv_heads)``, as in vLLM), ``key_cache``/``value_cache[num_blocks, block_size,
-num_kv_heads, head_dim]``, ``bounds[num_blocks, num_kv_heads, 2, head_dim]`` (``block_bounds.py``),
-``block_table[num_seqs, max_blocks]`` int32 and ``seq_lens[num_seqs]`` int32 (including the token being decoded,
-whose key is already in the cache), as in vLLM's attention metadata.
+num_kv_heads, head_dim]`` (``paged_layout.py``), the sketch's ``codes``/``scales`` indexed like the key cache
+(``key_sketch.py``), ``block_table[num_seqs, max_blocks]`` int32 and ``seq_lens[num_seqs]`` int32 (including the
+token being decoded, whose key is already in the cache and sketched), as in vLLM's attention metadata.
 """
 
 from __future__ import annotations
@@ -44,71 +45,75 @@ import triton
 import triton.language as tl
 
 from kvreuse.errors import check_kernel_argument as _check
-from kvreuse.kernels.block_bounds import check_paged_kv
+from kvreuse.kernels.key_sketch import CODE_SLACK, KeySketch, logit_bounds_reference
+from kvreuse.kernels.paged_layout import check_paged_kv
 from kvreuse.kernels.tile_math import dot_fp32, interpreter_upcast, online_softmax_step
-
-# A block is read if U + BOUND_SLACK * sum_i |q_i| max(|M_i|, |m_i|) >= tau. The bound holds exactly in real
-# arithmetic; the slack absorbs fp32 rounding of the two dot products (relative error <= head_dim * 2**-24,
-# ~1e-5 for head_dim 128), so a token whose score equals its block's bound is never lost to rounding.
-BOUND_SLACK = 1e-4
 
 
 @triton.jit
-def _window_max_kernel(
+def _sketch_scan_kernel(
     q_ptr,
-    k_ptr,
+    codes_ptr,
+    scales_ptr,
     block_table_ptr,
     seq_lens_ptr,
     beta_ptr,
-    smax_ptr,
+    upper_ptr,
+    lower_ptr,
     scale,
-    sink,
-    local,
+    blocks_per_split,
+    num_splits,
+    max_blocks,
     stride_qs,
     stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_sb,
+    stride_st,
+    stride_sh,
     stride_bt,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # >= max(GROUP, 16): tl.dot needs 16 rows on tensor cores
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM: one tile holds a whole key row
+    BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM: one tile holds a whole code row
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
-    BLOCK_T: tl.constexpr,  # window tokens per iteration; 16 fills a tensor-core tile and the window is short
-    UPCAST: tl.constexpr,  # see dot_fp32
+    BLOCK_T: tl.constexpr,  # next power of two >= BLOCK_SIZE: one tile is one KV block
+    HALF: tl.constexpr,  # 1/2 + CODE_SLACK: the bound's half-step
 ):
-    # One program per (sequence, KV head): s[h] = max over window tokens of the logits of query head h
-    # (-inf without reading anything for a dense sequence, beta = inf, which needs no threshold).
-    seq, kv_head = tl.program_id(0), tl.program_id(1)
+    # One program per (sequence, KV head, split): per block, the largest upper bound U_j of each query head of the
+    # group (-inf past the sequence); per split, the largest lower bound L_j. A dense sequence (beta = inf) needs
+    # neither and reads nothing.
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.where(tl.load(beta_ptr + seq) < float("inf"), tl.load(seq_lens_ptr + seq), 0)
-    g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
+    g, d, t = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_T)
+    heads = kv_head * GROUP + g
+    num_q_heads = GROUP * tl.num_programs(1)
     q = tl.load(
-        q_ptr + seq * stride_qs + (kv_head * GROUP + g)[:, None] * stride_qh + d[None, :],
+        q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
         mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :],
         other=0.0,
-    )
-    sink_end = tl.minimum(sink, seq_len)
-    local_start = tl.maximum(seq_len - local, sink_end)  # window = [0, sink_end) then [local_start, seq_len)
-    n_window = sink_end + seq_len - local_start
-    best = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    for start in range(0, n_window, BLOCK_T):
-        i = start + tl.arange(0, BLOCK_T)
-        pos = tl.where(i < sink_end, i, local_start + i - sink_end)
-        valid = i < n_window
-        block = tl.load(block_table_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        k = tl.load(
-            k_ptr
-            + block[:, None] * stride_kb
-            + (pos % BLOCK_SIZE)[:, None] * stride_kt
-            + kv_head * stride_kh
-            + d[None, :],
+    ).to(tl.float32)
+    q = q * scale
+    half_width = tl.sum(tl.abs(q), axis=1) * HALF  # [BLOCK_G]: ||q||_1 (1/2 + CODE_SLACK), times s_j below
+    best_lower = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    first = split * blocks_per_split
+    for b in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))):
+        block = tl.load(block_table_ptr + seq * stride_bt + b).to(tl.int64)
+        pos = b * BLOCK_SIZE + t
+        valid = (t < BLOCK_SIZE) & (pos < seq_len)
+        codes = tl.load(
+            codes_ptr + block * stride_cb + t[:, None] * stride_ct + kv_head * stride_ch + d[None, :],
             mask=valid[:, None] & (d < HEAD_DIM)[None, :],
-            other=0.0,
-        )
-        logits = dot_fp32(q, tl.trans(k), UPCAST) * scale
-        best = tl.maximum(best, tl.max(tl.where(valid[None, :], logits, float("-inf")), axis=1))
-    tl.store(smax_ptr + seq * (GROUP * tl.num_programs(1)) + kv_head * GROUP + g, best, mask=g < GROUP)
+            other=0,
+        ).to(tl.float32)
+        scales = tl.load(scales_ptr + block * stride_sb + t * stride_st + kv_head * stride_sh, mask=valid, other=0.0)
+        approx = dot_fp32(q, tl.trans(codes), False) * scales[None, :]  # [BLOCK_G, BLOCK_T]
+        width = half_width[:, None] * scales[None, :]
+        upper = tl.max(tl.where(valid[None, :], approx + width, float("-inf")), axis=1)
+        best_lower = tl.maximum(best_lower, tl.max(tl.where(valid[None, :], approx - width, float("-inf")), axis=1))
+        tl.store(upper_ptr + (seq * num_q_heads + heads) * max_blocks + b, upper, mask=g < GROUP)
+    tl.store(lower_ptr + (seq * num_q_heads + heads) * num_splits + split, best_lower, mask=g < GROUP)
 
 
 @triton.jit
@@ -116,10 +121,10 @@ def _dipr_split_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
-    bounds_ptr,
+    upper_ptr,
     block_table_ptr,
     seq_lens_ptr,
-    smax_ptr,
+    tau_ptr,
     beta_ptr,
     acc_ptr,
     m_ptr,
@@ -131,6 +136,7 @@ def _dipr_split_kernel(
     local,
     blocks_per_split,
     num_splits,
+    max_blocks,
     stride_qs,
     stride_qh,
     stride_kb,
@@ -139,17 +145,13 @@ def _dipr_split_kernel(
     stride_vb,
     stride_vt,
     stride_vh,
-    stride_bb,
-    stride_bh,
-    stride_bs,
     stride_bt,
     GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,  # as in _window_max_kernel
+    BLOCK_G: tl.constexpr,  # as in _sketch_scan_kernel
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,  # next power of two >= BLOCK_SIZE: one tile is one KV block, the unit of pruning
-    SLACK: tl.constexpr,
     UPCAST: tl.constexpr,  # see dot_fp32
 ):
     # One program per (sequence, KV head, split); the split covers blocks [split, split + 1) * blocks_per_split.
@@ -165,9 +167,8 @@ def _dipr_split_kernel(
         mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :],
         other=0.0,
     )
-    q_scaled = q.to(tl.float32) * scale
-    smax = tl.load(smax_ptr + seq * num_q_heads + heads, mask=g < GROUP, other=0.0)
-    tau = tl.where(g < GROUP, smax - beta, float("inf"))  # padding rows never ask for a block
+    tau = tl.load(tau_ptr + seq * num_q_heads + heads, mask=g < GROUP, other=float("inf"))  # padding rows ask nothing
+    tau = tl.where(prune, tau, float("-inf"))
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -180,13 +181,9 @@ def _dipr_split_kernel(
     for b in range(first, last):
         block = tl.load(block_table_ptr + seq * stride_bt + b).to(tl.int64)
         read = (b < sink_blocks) | (b >= first_local_block) | (prune == 0)
-        if read == 0:  # outside the window and pruning: read the block's bounds only
-            bound = bounds_ptr + block * stride_bb + kv_head * stride_bh + d
-            hi = tl.load(bound, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
-            lo = tl.load(bound + stride_bs, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
-            upper = tl.sum(tl.maximum(q_scaled * hi[None, :], q_scaled * lo[None, :]), axis=1)
-            size = tl.sum(tl.abs(q_scaled) * tl.maximum(tl.abs(hi), tl.abs(lo))[None, :], axis=1)
-            read = tl.max((upper + SLACK * size >= tau).to(tl.int32), axis=0) > 0
+        if read == 0:  # outside the window and pruning: the block's largest sketch bound per query head decides
+            upper = tl.load(upper_ptr + (seq * num_q_heads + heads) * max_blocks + b, mask=g < GROUP, other=0.0)
+            read = tl.max((upper >= tau).to(tl.int32), axis=0) > 0
         if read:
             pos = b * BLOCK_SIZE + t
             kv_mask = (t < BLOCK_SIZE)[:, None] & (d < HEAD_DIM)[None, :]
@@ -278,7 +275,7 @@ def _sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq: int, seq_l
 def dipr_selection_reference(
     query: torch.Tensor,
     key_cache: torch.Tensor,
-    bounds: torch.Tensor,
+    sketch: KeySketch,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     beta: float | torch.Tensor,
@@ -286,36 +283,43 @@ def dipr_selection_reference(
     sink: int,
     local: int,
 ) -> DIPRSelection:
-    """The blocks and tokens the kernel reads and attends, and the exact DIPR set, computed plainly in fp32 (float64
+    """The blocks and tokens the kernels read and attend, and the exact DIPR set, computed plainly in fp32 (float64
     for float64 inputs)."""
     num_q_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     group, block_size = num_q_heads // num_kv_heads, key_cache.shape[1]
     betas = torch.as_tensor(beta, dtype=torch.float32).expand(len(seq_lens)).tolist()
     out = DIPRSelection([], [], [], [])
     for seq, seq_len in enumerate(seq_lens.tolist()):
-        q = query[seq].to(_working(query.dtype))  # [heads, dim]
+        q = query[seq].to(_working(query.dtype)) * scale  # [heads, dim]
         keys = _sequence_kv(key_cache, block_table, seq, seq_len).repeat_interleave(group, dim=0)
-        logits = torch.einsum("hd,hjd->hj", q, keys) * scale
+        logits = torch.einsum("hd,hjd->hj", q, keys)
         if seq_len == 0:
             for part, rows in zip(out.__dict__.values(), (num_q_heads, num_kv_heads, num_q_heads, num_q_heads)):
                 part.append(logits.new_zeros(rows, 0, dtype=logits.dtype if part is out.logits else torch.bool))
             continue
         pos = torch.arange(seq_len)
         window = (pos < sink) | (pos >= seq_len - local)
-        tau = logits[:, window].amax(dim=1, keepdim=True) - betas[seq]
         n_blocks = -(-seq_len // block_size)
         block_of = pos // block_size
         read = torch.zeros(num_kv_heads, n_blocks, dtype=torch.bool)
         read[:, block_of[window].unique()] = True
         if betas[seq] == float("inf"):
             read[:] = True
+            tau = torch.full((num_q_heads, 1), float("-inf"))
         else:
-            b = bounds[block_table[seq, :n_blocks].long()].to(q.dtype).transpose(0, 1)  # [kv, blocks, 2, dim]
-            b = b.repeat_interleave(group, dim=0)
-            qs = (q * scale)[:, None, :]
-            upper = torch.maximum(qs * b[:, :, 0], qs * b[:, :, 1]).sum(-1)  # [heads, blocks]
-            size = (qs.abs() * torch.maximum(b[:, :, 0].abs(), b[:, :, 1].abs())).sum(-1)
-            hit = upper + BOUND_SLACK * size >= tau
+            codes = _sequence_kv(sketch.codes, block_table, seq, seq_len)  # [kv, n, d] (as floats)
+            scales = _sequence_kv(sketch.scales[..., None], block_table, seq, seq_len)[..., 0]  # [kv, n]
+            upper, lower = zip(
+                *(
+                    logit_bounds_reference(q[h * group : (h + 1) * group], codes[h], scales[h])
+                    for h in range(num_kv_heads)
+                )
+            )
+            upper, lower = torch.cat(upper), torch.cat(lower)  # [heads, n]
+            tau = lower.amax(dim=1, keepdim=True) - betas[seq]
+            padded = torch.full((num_q_heads, n_blocks * block_size), float("-inf"), dtype=upper.dtype)
+            padded[:, :seq_len] = upper
+            hit = padded.view(num_q_heads, n_blocks, block_size).amax(-1) >= tau
             read |= hit.view(num_kv_heads, group, n_blocks).any(dim=1)
         attended = read.repeat_interleave(group, dim=0)[:, block_of] & (window[None, :] | (logits >= tau))
         exact = logits >= logits.amax(dim=1, keepdim=True) - betas[seq]
@@ -347,17 +351,8 @@ def masked_decode_reference(
 
 def dense_decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale) -> torch.Tensor:
     """Dense paged decode attention, ``[num_seqs, num_q_heads, head_dim]`` fp32 (float64 for float64 inputs)."""
-    sel = dipr_selection_reference(
-        query,
-        key_cache,
-        key_cache.new_zeros(key_cache.shape[0], key_cache.shape[2], 2, key_cache.shape[3]),
-        block_table,
-        seq_lens,
-        float("inf"),
-        scale,
-        0,
-        1,
-    )
+    sketch = KeySketch.allocate(*key_cache.shape, device=key_cache.device)  # unread at beta = inf
+    sel = dipr_selection_reference(query, key_cache, sketch, block_table, seq_lens, float("inf"), scale, 0, 1)
     return masked_decode_reference(value_cache, block_table, seq_lens, sel.logits, sel.attended)
 
 
@@ -384,8 +379,8 @@ class DIPRDecode:
     """DIPR decode attention for one model's attention shape, called with vLLM's decode metadata.
 
     ``plan(seq_lens, block_table)`` once per engine step (shared by all layers), then per layer
-    ``run(query, key_cache, value_cache, bounds, beta)``. ``beta`` is a float or a ``[num_seqs]`` tensor (e.g.
-    ``inf`` for sequences a policy keeps dense); a sequence with ``beta = inf`` reads no window and no bounds.
+    ``run(query, key_cache, value_cache, sketch, beta)``. ``beta`` is a float or a ``[num_seqs]`` tensor (e.g.
+    ``inf`` for sequences a policy keeps dense); a sequence with ``beta = inf`` reads no sketch.
     Nothing is read back to the host, so the launches can be captured in a CUDA graph once the grid (the number of
     sequences and of splits) is fixed.
     """
@@ -464,7 +459,7 @@ class DIPRDecode:
         query: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-        bounds: torch.Tensor,
+        sketch: KeySketch,
         beta: float | torch.Tensor,
         *,
         out: torch.Tensor | None = None,
@@ -474,7 +469,7 @@ class DIPRDecode:
         _check(self._plan is not None, "DIPRDecode.run called before plan(seq_lens, block_table)")
         seq_lens, block_table, num_splits, blocks_per_split = self._plan
         num_seqs, device = len(seq_lens), seq_lens.device
-        self._check_inputs(query, key_cache, value_cache, bounds, num_seqs, device)
+        self._check_inputs(query, key_cache, value_cache, sketch, num_seqs, device)
         betas = self._betas(beta, num_seqs, device)
         if out is None:
             out = torch.empty_like(query)
@@ -484,12 +479,9 @@ class DIPRDecode:
         )
         block_g = max(16, triton.next_power_of_2(self.group))
         block_d = triton.next_power_of_2(self.head_dim)
-        dense = not isinstance(beta, torch.Tensor) and beta == float("inf")  # known on the host: no window pass
-        smax = (
-            torch.full((num_seqs, self.num_q_heads), float("-inf"), dtype=torch.float32, device=device)
-            if dense
-            else torch.empty(num_seqs, self.num_q_heads, dtype=torch.float32, device=device)
-        )
+        block_t = triton.next_power_of_2(self.block_size)
+        max_blocks = num_splits * blocks_per_split
+        dense = not isinstance(beta, torch.Tensor) and beta == float("inf")  # known on the host: no sketch pass
         acc = torch.empty(num_seqs, self.num_q_heads, num_splits, block_d, dtype=torch.float32, device=device)
         m = torch.empty(num_seqs, self.num_q_heads, num_splits, dtype=torch.float32, device=device)
         l = torch.empty_like(m)
@@ -497,40 +489,46 @@ class DIPRDecode:
         blocks_read = torch.empty(num_seqs, self.num_kv_heads, num_splits, dtype=torch.int32, device=device)
         if num_seqs == 0:
             return (out, self._counters(blocks_read, tokens, seq_lens)) if return_counters else out
-        shape = dict(
-            GROUP=self.group,
-            BLOCK_G=block_g,
-            HEAD_DIM=self.head_dim,
-            BLOCK_D=block_d,
-            BLOCK_SIZE=self.block_size,
-            UPCAST=interpreter_upcast(query.dtype),
-        )
-        if not dense:
-            _window_max_kernel[(num_seqs, self.num_kv_heads)](
+        shape = dict(GROUP=self.group, BLOCK_G=block_g, HEAD_DIM=self.head_dim, BLOCK_D=block_d)
+        grid = (num_seqs, self.num_kv_heads, num_splits)
+        if dense:
+            upper = torch.empty(0, dtype=torch.float32, device=device)
+            tau = torch.full((num_seqs, self.num_q_heads), float("-inf"), dtype=torch.float32, device=device)
+        else:
+            upper = torch.empty(num_seqs, self.num_q_heads, max_blocks, dtype=torch.float32, device=device)
+            lower = torch.empty(num_seqs, self.num_q_heads, num_splits, dtype=torch.float32, device=device)
+            _sketch_scan_kernel[grid](
                 query,
-                key_cache,
+                sketch.codes,
+                sketch.scales,
                 block_table,
                 seq_lens,
                 betas,
-                smax,
+                upper,
+                lower,
                 self.scale,
-                self.sink,
-                self.local,
+                blocks_per_split,
+                num_splits,
+                max_blocks,
                 query.stride(0),
                 query.stride(1),
-                *key_cache.stride()[:3],
+                *sketch.codes.stride()[:3],
+                *sketch.scales.stride(),
                 block_table.stride(0),
-                BLOCK_T=16,
+                BLOCK_SIZE=self.block_size,
+                BLOCK_T=block_t,
+                HALF=0.5 + CODE_SLACK,
                 **shape,
             )
-        _dipr_split_kernel[(num_seqs, self.num_kv_heads, num_splits)](
+            tau = lower.amax(-1) - betas[:, None]  # on the device: the host never waits
+        _dipr_split_kernel[grid](
             query,
             key_cache,
             value_cache,
-            bounds,
+            upper,
             block_table,
             seq_lens,
-            smax,
+            tau,
             betas,
             acc,
             m,
@@ -542,14 +540,15 @@ class DIPRDecode:
             self.local,
             blocks_per_split,
             num_splits,
+            max_blocks,
             query.stride(0),
             query.stride(1),
             *key_cache.stride()[:3],
             *value_cache.stride()[:3],
-            *bounds.stride()[:3],
             block_table.stride(0),
-            BLOCK_T=triton.next_power_of_2(self.block_size),
-            SLACK=BOUND_SLACK,
+            BLOCK_SIZE=self.block_size,
+            BLOCK_T=block_t,
+            UPCAST=interpreter_upcast(query.dtype),
             **shape,
         )
         _merge_splits_kernel[(num_seqs, self.num_q_heads)](
@@ -584,18 +583,11 @@ class DIPRDecode:
         _check(not math.isnan(beta) and beta >= 0, f"beta must be >= 0 (inf = dense), got {beta}")
         return torch.full((num_seqs,), float(beta), dtype=torch.float32, device=device)
 
-    def _check_inputs(self, query, key_cache, value_cache, bounds, num_seqs, device) -> None:
+    def _check_inputs(self, query, key_cache, value_cache, sketch, num_seqs, device) -> None:
         expected = (num_seqs, self.num_q_heads, self.head_dim)
         _check(
             tuple(query.shape) == expected,
             f"query must be [num_seqs, num_q_heads, head_dim] = {list(expected)}, got {list(query.shape)}",
         )
         check_paged_kv(query, key_cache, value_cache, self.block_size, self.num_kv_heads, self.head_dim, device)
-        expected_bounds = (key_cache.shape[0], self.num_kv_heads, 2, self.head_dim)
-        _check(
-            tuple(bounds.shape) == expected_bounds and bounds.dtype == query.dtype,
-            f"bounds must be [num_blocks, num_kv_heads, 2, head_dim] = {list(expected_bounds)} {query.dtype}, "
-            f"got {list(bounds.shape)} {bounds.dtype}",
-        )
-        _check(bounds.device == device, f"bounds is on {bounds.device} but seq_lens is on {device}")
-        _check(bounds.stride(-1) == 1, "bounds must be contiguous in its last (head_dim) dimension")
+        sketch.check(key_cache)

@@ -14,7 +14,7 @@ are never loaded (masked loads), so slots beyond a request's length may hold any
 
 Layouts: ``query``/``out[num_tokens, num_q_heads, head_dim]`` (query head ``h`` uses KV head ``h // (num_q_heads //
 num_kv_heads)``, as in vLLM); ``key_cache``/``value_cache[num_blocks, block_size, num_kv_heads, head_dim]`` (any
-strides, last dimension contiguous) as in ``block_bounds.py``; per request ``i`` of the batch: its new tokens are
+strides, last dimension contiguous) as in ``paged_layout.py``; per request ``i`` of the batch: its new tokens are
 rows ``query_starts[i] .. query_ends[i] - 1`` of ``query``, ``seq_lens[i]`` counts all its tokens (context and new),
 ``block_table[i]`` lists its blocks (int32). A sub-batch is given by picking entries of these per-request tensors.
 """
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kvreuse.errors import check_kernel_argument as _check
-from kvreuse.kernels.block_bounds import check_paged_kv
+from kvreuse.kernels.paged_layout import check_paged_kv
 from kvreuse.kernels.tile_math import dot_fp32, interpreter_upcast, online_softmax_step
 
 # Query rows (query tokens x query heads of one KV head) per program. 64 rows fill a tensor-core tile of an

@@ -1,6 +1,6 @@
 """The KV cache write of kvreuse's attention backends: a step's keys and values into their slots of a paged cache.
 
-Layouts as in ``kvreuse.kernels.block_bounds``: ``key``/``value[num_tokens, num_kv_heads, head_dim]`` (any strides,
+Layouts as in ``kvreuse.kernels.paged_layout``: ``key``/``value[num_tokens, num_kv_heads, head_dim]`` (any strides,
 last dimension contiguous, e.g. views of a fused QKV projection) are stored at ``key_cache``/``value_cache
 [num_blocks, block_size, num_kv_heads, head_dim]``, token ``t`` at slot ``slot_mapping[t]`` = ``block * block_size
 + offset``; a negative slot is padding and is skipped.
@@ -18,7 +18,7 @@ import triton.language as tl
 
 from kvreuse.errors import check_kernel_argument as _check
 from kvreuse.kernels import SUPPORTED_DTYPES
-from kvreuse.kernels.block_bounds import check_cache_shape
+from kvreuse.kernels.paged_layout import check_cache_shape
 
 
 @triton.jit

@@ -27,6 +27,7 @@ from sglang.srt.model_executor.forward_context import ForwardContext, forward_co
 
 from kvreuse.errors import ConfigError
 from kvreuse.kernels.dipr_decode import dipr_selection_reference, masked_decode_reference
+from kvreuse.kernels.key_sketch import KeySketch, sketch_reference
 from kvreuse.sglang.attention import SparseAttnBackend
 from kvreuse.sparse.config import SparseConfig
 
@@ -193,33 +194,41 @@ def test_the_metadata_is_sglangs_batch_in_pages():
     assert engine.backend.forward_metadata.seq_lens_cpu.tolist() == [301, 46]
 
 
-def test_the_kv_and_the_page_bounds_are_written_into_sglangs_pool():
+def test_the_kv_and_the_key_sketch_are_written_into_sglangs_pool():
     engine = Engine(sparse(8.0))
     engine.step(PROMPTS)
     for layer in range(LAYERS):
         keys = engine.kv_pool.get_key_buffer(layer)
         slots = engine.req_pool.req_to_token[engine.rows[0], :300].long()
         assert torch.equal(keys[slots], torch.cat(engine.history[layer][0]["k"]))  # a copy: bitwise
-        bounds = engine.backend.bounds[layer]
-        page = int(slots[0]) // PAGE
-        page_keys = keys[page * PAGE : (page + 1) * PAGE]
-        assert torch.equal(bounds[page, :, 0], page_keys.amax(0))  # maxima and minima: no rounding
-        assert torch.equal(bounds[page, :, 1], page_keys.amin(0))
+        sketch = engine.backend.sketches[layer]
+        codes, scales = sketch_reference(keys[slots])
+        # A maximum, one correctly rounded division and a floor, computed alike: bitwise.
+        assert torch.equal(sketch.codes.flatten(0, 1)[slots], codes)
+        assert torch.equal(sketch.scales.flatten(0, 1)[slots], scales)
 
 
 def dipr_expected(engine: Engine, layer: int, q: torch.Tensor, beta: float):
     """What the backend's DIPR decode of ``q`` must give in ``layer``: (the fp32 reference on the backend's views of
     SGLang's pool in each summation order, the float64 result over the exact selection, that selection, checked for a
     margin)."""
-    key_cache, value_cache, bounds = engine.backend._caches(engine.layers[layer])
+    key_cache, value_cache, sketch = engine.backend._caches(engine.layers[layer])
     batch = engine.backend.forward_metadata
     config = engine.backend.attention.config
     table, lens = batch.block_table, batch.seq_lens_cpu
-    exact = settled_dipr_selection(q, key_cache, bounds, table, lens, beta, SCALE, config.sink, config.local)
+    exact = settled_dipr_selection(q, key_cache, sketch, table, lens, beta, SCALE, config.sink, config.local)
     references = []
     for o in summation_orders(DIM):
         fp32 = dipr_selection_reference(
-            q[..., o], key_cache[..., o], bounds[..., o], table, lens, beta, SCALE, config.sink, config.local
+            q[..., o],
+            key_cache[..., o],
+            KeySketch(sketch.codes[..., o], sketch.scales),
+            table,
+            lens,
+            beta,
+            SCALE,
+            config.sink,
+            config.local,
         )
         assert all(torch.equal(a, b) for a, b in zip(fp32.attended, exact.attended))  # settled: fp32 decides alike
         references.append(masked_decode_reference(value_cache, table, lens, fp32.logits, fp32.attended))
@@ -253,11 +262,11 @@ def test_the_triton_kernel_reads_sglangs_pool_pages_as_the_backend_does():
     q, k, v = engine.qkv([1, 1], 1)
     with forward_context(ForwardContext(attn_backend=engine.backend)):
         out = engine.layers[1](q.reshape(2, -1), k.reshape(2, -1), v.reshape(2, -1), fb).view(2, Q_HEADS, DIM)
-    key_cache, value_cache, bounds = engine.backend._caches(engine.layers[1])
+    key_cache, value_cache, sketch = engine.backend._caches(engine.layers[1])
     batch = engine.backend.forward_metadata
     kernel = DIPRDecode(Q_HEADS, KV_HEADS, DIM, PAGE, scale=SCALE, sink=16, local=32)
     kernel.plan(batch.seq_lens.to(torch.int32), batch.block_table, max_seq_len=batch.max_seq_len)
-    result = kernel.run(q.contiguous(), key_cache, value_cache, bounds, torch.full((2,), 6.0))
+    result = kernel.run(q.contiguous(), key_cache, value_cache, sketch, torch.full((2,), 6.0))
     references, exact, _ = dipr_expected(engine, 1, q, 6.0)
     assert_close_to_exact(out, references, exact, what="the backend")
     assert_close_to_exact(result, references, exact, what="the kernel")

@@ -10,13 +10,14 @@ of the page ``req_to_token[req, t] // P``. That is the kernels' paged layout onc
 * the batch (``init_forward_metadata``): ``ForwardBatch`` -> ``kvreuse.sparse.paged.PagedBatch``, with the block
   table read from SGLang's ``req_to_token`` every ``P``-th column and ``out_cache_loc`` as the slot mapping;
 * the forward calls: ``forward_extend``/``forward_decode`` -> ``SparseAttention.write`` (the K/V store and the
-  per-page key bounds) and ``SparseAttention.attend`` (dense causal for requests with several new tokens, DIPR for
+  keys' sketch) and ``SparseAttention.attend`` (dense causal for requests with several new tokens, DIPR for
   one-token decodes that the policy makes sparse).
 
-Block pruning skips whole pages, so the backend needs ``--page-size`` of 2 or more (16 or more to save bytes; a page
-of one token has bounds as large as its key). It does not support CUDA graphs (``--disable-cuda-graph``), MLA,
+Block pruning skips whole pages, so the backend needs ``--page-size`` of 2 or more (16 or more to save bytes: the
+sketch of a page is read whole). It does not support CUDA graphs (``--disable-cuda-graph``), MLA,
 sliding windows, logit soft-capping, cross attention or a quantized KV cache; start-up stops naming which. The
-bounds (2 x head_dim values per page and KV head per layer) are allocated outside SGLang's KV memory budget.
+key sketch (``kvreuse.kernels.key_sketch``: an int8 code per key channel and an fp32 scale, per token, KV head and
+layer) is allocated outside SGLang's KV memory budget.
 Settings: ``KVREUSE_SPARSE_*`` (``SparseConfig``).
 """
 
@@ -32,6 +33,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from kvreuse.errors import ConfigError
+from kvreuse.kernels.key_sketch import KeySketch
 from kvreuse.patches import sglang_0_5
 from kvreuse.sglang.names import BackendName
 from kvreuse.sparse.config import SparseConfig
@@ -80,7 +82,7 @@ def paged_batch(forward_batch: ForwardBatch, req_to_token: torch.Tensor, page_si
 
 class SparseAttnBackend(AttentionBackend):
     """SGLang's ``AttentionBackend`` over :class:`~kvreuse.sparse.paged.SparseAttention` (one per backend: all
-    layers share its settings and figures; each layer has its own bounds)."""
+    layers share its settings and figures; each layer has its own key sketch)."""
 
     def __init__(self, model_runner: Any, config: SparseConfig | None = None) -> None:
         super().__init__()
@@ -110,7 +112,7 @@ class SparseAttnBackend(AttentionBackend):
             )
         self.config = config or SparseConfig.load()
         self.attention: SparseAttention | None = None
-        self.bounds: dict[int, torch.Tensor] = {}
+        self.sketches: dict[int, KeySketch] = {}
         self.forward_metadata: PagedBatch | None = None
         logger.info("kvreuse sparse attention: page size %d, %s", self.page_size, self.config)
 
@@ -162,11 +164,11 @@ class SparseAttnBackend(AttentionBackend):
     def _forward(self, q, k, v, layer, save_kv_cache: bool) -> torch.Tensor:
         batch = self.forward_metadata
         attention = self._attention(layer)
-        key_cache, value_cache, bounds = self._caches(layer)
+        key_cache, value_cache, sketch = self._caches(layer)
         heads, kv_heads, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
         if save_kv_cache and k is not None:
             attention.write(
-                k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim), key_cache, value_cache, bounds, batch.slot_mapping
+                k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim), key_cache, value_cache, sketch, batch.slot_mapping
             )
         out = q.new_empty(q.shape[0], heads * dim)
         n = batch.num_actual_tokens
@@ -175,7 +177,7 @@ class SparseAttnBackend(AttentionBackend):
             q.view(-1, heads, dim)[:n],
             key_cache,
             value_cache,
-            bounds,
+            sketch,
             batch,
             out.view(-1, heads, dim)[:n],
         )
@@ -202,10 +204,11 @@ class SparseAttnBackend(AttentionBackend):
             self.attention = SparseAttention(
                 layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, self.page_size, layer.scaling, self.config
             )
+            self.attention.log = logger
         return self.attention
 
-    def _caches(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer's K and V buffers as ``[pages, page_size, kv_heads, head_dim]`` views, and its bounds."""
+    def _caches(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor, KeySketch]:
+        """The layer's K and V buffers as ``[pages, page_size, kv_heads, head_dim]`` views, and its key sketch."""
         keys, values = sglang_0_5.layer_kv_buffers(self.token_to_kv_pool, layer.layer_id)
         if keys.shape[0] % self.page_size:
             raise ConfigError(
@@ -213,9 +216,9 @@ class SparseAttnBackend(AttentionBackend):
             )
         key_cache = keys.view(-1, self.page_size, *keys.shape[1:])
         value_cache = values.view(-1, self.page_size, *values.shape[1:])
-        bounds = self.bounds.get(layer.layer_id)
-        if bounds is None or bounds.shape[0] != key_cache.shape[0] or bounds.device != key_cache.device:
-            bounds = self.bounds[layer.layer_id] = self.attention.allocate_bounds(
-                key_cache.shape[0], key_cache.dtype, key_cache.device
+        sketch = self.sketches.get(layer.layer_id)
+        if sketch is None or sketch.codes.shape[0] != key_cache.shape[0] or sketch.codes.device != key_cache.device:
+            sketch = self.sketches[layer.layer_id] = self.attention.allocate_sketch(
+                key_cache.shape[0], key_cache.device
             )
-        return key_cache, value_cache, bounds
+        return key_cache, value_cache, sketch

@@ -19,7 +19,7 @@ Like the Prompt Cache design it follows, a spliced module's keys and values are 
 they attended to what preceded it there, not to what precedes it now. Requests whose modules are all learnt at the
 start of a prompt (no context) get exactly the KV of the module alone. What SGLang does not let a plugin do: hand
 the KV to the attention backend (the slots are written directly, so the module cache cannot be combined with
-``--attention-backend kvreuse_sparse``, whose page bounds would miss them), or splice from HiCache's storage tier
+``--attention-backend kvreuse_sparse``, whose key sketch would miss them), or splice from HiCache's storage tier
 (its look-ups are chained page hashes that stop at the first gap, so only prefixes are found).
 
 Settings: ``KVREUSE_MODULES_*`` (``ModulesConfig``, the store's tiers) and ``KVREUSE_SGLANG_MODULES_FILE``.
@@ -176,7 +176,7 @@ def create_module_radix_cache(ctx: Any) -> ModuleRadixCache:
             ("hierarchical caching (--enable-hierarchical-cache)", ctx.enable_hierarchical_cache),
             ("hybrid sliding-window or state-space models", ctx.is_hybrid_swa or ctx.is_hybrid_ssm),
             (
-                f"--attention-backend {BackendName.SPARSE_ATTENTION} (spliced slots would have no page bounds)",
+                f"--attention-backend {BackendName.SPARSE_ATTENTION} (spliced slots would have no key sketch)",
                 BackendName.SPARSE_ATTENTION
                 in (getattr(args, "attention_backend", None), getattr(args, "decode_attention_backend", None)),
             ),

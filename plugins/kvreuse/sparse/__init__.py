@@ -1,8 +1,8 @@
 """DIPR sparse decode attention, engine-free: settings, the per-layer/per-sequence policy and the figures.
 
-The kernels are in ``kvreuse.kernels.block_bounds`` (per-block key bounds, updated on every KV write) and
-``kvreuse.kernels.dipr_decode`` (the split-K decode that skips blocks by those bounds); an engine adapter calls
-them with its own metadata and asks ``RuleBasedPolicy`` for each layer's betas.
+The kernels are in ``kvreuse.kernels.key_sketch`` (per-token 8-bit key codes, written with every key) and
+``kvreuse.kernels.dipr_decode`` (the split-K decode that skips blocks by the bounds those codes give); an engine
+adapter calls them through ``kvreuse.sparse.paged.SparseAttention`` with its own metadata.
 """
 
 from kvreuse.sparse.config import SparseConfig, parse_layer_betas

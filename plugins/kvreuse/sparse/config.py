@@ -69,9 +69,14 @@ class SparseConfig:
         "", 'per-layer beta overrides, e.g. "0:inf,8-11:6.0" (a layer listed here ignores dense_layers)'
     )
     dense_layers: int = config.setting(
-        2, "the first this many layers always use dense attention", low=0, high=1_000_000
+        1,
+        "the first this many layers always use dense attention (SmolLM2's layer 0 needs 80-99% of blocks at beta 4)",
+        low=0,
+        high=1_000_000,
     )
-    min_context: int = config.setting(2048, "sequences shorter than this many tokens use dense attention", low=0)
+    min_context: int = config.setting(
+        512, "sequences shorter than this many tokens use dense attention (logged once when it happens)", low=0
+    )
     sink: int = config.setting(
         16, "always-kept first tokens; their scores give DIPR's lower bound on the largest score", low=0, high=1_000_000
     )

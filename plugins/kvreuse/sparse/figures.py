@@ -19,6 +19,7 @@ import torch
 
 if TYPE_CHECKING:  # the kernels need Triton; the figures import them only when sampling
     from kvreuse.kernels.dipr_decode import DIPRCounters
+    from kvreuse.kernels.key_sketch import KeySketch
 
 
 def should_sample(step: int, every: int) -> bool:
@@ -35,7 +36,7 @@ def recovery_ratio(logits: torch.Tensor, attended: torch.Tensor) -> torch.Tensor
 def sample_recovery(
     query: torch.Tensor,
     key_cache: torch.Tensor,
-    bounds: torch.Tensor,
+    sketch: KeySketch,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     beta: float | torch.Tensor,
@@ -46,15 +47,17 @@ def sample_recovery(
     """Recovery ratio ``[num_seqs, num_q_heads]`` of the set the DIPR kernel attends, by the reference."""
     from kvreuse.kernels.dipr_decode import dipr_selection_reference
 
-    sel = dipr_selection_reference(query, key_cache, bounds, block_table, seq_lens, beta, scale, sink, local)
+    sel = dipr_selection_reference(query, key_cache, sketch, block_table, seq_lens, beta, scale, sink, local)
     if not sel.logits:
         return torch.zeros(0, query.shape[1])
     return torch.stack([recovery_ratio(lg, at) for lg, at in zip(sel.logits, sel.attended)])
 
 
 COUNTERS = ("blocks_read", "blocks_total", "tokens_attended", "tokens_total")
-# Cumulative figures per layer: the kernel's COUNTERS, then the sum of the sampled recovery ratios and their number.
-FIGURES = COUNTERS + ("recovery_kept", "recovery_samples")
+# Cumulative figures per layer: the kernel's COUNTERS, the number of decodes (sequence x layer) that ran DIPR and
+# that the policy kept dense, then the sum of the sampled recovery ratios and their number.
+DECODES = ("dipr_decodes", "dense_decodes")
+FIGURES = COUNTERS + DECODES + ("recovery_kept", "recovery_samples")
 
 
 @dataclass
@@ -62,6 +65,8 @@ class _LayerSums:
     counts: torch.Tensor | None = None  # DIPR decodes' int64 [len(COUNTERS)], on the device the kernel ran on
     dense_blocks: int = 0  # decodes kept dense read every block (x KV heads) and token (x query heads): host ints
     dense_tokens: int = 0
+    dipr_decodes: int = 0  # host ints: how many sequences decoded with DIPR / densely in this layer
+    dense_decodes: int = 0
     recovery_kept: float = 0.0
     recovery_samples: int = 0
     recovery_min: float = math.inf
@@ -94,13 +99,15 @@ class AttendedFractions:
             )
         )
         sums.counts = step if sums.counts is None else sums.counts + step
+        sums.dipr_decodes += counters.blocks_total.shape[0]  # a shape: known on the host without a device read
 
-    def add_dense(self, layer: int, blocks: int, tokens: int) -> None:
-        """Dense decodes of ``layer`` that read ``blocks`` KV blocks x KV heads and ``tokens`` tokens x query heads
-        (all of their contexts)."""
+    def add_dense(self, layer: int, blocks: int, tokens: int, decodes: int) -> None:
+        """``decodes`` dense decodes of ``layer`` that read ``blocks`` KV blocks x KV heads and ``tokens`` tokens x
+        query heads (all of their contexts)."""
         sums = self._layers.setdefault(layer, _LayerSums())
         sums.dense_blocks += blocks
         sums.dense_tokens += tokens
+        sums.dense_decodes += decodes
 
     def add_recovery(self, layer: int, ratios: torch.Tensor) -> None:
         ratios = ratios.detach().flatten().double().cpu()
@@ -126,6 +133,10 @@ class AttendedFractions:
             if sums.dense_blocks or sums.dense_tokens
         }
 
+    def decode_totals(self) -> dict[int, tuple[int, int]]:
+        """Per layer: how many decodes ran DIPR and how many the policy kept dense (``DECODES``, host values)."""
+        return {layer: (sums.dipr_decodes, sums.dense_decodes) for layer, sums in sorted(self._layers.items())}
+
     def recovery_totals(self) -> dict[int, tuple[float, int]]:
         """Per layer with samples: the sum of the sampled recovery ratios and their number (host values)."""
         return {
@@ -135,7 +146,8 @@ class AttendedFractions:
         }
 
     def rows(self) -> list[dict[str, float | int | None]]:
-        """One row per layer: ``layer, block_fraction, token_fraction, recovery_mean, recovery_min, samples``."""
+        """One row per layer: ``layer``, its ``COUNTERS`` (DIPR and dense decodes) and ``DECODES``, ``block_fraction``,
+        ``token_fraction``, ``recovery_mean``, ``recovery_min``, ``samples``."""
         rows = []
         for layer in sorted(self._layers):
             sums = self._layers[layer]
@@ -147,6 +159,12 @@ class AttendedFractions:
             rows.append(
                 {
                     "layer": layer,
+                    "blocks_read": blocks_read,
+                    "blocks_total": blocks_total,
+                    "tokens_attended": tokens_attended,
+                    "tokens_total": tokens_total,
+                    "dipr_decodes": sums.dipr_decodes,
+                    "dense_decodes": sums.dense_decodes,
                     "block_fraction": blocks_read / blocks_total if blocks_total else None,
                     "token_fraction": tokens_attended / tokens_total if tokens_total else None,
                     "recovery_mean": sums.recovery_kept / sums.recovery_samples if sampled else None,
@@ -217,6 +235,8 @@ class FigureIncrements:
         for layer, dense in fractions.dense_totals().items():
             for name, value in zip(COUNTERS, dense):
                 now[(name, layer)] = now.get((name, layer), 0) + value
+        for layer, decodes in fractions.decode_totals().items():
+            now.update({(name, layer): value for name, value in zip(DECODES, decodes)})
         for layer, (kept, samples) in fractions.recovery_totals().items():
             now.update({("recovery_kept", layer): kept, ("recovery_samples", layer): samples})
         grown = {key: value - self._reported.get(key, 0) for key, value in now.items()}

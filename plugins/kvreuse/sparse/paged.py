@@ -1,15 +1,16 @@
-"""Sparse attention over vLLM's plain paged KV cache, engine-free: cache write, block bounds, dense causal prefill
+"""Sparse attention over vLLM's plain paged KV cache, engine-free: cache write, key sketches, dense causal prefill
 and DIPR decode, with the policy deciding per layer and per sequence.
 
-Layouts are the kernels' (``kvreuse.kernels.block_bounds``): ``key_cache``/``value_cache[num_blocks, block_size,
-num_kv_heads, head_dim]`` (any strides, last dimension contiguous), ``bounds[num_blocks, num_kv_heads, 2,
-head_dim]``; a batch is vLLM's: ``query[num_tokens, num_q_heads, head_dim]`` with each request's tokens contiguous
+Layouts are the kernels' (``kvreuse.kernels.paged_layout``, ``kvreuse.kernels.key_sketch``):
+``key_cache``/``value_cache[num_blocks, block_size, num_kv_heads, head_dim]`` (any strides, last dimension
+contiguous) and the keys' ``KeySketch`` (int8 codes indexed like the key cache, one fp32 scale per token and KV
+head); a batch is vLLM's: ``query[num_tokens, num_q_heads, head_dim]`` with each request's tokens contiguous
 (``query_start_loc[num_reqs + 1]``), ``seq_lens[num_reqs]`` counting the request's new tokens, ``block_table
 [num_reqs, max_blocks]`` int32 and ``slot_mapping[num_tokens]`` (negative = padding).
 
-``SparseAttention`` is one object per model shape: ``write`` stores a step's keys and values and merges the keys into
-their blocks' bounds (so the bounds are current after every write, prefill and decode alike); ``attend`` computes a
-layer's attention for the whole batch:
+``SparseAttention`` is one object per model shape: ``write`` stores a step's keys and values and sketches the keys
+(so the sketch is current after every write, prefill and decode alike); ``attend`` computes a layer's attention
+for the whole batch:
 
 - a request with more than one new token (prefill, chunked prefill, speculative verification) gets dense causal
   attention over its cached context and its new tokens;
@@ -17,11 +18,12 @@ layer's attention for the whole batch:
   ``layer_betas``) and the sequence is at least ``min_context`` tokens long; its beta may be ``inf``, which DIPR
   computes as exact dense attention. Otherwise it gets the dense path.
 
-On CUDA, everything runs the Triton launchers: ``BlockBounds`` for the bounds, ``PagedCausalAttention`` for all the
-batch's dense requests in one launch per layer, ``DIPRDecode`` for the DIPR decodes. Elsewhere (vLLM's CPU build,
-where Triton is off) the same work runs in PyTorch: the bounds by ``scatter_reduce_``, dense attention and DIPR by
-the kernels' references, which attend the same tokens as the kernels but, computing every logit, save no bytes
-(``kernels=True`` runs the Triton path anyway, e.g. in Triton's interpreter for tests).
+On CUDA, everything runs the Triton launchers: ``PagedKVWrite`` and ``KeySketchWrite`` for the write,
+``PagedCausalAttention`` for all the batch's dense requests in one launch per layer, ``DIPRDecode`` for the DIPR
+decodes. Elsewhere (vLLM's CPU build, where Triton is off) the same work runs in PyTorch: the write by the
+kernels' references, attention by ``kvreuse.sparse.cpu_attention`` (PyTorch's fused attention for prefill, the
+paged cache read in place for decode, DIPR computing logits only for the blocks it reads), which attends the same
+tokens as the kernels (``kernels=True`` runs the Triton path anyway, e.g. in Triton's interpreter for tests).
 
 Every DIPR decode adds the blocks and tokens it attended to ``figures`` (``AttendedFractions``); dense decodes of
 sequences the policy keeps dense add every block and token, so the fractions are over all decode work. Every
@@ -30,14 +32,20 @@ sequences the policy keeps dense add every block and token, so the fractions are
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvreuse.errors import check_kernel_argument as _check
+from kvreuse.sparse import cpu_attention
 from kvreuse.sparse.config import SparseConfig
-from kvreuse.sparse.figures import AttendedFractions, recovery_ratio, sample_recovery, should_sample
+from kvreuse.sparse.figures import AttendedFractions, sample_recovery, should_sample
 from kvreuse.sparse.policy import INF, RuleBasedPolicy
+
+if TYPE_CHECKING:  # the kernels' modules import Triton, which the CPU path needs only at call time
+    from kvreuse.kernels.key_sketch import KeySketch
 
 
 @dataclass(frozen=True)
@@ -80,12 +88,13 @@ class SubBatch:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """How one step's batch splits in a layer: dense requests, DIPR decodes, and the blocks and tokens of the
-    decodes kept dense (for the figures)."""
+    """How one step's batch splits in a layer: dense requests, DIPR decodes, and the number, blocks and tokens of
+    the decodes kept dense (for the figures)."""
 
     dense: SubBatch | None
     dipr: SubBatch | None
-    dense_decodes: tuple[int, int]
+    dense_decodes: tuple[int, int, int]
+    under_min_context: int = 0  # the longest context of a decode kept dense only for being under min_context
 
 
 def gather(batch: PagedBatch, reqs: list[int], max_query_len: int) -> SubBatch:
@@ -114,7 +123,7 @@ def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_si
     lens = batch.seq_lens_cpu.tolist()
     dense_reqs: list[int] = []
     dipr_reqs: list[int] = []
-    dense_blocks = dense_tokens = 0
+    dense_count = dense_blocks = dense_tokens = under_min_context = 0
     for req in range(batch.num_reqs):
         new_tokens = starts[req + 1] - starts[req]
         if new_tokens <= 0:
@@ -124,41 +133,22 @@ def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_si
             continue
         dense_reqs.append(req)
         if new_tokens == 1:
+            if not dense_layer:
+                under_min_context = max(under_min_context, lens[req])
+            dense_count += 1
             dense_blocks += -(-lens[req] // block_size)
             dense_tokens += lens[req]
     max_query_len = max((starts[req + 1] - starts[req] for req in dense_reqs), default=0)
     return StepPlan(
         dense=gather(batch, dense_reqs, max_query_len) if dense_reqs else None,
         dipr=gather(batch, dipr_reqs, 1) if dipr_reqs else None,
-        dense_decodes=(dense_blocks, dense_tokens),
+        dense_decodes=(dense_count, dense_blocks, dense_tokens),
+        under_min_context=under_min_context,
     )
 
 
-def merge_bounds(bounds: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
-    """``BlockBounds.run`` in PyTorch: merge the keys written at ``slot_mapping`` into their blocks' bounds.
-
-    A block written at offset 0 this step is reset first (a re-used block forgets its previous owner's keys), as
-    the kernel does; ``key`` holds the values as stored (same dtype as the cache), so no rounding differs.
-    """
-    n = min(len(slot_mapping), len(key))
-    slots = slot_mapping[:n].long()
-    valid = slots >= 0
-    slots, key = slots[valid], key[:n][valid].to(bounds.dtype)
-    if slots.numel() == 0:
-        return
-    blocks = slots // block_size
-    starts = blocks[slots % block_size == 0]
-    hi, lo = bounds.select(2, 0), bounds.select(2, 1)
-    if starts.numel():
-        hi[starts] = float("-inf")
-        lo[starts] = float("inf")
-    index = blocks[:, None, None].expand_as(key)
-    hi.scatter_reduce_(0, index, key, "amax")
-    lo.scatter_reduce_(0, index, key, "amin")
-
-
 class SparseAttention:
-    """Cache write, bounds upkeep and attention for one model shape, under one ``SparseConfig``.
+    """Cache write, key sketches and attention for one model shape, under one ``SparseConfig``.
 
     ``configure`` swaps the settings between steps (e.g. to sweep beta on one engine); ``figures`` accumulates the
     attended fractions per layer. ``kernels``: run the Triton kernels (``None``: on CUDA tensors only).
@@ -187,6 +177,7 @@ class SparseAttention:
         )
         self.scale = float(scale)
         self.kernels = kernels
+        self.log = logging.getLogger("kvreuse.sparse")  # an adapter may hand its engine's logger instead
         self.figures = AttendedFractions()
         self._dipr_steps: dict[int, int] = {}  # DIPR decode calls per layer, for sample_recovery
         self._plans: tuple[PagedBatch, dict[bool, StepPlan]] | None = None  # the current step's, by dense_layer
@@ -196,13 +187,13 @@ class SparseAttention:
         self.config = config
         self.policy = RuleBasedPolicy(config)
         self._plans = None
+        self._told_min_context = False
 
-    def allocate_bounds(self, num_blocks: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        """Empty bounds (maxima ``-inf``, minima ``+inf``) for a cache of ``num_blocks`` blocks."""
-        bounds = torch.empty(num_blocks, self.num_kv_heads, 2, self.head_dim, dtype=dtype, device=device)
-        bounds[:, :, 0] = float("-inf")
-        bounds[:, :, 1] = float("inf")
-        return bounds
+    def allocate_sketch(self, num_blocks: int, device: torch.device | str) -> KeySketch:
+        """A zero sketch for a cache of ``num_blocks`` blocks (for engines whose cache has no room for it)."""
+        from kvreuse.kernels.key_sketch import KeySketch
+
+        return KeySketch.allocate(num_blocks, self.block_size, self.num_kv_heads, self.head_dim, device)
 
     def dense_layer(self, layer: int) -> bool:
         """Whether ``layer`` is dense for every sequence (rule 2 of the policy, not overridden by rule 1)."""
@@ -219,25 +210,22 @@ class SparseAttention:
         value: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-        bounds: torch.Tensor,
+        sketch: KeySketch,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Store a step's keys and values and bring the bounds of the blocks written up to date."""
+        """Store a step's keys and values and sketch the keys."""
+        from kvreuse.kernels.key_sketch import KeySketchWrite, sketch_written_reference
+        from kvreuse.kernels.paged_write import PagedKVWrite, store_kv_reference
+
+        slots = slot_mapping[: len(key)]
         if self._use_kernels(key_cache):
-            from kvreuse.kernels.block_bounds import BlockBounds
-            from kvreuse.kernels.paged_write import PagedKVWrite
-
             PagedKVWrite(self.block_size, self.num_kv_heads, self.head_dim).run(
-                key, value, key_cache, value_cache, slot_mapping
+                key, value, key_cache, value_cache, slots
             )
-            launcher = BlockBounds(self.block_size, self.num_kv_heads, self.head_dim)
-            launcher.plan(slot_mapping[: len(key)])
-            launcher.run(key_cache, bounds)
+            KeySketchWrite(self.block_size, self.num_kv_heads, self.head_dim).run(key_cache, sketch, slots)
         else:
-            from kvreuse.kernels.paged_write import store_kv_reference
-
-            store_kv_reference(key, value, key_cache, value_cache, slot_mapping)
-            merge_bounds(bounds, key, slot_mapping, self.block_size)
+            store_kv_reference(key, value, key_cache, value_cache, slots)
+            sketch_written_reference(key_cache, sketch, slots)
 
     # -- attention ------------------------------------------------------------------------------------------------
 
@@ -247,19 +235,19 @@ class SparseAttention:
         query: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-        bounds: torch.Tensor,
+        sketch: KeySketch,
         batch: PagedBatch,
         out: torch.Tensor,
     ) -> torch.Tensor:
         """Attention of every real token of ``batch`` in ``layer``, written into ``out[num_tokens, hq, d]``."""
         plan = self._plan(batch, self.dense_layer(layer))
-        if plan.dense_decodes != (0, 0):
-            blocks, tokens = plan.dense_decodes
-            self.figures.add_dense(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads)
+        count, blocks, tokens = plan.dense_decodes
+        if count:
+            self.figures.add_dense(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads, count)
         if plan.dense is not None:
             self._dense(query, key_cache, value_cache, plan.dense, out)
         if plan.dipr is not None:
-            self._dipr_decode(layer, query, key_cache, value_cache, bounds, plan.dipr, batch.max_seq_len, out)
+            self._dipr_decode(layer, query, key_cache, value_cache, sketch, plan.dipr, batch.max_seq_len, out)
         return out
 
     def _plan(self, batch: PagedBatch, dense_layer: bool) -> StepPlan:
@@ -270,34 +258,41 @@ class SparseAttention:
         plans = self._plans[1]
         if dense_layer not in plans:
             plans[dense_layer] = split_batch(batch, dense_layer, self.config.min_context, self.block_size)
+            if plans[dense_layer].under_min_context and not self._told_min_context:
+                self._told_min_context = True
+                self.log.info(
+                    "kvreuse sparse: decodes of contexts shorter than min_context = %d tokens attend densely in every "
+                    "layer (first one: %d tokens); lower sparse.min_context (KVREUSE_SPARSE_MIN_CONTEXT) to prune "
+                    "them. Said once per setting.",
+                    self.config.min_context,
+                    plans[dense_layer].under_min_context,
+                )
         return plans[dense_layer]
 
     def _dense(self, query, key_cache, value_cache, sub: SubBatch, out) -> None:
         """Dense causal attention of a sub-batch (prefill, chunked prefill, dense decode) into its rows."""
-        from kvreuse.kernels.paged_causal import PagedCausalAttention, paged_causal_reference
-
         if self._use_kernels(query):
+            from kvreuse.kernels.paged_causal import PagedCausalAttention
+
             launcher = PagedCausalAttention(
                 self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size, scale=self.scale
             )
             launcher.plan(sub.query_starts, sub.query_ends, sub.seq_lens, sub.block_table, sub.max_query_len)
             launcher.run(query, key_cache, value_cache, out)
-        else:
-            paged_causal_reference(
-                query,
-                key_cache,
-                value_cache,
-                sub.query_starts,
-                sub.query_ends,
-                sub.seq_lens,
-                sub.block_table,
-                self.scale,
-                out,
-            )
+            return
+        for i, (first, last, seq_len) in enumerate(
+            zip(sub.query_starts.tolist(), sub.query_ends.tolist(), sub.seq_lens.tolist())
+        ):
+            blocks = sub.block_table[i, : -(-seq_len // self.block_size)]
+            if last - first == 1:
+                result = cpu_attention.dense_decode(query[first], key_cache, value_cache, blocks, seq_len, self.scale)
+            else:
+                keys = cpu_attention.sequence_tokens(key_cache, blocks, seq_len)
+                values = cpu_attention.sequence_tokens(value_cache, blocks, seq_len)
+                result = cpu_attention.dense_causal(query[first:last], keys, values, self.scale)
+            out[first:last] = result.to(out.dtype)
 
-    def _dipr_decode(self, layer, query, key_cache, value_cache, bounds, sub: SubBatch, max_seq_len: int, out) -> None:
-        from kvreuse.kernels.dipr_decode import DIPRCounters
-
+    def _dipr_decode(self, layer, query, key_cache, value_cache, sketch, sub: SubBatch, max_seq_len: int, out) -> None:
         rows, seq_lens, block_table = sub.query_starts.long(), sub.seq_lens, sub.block_table
         q = query.index_select(0, rows)
         betas = torch.full((len(sub.reqs),), self.policy.layer_beta(layer), dtype=torch.float32, device=query.device)
@@ -318,28 +313,40 @@ class SparseAttention:
                 local=local,
             )
             launcher.plan(seq_lens, block_table, max_seq_len=max_seq_len)
-            result, counters = launcher.run(q.contiguous(), key_cache, value_cache, bounds, betas, return_counters=True)
-            if sampled:
-                self.figures.add_recovery(
-                    layer, sample_recovery(q, key_cache, bounds, block_table, seq_lens, betas, self.scale, sink, local)
-                )
+            result, counters = launcher.run(q.contiguous(), key_cache, value_cache, sketch, betas, return_counters=True)
         else:
-            from kvreuse.kernels.dipr_decode import dipr_selection_reference, masked_decode_reference
-
-            seq_lens_cpu = seq_lens.cpu()
-            sel = dipr_selection_reference(
-                q, key_cache, bounds, block_table, seq_lens_cpu, betas, self.scale, sink, local
+            result, counters = self._dipr_decode_cpu(q, key_cache, value_cache, sketch, sub, betas)
+        if sampled:
+            self.figures.add_recovery(
+                layer, sample_recovery(q, key_cache, sketch, block_table, seq_lens, betas, self.scale, sink, local)
             )
-            result = masked_decode_reference(value_cache, block_table, seq_lens_cpu, sel.logits, sel.attended)
-            counters = DIPRCounters(
-                torch.stack([read.sum(-1, dtype=torch.int32) for read in sel.blocks_read]),
-                (seq_lens_cpu + self.block_size - 1) // self.block_size,
-                torch.stack([att.sum(-1, dtype=torch.int32) for att in sel.attended]),
-                seq_lens_cpu.clone(),
-            )
-            if sampled:
-                self.figures.add_recovery(
-                    layer, torch.stack([recovery_ratio(lg, at) for lg, at in zip(sel.logits, sel.attended)])
-                )
         out.index_copy_(0, rows, result.to(out.dtype))
         self.figures.add(layer, counters)
+
+    def _dipr_decode_cpu(self, q, key_cache, value_cache, sketch, sub: SubBatch, betas: torch.Tensor):
+        """``_dipr_decode``'s work in PyTorch, sequence by sequence (``cpu_attention.dipr_decode``)."""
+        from kvreuse.kernels.dipr_decode import DIPRCounters
+
+        seq_lens = sub.seq_lens.tolist()
+        results = [
+            cpu_attention.dipr_decode(
+                q[i],
+                key_cache,
+                value_cache,
+                sketch,
+                sub.block_table[i],
+                seq_len,
+                beta,
+                self.scale,
+                self.config.sink,
+                self.config.local,
+            )
+            for i, (seq_len, beta) in enumerate(zip(seq_lens, betas.tolist()))
+        ]
+        counters = DIPRCounters(
+            torch.stack([r.blocks_read for r in results]).to(torch.int32),
+            (sub.seq_lens + self.block_size - 1) // self.block_size,
+            torch.stack([r.tokens_attended for r in results]).to(torch.int32),
+            sub.seq_lens.clone(),
+        )
+        return torch.stack([r.out for r in results]), counters

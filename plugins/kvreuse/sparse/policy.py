@@ -4,7 +4,7 @@ Data Foundation for Efficient and Effective Long-context LLM Inference", SIGMOD 
 1. A layer listed in ``layer_betas`` uses its own beta.
 2. Otherwise the first ``dense_layers`` layers are dense (early layers attend broadly, so DIPR would read most
    blocks anyway and their outputs feed every later layer), and every other layer uses the global ``beta``.
-3. A sequence shorter than ``min_context`` tokens is dense in every layer (the window and the bounds pass cost
+3. A sequence shorter than ``min_context`` tokens is dense in every layer (the window and the sketch pass cost
    about as much as the blocks they would save).
 
 "Dense" is ``beta = inf``, which the DIPR kernel computes as exact dense attention; a backend may route a batch

@@ -84,3 +84,22 @@ def _register_sparse_backend() -> None:
             SPARSE_CPU_SWITCH,
             os.getpid(),
         )
+    else:
+        _warn_unused_sparse_settings()
+
+
+def _warn_unused_sparse_settings() -> None:
+    """On vLLM's CPU build without the switch, ``KVREUSE_SPARSE_*`` settings reach no code: say so, and how to
+    switch the backend on. (Settings in ``--additional-config`` cannot be seen here: vLLM gives a general plugin
+    no configuration.)"""
+    from vllm.platforms import current_platform
+
+    settings = sorted(name for name in os.environ if name.startswith("KVREUSE_SPARSE_") and name != SPARSE_CPU_SWITCH)
+    if settings and current_platform.is_cpu():
+        logger.warning(
+            "kvreuse: %s %s set, but vLLM's CPU engine runs its stock CPU_ATTN backend, which ignores them; set "
+            "%s=1 to run kvreuse's sparse attention backend",
+            ", ".join(settings),
+            "is" if len(settings) == 1 else "are",
+            SPARSE_CPU_SWITCH,
+        )

@@ -26,9 +26,9 @@ registered modules in the prompt's tokens (no markup needed) and claims the run 
 from where the hit ends (``kvreuse.modules.splice.plan_splice``). vLLM counts those tokens as computed; before
 the forward pass the worker writes the stored keys, re-rotated to the positions they take
 (``kvreuse.kernels.rerotate.move_keys``), and values into the request's blocks through the attention backend's own
-``do_kv_cache_update``, so a backend that keeps more than KV (the sparse backend's block bounds) stays right.
+``do_kv_cache_update``, so a backend that keeps more than KV (the sparse backend's key sketch) stays right.
 All layers are written in ``start_load_kv``, before the forward: the attention layer writes its own new tokens
-before it calls ``wait_for_layer_load``, so a per-layer load there would land after them and reset the bounds of
+before it calls ``wait_for_layer_load``, so a per-layer load there would land after them, out of order with
 blocks they share. On a GPU the copies and rotations are kernels queued ahead of the forward on the same stream;
 the host-to-GPU promotion of modules that waiting requests will need is started earlier, in the background
 (``ModuleStore.prefetch``, the TableCache load pipeline).

@@ -5,16 +5,17 @@ Selected on a GPU with vLLM's own flag ``--attention-backend CUSTOM`` (``registe
 on CPU the backend is opt-in through ``KVREUSE_SPARSE_CPU_BACKEND=1``, with which ``register()`` puts it in place
 of CPU_ATTN in that process (and in vLLM's workers, which inherit the variable).
 
-The classes here are thin: the cache write, the bounds and the attention live in ``kvreuse.sparse.paged``.
+The classes here are thin: the cache write, the key sketch and the attention live in ``kvreuse.sparse.paged``.
 Settings come from ``--additional-config '{"kvreuse": {"sparse": {...}}}'`` or ``KVREUSE_SPARSE_*``. The attended
 fractions per layer reach vLLM's metrics through a kvreuse KV connector (``kvreuse.vllm.sparse.connector``), are
 logged (logger ``vllm.plugins.kvreuse``) every ``LOG_EVERY_STEPS`` engine steps and at shutdown, and are read in
 the worker process with ``kvreuse.vllm.runtime.sparse_figures()`` (e.g. through ``LLM.collective_rpc``).
 
-The block bounds are inside vLLM's KV cache budget: ``customize_spec`` pads each block's page by one token row
-(``num_kv_heads x 2 x head_dim`` values, the size of one block's bounds), so vLLM sizes the cache, and so the number
-of blocks, with the bounds counted, and ``page_bounds`` views that row as the kernels' ``bounds`` tensor: the K half
-of the row holds the channel-wise maxima, the V half the minima. A block's bounds thus live and die with the block.
+The key sketch (``kvreuse.kernels.key_sketch``: an int8 code per key channel and an fp32 scale per token and KV
+head) is inside vLLM's KV cache budget: ``customize_spec`` pads each block's page by the token rows the block's
+sketch needs (``sketch_rows``), so vLLM sizes the cache, and so the number of blocks, with the sketch counted, and
+``page_sketch`` views those rows as the kernels' codes and scales. A block's sketch thus lives and dies with the
+block (and is kept with it by the prefix cache).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvreuse.errors import ConfigError
+from kvreuse.kernels.key_sketch import KeySketch
 from kvreuse.patches import vllm_0_32
 from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.paged import PagedBatch, SparseAttention
@@ -76,8 +78,10 @@ def _shared_attention(num_heads: int, num_kv_heads: int, head_size: int, scale: 
     def build() -> SparseAttention:
         config = SparseConfig.load(kvreuse_flags(vllm_config.additional_config, "sparse"))
         block_size = vllm_config.cache_config.block_size
+        attention = SparseAttention(num_heads, num_kv_heads, head_size, block_size, scale, config)
+        attention.log = logger
         logger.info("kvreuse sparse attention: %s", config)
-        return SparseAttention(num_heads, num_kv_heads, head_size, block_size, scale, config)
+        return attention
 
     return runtime().sparse_attention_for(vllm_config, build)
 
@@ -106,16 +110,16 @@ class SparseAttentionBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """Pad each page by one token row for the block's bounds (see ``page_bounds``), so that vLLM counts them
+        """Pad each page by the token rows of the block's key sketch (see ``page_sketch``), so that vLLM counts it
         in the KV cache budget. A page someone already padded enough is kept as it is."""
         unpadded, padded = vllm_0_32.page_sizes(spec)
-        needed = unpadded + bounds_row_bytes(spec)
+        needed = unpadded + sketch_rows(spec) * row_bytes(spec)
         if padded is None:
             return vllm_0_32.with_padded_page(spec, needed)
         if padded < needed:
             raise ConfigError(
                 f"the kvreuse sparse attention backend needs {needed} bytes per KV page (the block "
-                f"plus its bounds) but vLLM padded the page to {padded}"
+                f"plus its key sketch) but vLLM padded the page to {padded}"
             )
         return spec
 
@@ -126,37 +130,61 @@ class SparseAttentionBackend(AttentionBackend):
         return (KVCacheLayout.LBNHC,)
 
 
-def bounds_row_bytes(spec: AttentionSpec) -> int:
-    """Bytes of one block's bounds: a max and a min per channel and KV head, i.e. one token row of the page."""
+def row_bytes(spec: AttentionSpec) -> int:
+    """Bytes of one token row of a page: K and V of every KV head."""
     return spec.num_kv_heads * 2 * spec.head_size * torch.empty((), dtype=spec.dtype).element_size()
 
 
-def page_bounds(kv_cache: torch.Tensor, head_size: int) -> torch.Tensor:
-    """The bounds ``[num_blocks, num_kv_heads, 2, head_size]`` kept in the padding row after each block's tokens.
+def sketch_bytes(block_size: int, num_kv_heads: int, head_size: int) -> int:
+    """Bytes of one block's key sketch: an int8 code per channel and an fp32 scale, per token and KV head."""
+    return block_size * num_kv_heads * (head_size + 4)
+
+
+def sketch_rows(spec: AttentionSpec) -> int:
+    """Token rows one block's key sketch takes (rounded up): e.g. 5 rows for a float32 block of 32 tokens, 3 KV
+    heads of 64 channels (+16% of the block), 9 for the same block in bfloat16 (+28%)."""
+    return -(-sketch_bytes(spec.block_size, spec.num_kv_heads, spec.head_size) // row_bytes(spec))
+
+
+def page_sketch(kv_cache: torch.Tensor, head_size: int) -> KeySketch:
+    """The key sketch kept in the padding rows after each block's tokens: codes ``[num_blocks, block_size,
+    num_kv_heads, head_size]`` int8, then scales ``[num_blocks, block_size, num_kv_heads]`` fp32.
 
     ``kv_cache`` is vLLM's per-layer ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` view of an LBNHC
-    cache, whose pages ``customize_spec`` padded by one token row: token ``n`` of a page starts ``n * stride(2)``
-    elements into it, so row ``block_size`` is the padding, and within it KV head ``h`` starts at ``h *
-    stride(1)`` with its K half (the maxima) then its V half (the minima).
+    cache whose pages ``customize_spec`` padded: token ``n`` of a page starts ``n * stride(2)`` elements into it,
+    so the padding starts at row ``block_size``. The views reinterpret those bytes (no copy).
     """
     num_blocks, num_kv_heads, block_size, width = kv_cache.shape
     block_stride, head_stride, token_stride, channel_stride = kv_cache.stride()
+    element = kv_cache.element_size()
+    codes_bytes = block_size * num_kv_heads * head_size
     if (
         width != 2 * head_size
         or channel_stride != 1
         or head_stride != width
         or token_stride != num_kv_heads * width
-        or block_stride < (block_size + 1) * token_stride
+        or block_stride * element
+        < block_size * token_stride * element + sketch_bytes(block_size, num_kv_heads, head_size)
+        or (block_stride * element) % 4
+        or (kv_cache.storage_offset() + block_size * token_stride) * element % 4
     ):
         raise ConfigError(
-            f"the kvreuse sparse attention backend keeps its block bounds in one padding row after each KV page, "
-            f"but this KV cache view (shape {list(kv_cache.shape)}, strides {list(kv_cache.stride())}) has no such "
-            f"row: vLLM did not use the backend's page size (a hybrid model, or another layout than LBNHC)"
+            f"the kvreuse sparse attention backend keeps its key sketch in padding rows after each KV page, but "
+            f"this KV cache view (shape {list(kv_cache.shape)}, strides {list(kv_cache.stride())}) has no such "
+            f"rows: vLLM did not use the backend's page size (a hybrid model, or another layout than LBNHC)"
         )
-    return kv_cache.as_strided(
-        (num_blocks, num_kv_heads, 2, head_size),
-        (block_stride, head_stride, head_size, 1),
-        kv_cache.storage_offset() + block_size * token_stride,
+    start = (kv_cache.storage_offset() + block_size * token_stride) * element  # bytes
+    page = block_stride * element
+    storage = kv_cache.untyped_storage()
+    codes = torch.empty(0, dtype=torch.int8, device=kv_cache.device).set_(storage)
+    scales = torch.empty(0, dtype=torch.float32, device=kv_cache.device).set_(storage)
+    return KeySketch(
+        codes.as_strided(
+            (num_blocks, block_size, num_kv_heads, head_size), (page, num_kv_heads * head_size, head_size, 1), start
+        ),
+        scales.as_strided(
+            (num_blocks, block_size, num_kv_heads), (page // 4, num_kv_heads, 1), (start + codes_bytes) // 4
+        ),
     )
 
 
@@ -217,7 +245,7 @@ class SparseAttentionImpl(AttentionImpl[SparseAttentionMetadata]):
                 (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
                 (f"kv_cache_dtype {kv_cache_dtype}", kv_cache_dtype != "auto"),
                 (
-                    "KV cache sharing between layers (the bounds are per layer)",
+                    "KV cache sharing between layers (the key sketch is per layer)",
                     kv_sharing_target_layer_name is not None,
                 ),
                 ("attention sinks", unsupported.get("sinks") is not None),
@@ -235,21 +263,19 @@ class SparseAttentionImpl(AttentionImpl[SparseAttentionMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
         self.attention = _shared_attention(num_heads, self.num_kv_heads, head_size, scale)
-        self._views: tuple[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self._views: tuple[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, KeySketch]] | None = None
         self._layer: int | None = None
         self._steps = 0
 
-    def _caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Key and value caches ``[blocks, tokens, heads, head_size]`` and the bounds of ``kv_cache`` (vLLM's
-        ``[blocks, heads, tokens, K|V]`` view of an LBNHC cache). Made once per cache memory: only then are the
-        bounds set to empty (-inf/+inf); afterwards only writes change them."""
+    def _caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, KeySketch]:
+        """Key and value caches ``[blocks, tokens, heads, head_size]`` and the key sketch of ``kv_cache`` (vLLM's
+        ``[blocks, heads, tokens, K|V]`` view of an LBNHC cache). Made once per cache memory; every write sketches
+        the keys it stores, so the sketch needs no setting up."""
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride())
         if self._views is None or self._views[0] != key:
             key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
             self.attention.block_size = key_cache.shape[1]  # the kernel block size vLLM chose (a multiple of 16)
-            bounds = page_bounds(kv_cache, self.head_size)
-            bounds.copy_(self.attention.allocate_bounds(1, bounds.dtype, bounds.device).expand_as(bounds))
-            self._views = (key, (key_cache, value_cache, bounds))
+            self._views = (key, (key_cache, value_cache, page_sketch(kv_cache, self.head_size)))
         return self._views[1]
 
     def _layer_index(self, layer: Any) -> int:
@@ -265,8 +291,8 @@ class SparseAttentionImpl(AttentionImpl[SparseAttentionMetadata]):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        key_cache, value_cache, bounds = self._caches(kv_cache)
-        self.attention.write(key, value, key_cache, value_cache, bounds, slot_mapping)
+        key_cache, value_cache, sketch = self._caches(kv_cache)
+        self.attention.write(key, value, key_cache, value_cache, sketch, slot_mapping)
 
     def forward(
         self,
@@ -286,9 +312,9 @@ class SparseAttentionImpl(AttentionImpl[SparseAttentionMetadata]):
             return output.fill_(0)
         batch = attn_metadata.batch
         n = batch.num_actual_tokens
-        key_cache, value_cache, bounds = self._caches(kv_cache)
+        key_cache, value_cache, sketch = self._caches(kv_cache)
         layer_index = self._layer_index(layer)
-        self.attention.attend(layer_index, query[:n], key_cache, value_cache, bounds, batch, output[:n])
+        self.attention.attend(layer_index, query[:n], key_cache, value_cache, sketch, batch, output[:n])
         if layer_index == 0:  # one engine step per call of the first layer
             self._steps += 1
             if self._steps % LOG_EVERY_STEPS == 0:

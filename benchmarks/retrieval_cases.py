@@ -1,0 +1,116 @@
+"""Retrieval questions with known answers, for judging sparse attention on a real model.
+
+Each case is a chat prompt: a haystack of real text (movie synopses and reviews from
+``shared/datasets/movies_small.csv``, or ``$KVREUSE_DATASETS``, sentences in a random order per case) with facts
+planted at random depths, then a question about one fact. Two kinds:
+
+- ``needle``: one fact, "The secret number of Alice Moreau is 4821."; the question asks for it;
+- ``multi``: three facts of the same form about three different people at three depths; the question asks about
+  one of them, so the model must retrieve the right one among look-alikes.
+
+The question comes before the document and again after it, and the reply is started for the model ("The secret
+number of Alice Moreau is"), so that a 135M-parameter model answers with the number. The answer is a 4-digit
+number; a case is answered correctly when that number is in the completion. Cases are deterministic in ``(kind,
+tokens, index)``; ``tokens`` is the prompt length in tokens (within one sentence of it, never above).
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from kvreuse.localmodel import DATASETS
+
+FIRST = ("Alice", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kaori", "Lars")
+LAST = ("Moreau", "Okafor", "Lindqvist", "Tanaka", "Ferreira", "Novak", "Haddad", "Brennan", "Castillo", "Weber")
+MULTI_FACTS = 3
+ANSWER = "The secret number of {who} is"  # the reply starts here: the completion is the number
+INSTRUCTION = "Read the document and answer the question at the end with the number only."
+
+
+@dataclass(frozen=True)
+class RetrievalCase:
+    """One question: ``prompt`` (chat-formatted text), ``answer`` (the number asked for), and where the facts
+    are (character offsets of each planted fact in the prompt, the asked one first)."""
+
+    kind: str
+    tokens: int
+    index: int
+    prompt: str
+    answer: str
+    fact_offsets: tuple[int, ...]
+
+    def correct(self, completion: str) -> bool:
+        return self.answer in completion
+
+
+@lru_cache(maxsize=1)
+def filler_sentences(path: Path = DATASETS / "movies_small.csv") -> tuple[str, ...]:
+    """Every sentence of the dataset's synopses and reviews, once, in file order."""
+    seen: dict[str, None] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            for text in (row["movie_info"], row["review_content"]):
+                for sentence in text.replace("\n", " ").split(". "):
+                    sentence = sentence.strip().rstrip(".")
+                    if len(sentence) > 20:
+                        seen.setdefault(sentence + ".", None)
+    return tuple(seen)
+
+
+def make_case(
+    kind: str, tokens: int, index: int, count_tokens: Callable[[str], int], chat: Callable[[str], str]
+) -> RetrievalCase:
+    """Case ``index`` of ``kind`` at ``tokens`` prompt tokens. ``count_tokens`` counts a text's tokens, ``chat``
+    wraps the user message in the model's chat template (with the generation prompt)."""
+    if kind not in ("needle", "multi"):
+        raise ValueError(f"kind must be 'needle' or 'multi', got {kind!r}")
+    rng = random.Random(f"{kind}:{tokens}:{index}")
+    count = MULTI_FACTS if kind == "multi" else 1
+    people = [f"{a} {b}" for a, b in zip(rng.sample(FIRST, count), rng.sample(LAST, count))]
+    codes = [str(rng.randrange(1000, 10_000)) for _ in people]
+    facts = [f"The secret number of {who} is {code}." for who, code in zip(people, codes)]
+    question = f"What is the secret number of {people[0]}?"
+    sentences = list(filler_sentences())
+    rng.shuffle(sentences)
+
+    def message(body: str) -> str:
+        return f"{question} {INSTRUCTION}\n\nDocument:\n{body}\n\nQuestion: {question}"
+
+    overhead = count_tokens(chat(message(" ".join(facts))) + ANSWER.format(who=people[0]))
+    budget = tokens - overhead
+    haystack: list[str] = []
+    used = 0
+    for sentence in sentences:  # sentence tokens add up to within a few tokens of the joined text's
+        cost = count_tokens(" " + sentence)
+        if used + cost > budget:
+            break
+        haystack.append(sentence)
+        used += cost
+    depths = sorted(rng.sample(range(1, len(haystack)), len(facts)))
+    order = list(range(len(facts)))
+    rng.shuffle(order)  # which depth each fact goes to; the asked fact is facts[0]
+    placed = dict(zip(depths, (facts[i] for i in order)))
+    body = " ".join(s if i not in placed else f"{placed[i]} {s}" for i, s in enumerate(haystack))
+    prompt = chat(message(body)) + ANSWER.format(who=people[0])
+    offsets = tuple(prompt.index(fact) for fact in facts)
+    return RetrievalCase(kind, tokens, index, prompt, codes[0], offsets)
+
+
+def make_cases(tokens: int, count: int, tokenizer, kinds: Sequence[str] = ("needle", "multi")) -> list[RetrievalCase]:
+    """``count`` cases at ``tokens`` tokens, alternating ``kinds``, for a Hugging Face ``tokenizer`` with a chat
+    template."""
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def chat(message: str) -> str:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
+        )
+
+    return [make_case(kinds[i % len(kinds)], tokens, i, count_tokens, chat) for i in range(count)]

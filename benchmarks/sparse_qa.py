@@ -1,0 +1,305 @@
+"""DIPR sparse attention on the real model: retrieval accuracy, agreement with the stock engine, KV read, speed.
+
+The model is SmolLM2-135M-Instruct (``build/models/smollm2``) on vLLM's CPU engine, float32, greedy decoding of 16
+tokens. Two engines run side by side in one process: the stock one (CPU_ATTN) and one with kvreuse's sparse backend
+(``KVREUSE_SPARSE_CPU_BACKEND=1``, the plugin's default settings except beta). Cases (``retrieval_cases.py``: needle
+and multi-fact questions with known answers, in real text) go to the stock engine, then to the sparse engine once
+per beta in ``BETAS`` (beta reconfigured in the worker between requests). The sparse engine's prefix cache keeps the
+prompts, so only its first arm pays the prefill (dense in every arm, so the same for all betas); every arm pays its
+own 16 decode steps. The first ``TIMED`` cases of each length run alone, one after the other in both engines, and
+give the speed ratios; the others run in groups (all of a group's prompts in one ``generate`` call per engine and
+arm), which only saves time: answers and counters do not depend on the batch.
+
+Per length and arm: ``agree`` the share of cases whose 16 greedy tokens equal the stock engine's, ``acc`` the share
+answered correctly (the asked number in the completion), ``blocks``/``tokens`` the fractions of KV blocks read and
+of tokens attended by all decode steps of all layers (the backend's own counters; layers and contexts the policy
+keeps dense count as reading everything), ``blocks dipr`` the same over the layers that run DIPR, and speed as
+ratios to the stock engine on the same case, medians over the timed cases: ``decode x`` (time per output token after
+the first, from vLLM's own per-request timestamps) and ``prefill x`` (time to the first token of the first arm).
+
+Run: ``KVREUSE_DATASETS=/work/shared/datasets .venv/bin/python benchmarks/sparse_qa.py`` (``--cases N`` per length,
+``--lengths 1024,2048``); writes ``benchmarks/results/sparse_qa.json`` and ``.png`` and prints the table. On a
+2-core shared CPU the full run takes hours; timings are ratios taken side by side, but still noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from retrieval_cases import RetrievalCase, make_cases  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = REPO / "build" / "models" / "smollm2"
+RESULTS = REPO / "benchmarks" / "results"
+BETAS = [float("inf"), 8.0, 4.0, 2.0, 1.0]
+LENGTHS = [1024, 2048, 4096, 8000]
+CASES = {1024: 50, 2048: 50, 4096: 50, 8000: 20}  # 8K: fewer, a case costs ~4 minutes of a shared 2-core CPU
+TIMED = 6  # the first cases of each length run alone, for the speed ratios; the rest in groups
+GROUP_TOKENS, MAX_GROUP = 30_000, 16  # a group's prompts must all stay in the sparse engine's prefix cache
+KV_CACHE_BYTES = 2 << 30  # ~40K tokens of SmolLM2 with the sketch (52 KB per token over 30 layers)
+MAX_TOKENS = 16
+
+
+def _configure(beta: float, settings: dict):
+    """A ``collective_rpc`` call: the worker's sparse settings (``settings`` with ``beta``), its figures emptied."""
+
+    def call(worker):
+        from kvreuse.vllm import runtime
+
+        runtime.configure_sparse({**settings, "beta": beta})
+        runtime.reset_sparse_figures()
+
+    return call
+
+
+def _figures(worker):
+    from kvreuse.vllm.runtime import sparse_attention
+
+    attention = sparse_attention()
+    return {"rows": attention.figures.rows(), "dense_layers": attention.config.dense_layers}
+
+
+def _timing(output) -> tuple[float, float]:
+    """(seconds from scheduling to the first token, seconds per token after it), from vLLM's own timestamps."""
+    m = output.metrics
+    tokens = len(output.outputs[0].token_ids)
+    return m.first_token_ts - m.scheduled_ts, (m.last_token_ts - m.first_token_ts) / max(tokens - 1, 1)
+
+
+def _fractions(rows: list[dict], dense_layers: int) -> dict:
+    """Blocks read and tokens attended over all layers and over the DIPR layers, from the worker's rows."""
+    out = {}
+    for name, chosen in (("all", rows), ("dipr", [r for r in rows if r["layer"] >= dense_layers])):
+        read = sum(r["blocks_read"] for r in chosen)
+        total = sum(r["blocks_total"] for r in chosen)
+        attended = sum(r["tokens_attended"] for r in chosen)
+        tokens = sum(r["tokens_total"] for r in chosen)
+        out[name] = {"blocks_read": read, "blocks_total": total, "tokens_attended": attended, "tokens_total": tokens}
+    return out
+
+
+def run(lengths: list[int], cases_per_length: dict[int, int], settings: dict, partial: Path) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from kvreuse.localmodel import local_engine_args
+
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc sends the closures above
+    args = local_engine_args(MODEL, max_model_len=8192, kv_cache_memory_bytes=KV_CACHE_BYTES)
+    stock = LLM(**args)
+    os.environ["KVREUSE_SPARSE_CPU_BACKEND"] = "1"  # read by the sparse engine's processes when they start
+    sparse = LLM(**args)
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    tokenizer = stock.get_tokenizer()
+    warm = make_cases(1024, 100, tokenizer)[-1].prompt  # not one of the measured cases (no prefix-cache hit)
+    stock.generate([warm], sampling, use_tqdm=False)
+    sparse.generate([warm], sampling, use_tqdm=False)
+    result: dict = {"cases": [], "groups": []}
+    try:
+        for length in lengths:
+            cases = make_cases(length, cases_per_length[length], tokenizer)
+            started = time.time()
+            size = max(1, min(MAX_GROUP, GROUP_TOKENS // length))
+            groups = [cases[i : i + 1] for i in range(TIMED)]
+            groups += [cases[i : i + size] for i in range(TIMED, len(cases), size)]
+            for group in filter(None, groups):
+                run_group(group, stock, sparse, sampling, settings, result, timed=len(group) == 1)
+                partial.write_text(json.dumps(result, indent=1))  # a long run can be read while it goes
+            print(f"{length} tokens: {len(cases)} cases in {time.time() - started:.0f} s", flush=True)
+    finally:
+        stock.llm_engine.engine_core.shutdown()
+        sparse.llm_engine.engine_core.shutdown()
+    return result
+
+
+def run_group(cases: list[RetrievalCase], stock, sparse, sampling, settings: dict, result: dict, timed: bool) -> None:
+    """The cases through the stock engine, then through the sparse one once per beta, each engine given them all at
+    once. A case alone is timed; for a group, only answers and figures count (the requests share the steps)."""
+    outs = stock.generate([c.prompt for c in cases], sampling, use_tqdm=False)
+    records = []
+    for case, out in zip(cases, outs):
+        prefill, decode = _timing(out) if timed else (None, None)
+        records.append(
+            {
+                "kind": case.kind,
+                "length": case.tokens,
+                "index": case.index,
+                "prompt_tokens": len(out.prompt_token_ids),
+                "answer": case.answer,
+                "timed": timed,
+                "stock_tokens": list(out.outputs[0].token_ids),
+                "arms": {
+                    "stock": {
+                        "text": out.outputs[0].text,
+                        "correct": case.correct(out.outputs[0].text),
+                        "prefill_s": prefill,
+                        "decode_s": decode,
+                    }
+                },
+            }
+        )
+    for i, beta in enumerate(BETAS):
+        arm = f"beta={beta:g}"
+        sparse.collective_rpc(_configure(beta, settings))
+        outs = sparse.generate([c.prompt for c in cases], sampling, use_tqdm=False)
+        figures = sparse.collective_rpc(_figures)[0]
+        result["groups"].append(
+            {
+                "length": cases[0].tokens,
+                "arm": arm,
+                "cases": len(cases),
+                "fractions": _fractions(figures["rows"], figures["dense_layers"]),
+            }
+        )
+        for case, out, record in zip(cases, outs, records):
+            prefill, decode = _timing(out) if timed else (None, None)
+            record["arms"][arm] = {
+                "text": out.outputs[0].text,
+                "correct": case.correct(out.outputs[0].text),
+                "agree": list(out.outputs[0].token_ids) == record["stock_tokens"],
+                "prefill_s": prefill if i == 0 else None,  # later arms find the prompt in the prefix cache
+                "decode_s": decode,
+            }
+    result["cases"] += records
+
+
+def summarise(result: dict) -> list[dict]:
+    """Per length and arm: accuracy and agreement over all cases, fractions over all groups' decodes, speed
+    ratios (medians over the cases timed alone)."""
+    records, groups = result["cases"], result["groups"]
+    rows = []
+    arms = list(records[0]["arms"])
+    for length in sorted({r["length"] for r in records}):
+        cases = [r for r in records if r["length"] == length]
+        timed = [c for c in cases if c["timed"]]
+        for arm in arms:
+            entries = [c["arms"][arm] for c in cases]
+            row = {
+                "length": length,
+                "arm": arm,
+                "cases": len(cases),
+                "timed_cases": len(timed),
+                "prompt_tokens": statistics.median(c["prompt_tokens"] for c in cases),
+                "accuracy": sum(e["correct"] for e in entries) / len(entries),
+                "decode_ms": 1e3 * statistics.median(c["arms"][arm]["decode_s"] for c in timed),
+            }
+            if arm != "stock":
+                row["agreement"] = sum(e["agree"] for e in entries) / len(entries)
+                fractions = [g["fractions"] for g in groups if g["length"] == length and g["arm"] == arm]
+                for scope in ("all", "dipr"):
+                    f = [x[scope] for x in fractions]
+                    total_b, total_t = sum(x["blocks_total"] for x in f), sum(x["tokens_total"] for x in f)
+                    row[f"blocks_{scope}"] = sum(x["blocks_read"] for x in f) / total_b if total_b else None
+                    row[f"tokens_{scope}"] = sum(x["tokens_attended"] for x in f) / total_t if total_t else None
+                row["decode_ratio"] = statistics.median(
+                    c["arms"][arm]["decode_s"] / c["arms"]["stock"]["decode_s"] for c in timed
+                )
+                row["prefill_ratio"] = statistics.median(
+                    c["arms"][arms[1]]["prefill_s"] / c["arms"]["stock"]["prefill_s"] for c in timed
+                )
+            rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    header = [
+        "length",
+        "arm",
+        "cases",
+        "acc",
+        "agree",
+        "blocks",
+        "tokens",
+        "blocks dipr",
+        "tokens dipr",
+        "decode ms",
+        "decode x",
+        "prefill x",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+
+    def pct(x):
+        return "-" if x is None else f"{x:.1%}"
+
+    for r in rows:
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"{r['length']:,}",
+                    r["arm"],
+                    str(r["cases"]),
+                    pct(r["accuracy"]),
+                    pct(r.get("agreement")),
+                    pct(r.get("blocks_all")),
+                    pct(r.get("tokens_all")),
+                    pct(r.get("blocks_dipr")),
+                    pct(r.get("tokens_dipr")),
+                    f"{r['decode_ms']:.1f}",
+                    "-" if "decode_ratio" not in r else f"{r['decode_ratio']:.2f}",
+                    "-" if "prefill_ratio" not in r else f"{r['prefill_ratio']:.2f}",
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    lengths = sorted({r["length"] for r in rows})
+    for arm in [a for a in dict.fromkeys(r["arm"] for r in rows) if a != "stock"]:
+        pts = [next(r for r in rows if r["length"] == n and r["arm"] == arm) for n in lengths]
+        axes[0].plot(lengths, [p["accuracy"] for p in pts], marker="o", label=arm)
+        axes[1].plot(lengths, [p["blocks_all"] for p in pts], marker="o", label=f"{arm} blocks")
+        axes[2].plot(lengths, [p["decode_ratio"] for p in pts], marker="o", label=arm)
+    stock = [next(r for r in rows if r["length"] == n and r["arm"] == "stock") for n in lengths]
+    axes[0].plot(lengths, [p["accuracy"] for p in stock], "k--", label="stock")
+    axes[0].set_ylabel("accuracy")
+    axes[1].set_ylabel("KV blocks read (all layers)")
+    axes[2].set_ylabel("decode time / stock")
+    axes[2].axhline(1.0, color="grey", lw=0.8)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [f"{n // 1000}K" for n in lengths])
+        ax.set_xlabel("prompt tokens")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("DIPR on SmolLM2-135M, vLLM CPU: retrieval QA")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", type=int, help="cases per length (default: 50, 20 at 8K)")
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    parser.add_argument("--name", default="sparse_qa")
+    parser.add_argument("--sparse", default="{}", help="sparse settings besides beta, e.g. '{\"min_context\": 0}'")
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    per_length = {n: args.cases or CASES.get(n, 50) for n in lengths}
+    started = time.time()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    records = run(lengths, per_length, json.loads(args.sparse), RESULTS / f"{args.name}.tmp")
+    rows = summarise(records)
+    print(format_table(rows))
+    (RESULTS / f"{args.name}.json").write_text(json.dumps({"rows": rows, **records}, indent=1))
+    plot(rows, RESULTS / f"{args.name}.png")
+    print(f"wrote {RESULTS / (args.name + '.json')} and .png in {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

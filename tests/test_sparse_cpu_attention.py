@@ -1,0 +1,137 @@
+"""The sparse backend's CPU attention (``kvreuse.sparse.cpu_attention``) against the kernels' PyTorch references.
+
+The caches have vLLM's page layout with kvreuse's key sketch after the tokens: ``[blocks, block_size + 5, kv_heads,
+K|V]`` of which the first ``block_size`` rows are tokens and the rest hold NaN here (as floats, the sketch's bytes
+may read as anything), so that a computation touching them would show; block size 32, head_dim 64, 6 query heads on
+2 KV heads.
+Tolerances follow from the dtype and the length of the sums: a softmax-weighted sum of ``n`` values computed in
+two summation orders differs by at most about ``n * eps`` times the largest value.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvreuse.kernels.dipr_decode import (
+    dense_decode_reference,
+    dipr_selection_reference,
+    masked_decode_reference,
+)
+from kvreuse.kernels.key_sketch import KeySketch, sketch_reference
+from kvreuse.kernels.paged_causal import causal_attention_reference
+from kvreuse.sparse import cpu_attention
+
+BLOCK, KV_HEADS, Q_HEADS, DIM, POOL = 32, 2, 6, 64, 48
+SCALE = DIM**-0.5
+SINK, LOCAL = 16, 64
+
+
+def tolerance(dtype: torch.dtype, n: int, magnitude: float) -> float:
+    """Largest expected difference between two fp32 evaluations of an ``n``-term weighted sum of values up to
+    ``magnitude`` stored in ``dtype``: inputs are rounded once in ``dtype`` (relative ``eps(dtype)``), sums of ``n``
+    terms add ``n * eps(fp32)``."""
+    return magnitude * (2 * torch.finfo(dtype).eps + 2 * n * torch.finfo(torch.float32).eps)
+
+
+def caches(dtype=torch.float32, seed=0, peaked=False):
+    """Key and value caches as views of one padded page tensor (as vLLM hands them), the sketch rows NaN.
+
+    ``peaked``: small keys, so that the keys ``peaked_sequence`` aligns with the query stand out.
+    """
+    g = torch.Generator().manual_seed(seed)
+    pages = torch.randn(POOL, BLOCK + 5, KV_HEADS, 2 * DIM, generator=g)
+    if peaked:
+        pages *= 0.05
+    pages[:, BLOCK:] = float("nan")
+    pages = pages.to(dtype)
+    key_cache, value_cache = pages[:, :BLOCK].split(DIM, dim=-1)
+    return key_cache, value_cache, g
+
+
+def sketch_of(key_cache) -> KeySketch:
+    return KeySketch(*sketch_reference(key_cache))
+
+
+def table(n: int, consecutive: bool, g: torch.Generator) -> torch.Tensor:
+    blocks = -(-n // BLOCK)
+    ids = torch.arange(5, 5 + blocks) if consecutive else torch.randperm(POOL, generator=g)[:blocks]
+    return ids.to(torch.int32)
+
+
+def test_gather_blocks_copies_whole_pages_or_takes_the_view_of_consecutive_ones():
+    key_cache, value_cache, _ = caches()
+    scattered = torch.tensor([7, 2, 30])
+    for cache in (key_cache, value_cache):
+        gathered = cpu_attention.gather_blocks(cache, scattered)
+        assert torch.equal(gathered, cache[scattered]) and gathered.stride()[1:] == cache.stride()[1:]
+        run = cpu_attention.gather_blocks(cache, torch.tensor([4, 5, 6]))
+        assert run.data_ptr() == cache[4].data_ptr() and torch.equal(run, cache[4:7])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, q_len", [(300, 300), (300, 37), (45, 45), (33, 2)])
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_dense_causal_equals_the_reference(dtype, n, q_len, consecutive):
+    key_cache, value_cache, g = caches(dtype)
+    blocks = table(n, consecutive, g)
+    query = torch.randn(q_len, Q_HEADS, DIM, generator=g).to(dtype)
+    keys = cpu_attention.sequence_tokens(key_cache, blocks, n)
+    values = cpu_attention.sequence_tokens(value_cache, blocks, n)
+    got = cpu_attention.dense_causal(query, keys, values, SCALE).float()
+    want = causal_attention_reference(query, key_cache, value_cache, blocks, n, SCALE)
+    assert got.shape == want.shape
+    magnitude = float(value_cache.float().abs().max())
+    assert (got - want).abs().max() <= tolerance(dtype, n, magnitude) + torch.finfo(dtype).eps * magnitude
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 300])
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_dense_decode_equals_the_reference(n, consecutive):
+    key_cache, value_cache, g = caches()
+    blocks = table(n, consecutive, g)
+    query = torch.randn(Q_HEADS, DIM, generator=g)
+    got = cpu_attention.dense_decode(query, key_cache, value_cache, blocks, n, SCALE)
+    want = dense_decode_reference(query[None], key_cache, value_cache, blocks[None], torch.tensor([n]), SCALE)[0]
+    assert (got - want).abs().max() <= tolerance(torch.float32, n, float(value_cache.abs().max()))
+
+
+def peaked_sequence(n: int, consecutive: bool, seed: int = 0):
+    """A sequence of ``n`` tokens whose keys at positions 0 and 200 align with the queries (logits ~30 above the
+    rest): DIPR keeps them and the window and prunes most other blocks at small beta."""
+    key_cache, value_cache, g = caches(seed=seed, peaked=True)
+    blocks = table(n, consecutive, g)
+    direction = torch.randn(KV_HEADS, DIM, generator=g)
+    direction /= direction.norm(dim=-1, keepdim=True)
+    for pos in (0, 200):
+        if pos < n:
+            key_cache[blocks[pos // BLOCK], pos % BLOCK] = 3 * direction
+    query = 16 * direction.repeat_interleave(Q_HEADS // KV_HEADS, 0) + 0.5 * torch.randn(Q_HEADS, DIM, generator=g)
+    return query, key_cache, value_cache, sketch_of(key_cache), blocks
+
+
+@pytest.mark.parametrize("beta", [float("inf"), 8.0, 2.0, 0.5])
+@pytest.mark.parametrize("consecutive", [True, False])
+@pytest.mark.parametrize("n", [300, 700])
+def test_dipr_decode_attends_the_references_set_and_computes_its_output(beta, consecutive, n):
+    query, key_cache, value_cache, sketch, blocks = peaked_sequence(n, consecutive)
+    got = cpu_attention.dipr_decode(
+        query,
+        key_cache,
+        value_cache,
+        sketch,
+        blocks,
+        n,
+        beta,
+        SCALE,
+        SINK,
+        LOCAL,
+    )
+    lens = torch.tensor([n])
+    sel = dipr_selection_reference(query[None], key_cache, sketch, blocks[None], lens, beta, SCALE, SINK, LOCAL)
+    want = masked_decode_reference(value_cache, blocks[None], lens, sel.logits, sel.attended)[0]
+    assert got.blocks_read.tolist() == sel.blocks_read[0].sum(1).tolist()
+    assert got.tokens_attended.tolist() == sel.attended[0].sum(1).tolist()
+    assert (got.out - want).abs().max() <= tolerance(torch.float32, n, float(value_cache.abs().max()))
+    if beta <= 2.0:  # the peaked keys make small betas prune: most blocks are never read
+        assert got.blocks_read.max() <= -(-n // BLOCK) // 2

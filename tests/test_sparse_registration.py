@@ -1,0 +1,53 @@
+"""Sparse settings that would change nothing are said, not silently dropped: on vLLM's CPU build without
+``KVREUSE_SPARSE_CPU_BACKEND=1``, vLLM runs its stock CPU_ATTN and no ``KVREUSE_SPARSE_*`` setting is read."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+
+@pytest.fixture
+def cpu_attn_untouched():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    overridden = AttentionBackendEnum.CPU_ATTN.is_overridden()
+    yield
+    if not overridden:
+        AttentionBackendEnum.CPU_ATTN.clear_override()
+
+
+def _warnings(caplog) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "KVREUSE_SPARSE_" in r.getMessage()
+    ]
+
+
+def test_sparse_variables_without_the_switch_are_said_to_be_ignored_with_the_fix(
+    monkeypatch, caplog, cpu_attn_untouched
+):
+    from kvreuse.vllm.registration import _register_sparse_backend
+
+    monkeypatch.delenv("KVREUSE_SPARSE_CPU_BACKEND", raising=False)
+    monkeypatch.setenv("KVREUSE_SPARSE_BETA", "4")
+    monkeypatch.setenv("KVREUSE_SPARSE_MIN_CONTEXT", "512")
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.kvreuse"):
+        _register_sparse_backend()
+    (said,) = _warnings(caplog)
+    assert "KVREUSE_SPARSE_BETA, KVREUSE_SPARSE_MIN_CONTEXT are set" in said
+    assert "set KVREUSE_SPARSE_CPU_BACKEND=1" in said
+
+
+def test_nothing_is_said_with_the_switch_or_without_sparse_variables(monkeypatch, caplog, cpu_attn_untouched):
+    from kvreuse.vllm.registration import _register_sparse_backend
+
+    for name in [n for n in os.environ if n.startswith("KVREUSE_SPARSE_")]:
+        monkeypatch.delenv(name)
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.kvreuse"):
+        _register_sparse_backend()
+        monkeypatch.setenv("KVREUSE_SPARSE_BETA", "4")
+        monkeypatch.setenv("KVREUSE_SPARSE_CPU_BACKEND", "1")
+        _register_sparse_backend()
+    assert _warnings(caplog) == []
