@@ -57,6 +57,7 @@ from collections.abc import Collection, Hashable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -139,7 +140,7 @@ class EncodedModule:
     version: int = 0
     key: ModuleKey = field(init=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.token_ids = tuple(int(t) for t in self.token_ids)
         if not self.token_ids:
             raise ModuleRegistrationError(f"module {self.name!r} has no tokens")
@@ -211,11 +212,11 @@ class StoreFigures:
     that were missing, unreadable or corrupt; ``prefetched``: promotions made by :meth:`ModuleStore.prefetch`.
     """
 
-    hits: Counter = field(default_factory=Counter)
+    hits: Counter[str] = field(default_factory=Counter)
     misses: int = 0
-    moves: Counter = field(default_factory=Counter)
-    bytes_moved: Counter = field(default_factory=Counter)
-    evictions: Counter = field(default_factory=Counter)
+    moves: Counter[str] = field(default_factory=Counter)
+    bytes_moved: Counter[str] = field(default_factory=Counter)
+    evictions: Counter[str] = field(default_factory=Counter)
     drops: int = 0
     load_failures: int = 0
     prefetched: int = 0
@@ -236,7 +237,7 @@ class _Entry:
     module: EncodedModule | None = None  # memory tiers
     path: Path | None = None  # disk tier
     checksum: str = ""
-    meta: dict | None = None  # disk tier: what is needed to rebuild the EncodedModule
+    meta: dict[str, Any] | None = None  # disk tier: what is needed to rebuild the EncodedModule
 
 
 @dataclass
@@ -250,7 +251,7 @@ class _Tier:
 
 def _checksum(kv: torch.Tensor) -> str:
     raw = kv.detach().contiguous().cpu().view(torch.uint8).numpy()
-    return hashlib.blake2b(memoryview(raw), digest_size=16).hexdigest()
+    return hashlib.blake2b(raw.data, digest_size=16).hexdigest()
 
 
 class ModuleStore:
@@ -291,7 +292,7 @@ class ModuleStore:
         self._where: dict[ModuleKey, _Tier] = {}
         self._bound: dict[tuple[str, Hashable], ModuleKey] = {}  # (namespace, name) -> the entry holding the name
         self._versions = 0  # the last version given to an entry
-        self._uses: Counter = Counter()  # gets and puts per module (lfu)
+        self._uses: Counter[ModuleKey] = Counter()  # gets and puts per module (lfu)
         self._last: dict[ModuleKey, int] = {}  # tick of the last get or put (lru)
         self._tick = 0
         self._lock = threading.RLock()
@@ -404,7 +405,7 @@ class ModuleStore:
             self._forget(key)
             return True
 
-    def prefetch(self, keys: Iterable[ModuleKey], *, background: bool = True) -> Future:
+    def prefetch(self, keys: Iterable[ModuleKey], *, background: bool = True) -> Future[int]:
         """Promote the modules of the first ``prefetch_depth`` of ``keys``, in the order given, to the fastest tier.
 
         Runs on one background thread (calls queue behind each other) unless ``background`` is false; the future
@@ -413,7 +414,7 @@ class ModuleStore:
         """
         wanted = list(keys)[: self.config.prefetch_depth]
         if not background:
-            done: Future = Future()
+            done: Future[int] = Future()
             done.set_result(self._prefetch(wanted))
             return done
         with self._lock:
@@ -450,7 +451,7 @@ class ModuleStore:
     def __enter__(self) -> ModuleStore:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # --------------------------------------------------------------- private

@@ -105,7 +105,7 @@ class _Segment:
     live: int = 0  # tokens of live modules
     dead: int = 0  # tokens of removed modules still in the arrays
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.out = automaton.outputs(self.fail, self.term)
         self.live = int(self.lengths.sum())
 
@@ -170,7 +170,7 @@ class ModuleTrie:
         arrays = sum(seg.nbytes for space in self._spaces.values() for seg in space.segments)
         return arrays + sum(entry.ids.nbytes for entry in self._entries.values())
 
-    def add(self, name: Hashable, token_ids: Sequence[int], *, namespace: str = GLOBAL) -> None:
+    def add(self, name: Hashable, token_ids: Sequence[int] | np.ndarray, *, namespace: str = GLOBAL) -> None:
         """Register module ``name`` in ``namespace``; adding the same name with the same ids again does nothing.
 
         Raises :class:`ModuleRegistrationError` for empty or out-of-range ids, a name registered with other ids,
@@ -215,7 +215,9 @@ class ModuleTrie:
     def remove(self, name: Hashable, *, namespace: str = GLOBAL) -> bool:
         """Unregister ``name`` from ``namespace``; whether it was registered. Its tokens are free at once."""
         space = self._spaces.get(namespace)
-        entry = space.by_name.pop(name, None) if space is not None else None
+        if space is None:
+            return False
+        entry = space.by_name.pop(name, None)
         if entry is None:
             return False
         del space.by_tokens[entry.ids.tobytes()]
@@ -282,7 +284,9 @@ class ModuleTrie:
         for stem in self._stems.find(token_ids, namespace=namespace):
             if covered[stem.start : stem.end].any():
                 continue
-            ends = self._stem_ends.get((namespace, stem.name)) or self._stem_ends[(GLOBAL, stem.name)]
+            stem_key = stem.name
+            assert isinstance(stem_key, bytes)  # the stem index names each stem by its ids' bytes (_add_stem)
+            ends = self._stem_ends.get((namespace, stem_key)) or self._stem_ends[(GLOBAL, stem_key)]
             after = int(token_ids[stem.end]) if stem.end < len(token_ids) else None
             if after is None or after in ends.values():
                 continue  # the prompt ends there, or the whole module is there
@@ -329,9 +333,16 @@ class ModuleTrie:
         reversed_ids = [e.ids[::-1] for e in entries]
         offsets = np.zeros(len(entries) + 1, np.int64)
         np.cumsum([len(r) for r in reversed_ids], out=offsets[1:])
+        first, labels, children, fail, term, term_node, root = automaton.build(np.concatenate(reversed_ids), offsets)
         segment = _Segment(
             entries,
-            *automaton.build(np.concatenate(reversed_ids), offsets),
+            first=first,
+            labels=labels,
+            children=children,
+            fail=fail,
+            term=term,
+            term_node=term_node,
+            root=root,
             lengths=np.diff(offsets).astype(np.int32),
             slots=np.array([e.slot for e in entries], np.int32),
         )
@@ -372,7 +383,7 @@ class ModuleTrie:
             self._release(segment)
 
 
-def _token_array(name: Hashable, token_ids: Sequence[int]) -> np.ndarray:
+def _token_array(name: Hashable, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     if not len(token_ids):
         raise ModuleRegistrationError(f"module {name!r} has no tokens")
     try:

@@ -123,7 +123,7 @@ class AttendedFractions:
         layers = tuple(layer for layer in sorted(self._layers) if self._layers[layer].counts is not None)
         if not layers:
             return (), torch.zeros(0, len(COUNTERS), dtype=torch.int64)
-        return layers, torch.stack([self._layers[layer].counts for layer in layers])
+        return layers, torch.stack([counts for layer in layers if (counts := self._layers[layer].counts) is not None])
 
     def dense_totals(self) -> dict[int, tuple[int, int, int, int]]:
         """Per layer with dense decodes: their cumulative ``COUNTERS`` (host values)."""
@@ -184,7 +184,7 @@ class _HostCopy:
     event: torch.cuda.Event | None
 
     def done(self) -> bool:
-        return self.event is None or self.event.query()
+        return self.event is None or bool(self.event.query())  # type: ignore[no-untyped-call]
 
 
 def _copy_to_host(layers: tuple[int, ...], totals: torch.Tensor) -> _HostCopy:
@@ -193,7 +193,7 @@ def _copy_to_host(layers: tuple[int, ...], totals: torch.Tensor) -> _HostCopy:
     # Pinned memory from PyTorch's caching host allocator (reused, not allocated anew each step).
     values = torch.empty(totals.shape, dtype=totals.dtype, pin_memory=True)
     values.copy_(totals, non_blocking=True)
-    event = torch.cuda.Event()
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     event.record()
     return _HostCopy(layers, values, event)
 

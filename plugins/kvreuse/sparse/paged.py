@@ -45,6 +45,7 @@ from kvreuse.sparse.figures import AttendedFractions, sample_recovery, should_sa
 from kvreuse.sparse.policy import INF, RuleBasedPolicy
 
 if TYPE_CHECKING:  # the kernels' modules import Triton, which the CPU path needs only at call time
+    from kvreuse.kernels.dipr_decode import DIPRCounters
     from kvreuse.kernels.key_sketch import KeySketch
 
 
@@ -269,7 +270,9 @@ class SparseAttention:
                 )
         return plans[dense_layer]
 
-    def _dense(self, query, key_cache, value_cache, sub: SubBatch, out) -> None:
+    def _dense(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, sub: SubBatch, out: torch.Tensor
+    ) -> None:
         """Dense causal attention of a sub-batch (prefill, chunked prefill, dense decode) into its rows."""
         if self._use_kernels(query):
             from kvreuse.kernels.paged_causal import PagedCausalAttention
@@ -292,7 +295,17 @@ class SparseAttention:
                 result = cpu_attention.dense_causal(query[first:last], keys, values, self.scale)
             out[first:last] = result.to(out.dtype)
 
-    def _dipr_decode(self, layer, query, key_cache, value_cache, sketch, sub: SubBatch, max_seq_len: int, out) -> None:
+    def _dipr_decode(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        sketch: KeySketch,
+        sub: SubBatch,
+        max_seq_len: int,
+        out: torch.Tensor,
+    ) -> None:
         rows, seq_lens, block_table = sub.query_starts.long(), sub.seq_lens, sub.block_table
         q = query.index_select(0, rows)
         betas = torch.full((len(sub.reqs),), self.policy.layer_beta(layer), dtype=torch.float32, device=query.device)
@@ -323,7 +336,15 @@ class SparseAttention:
         out.index_copy_(0, rows, result.to(out.dtype))
         self.figures.add(layer, counters)
 
-    def _dipr_decode_cpu(self, q, key_cache, value_cache, sketch, sub: SubBatch, betas: torch.Tensor):
+    def _dipr_decode_cpu(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        sketch: KeySketch,
+        sub: SubBatch,
+        betas: torch.Tensor,
+    ) -> tuple[torch.Tensor, DIPRCounters]:
         """``_dipr_decode``'s work in PyTorch, sequence by sequence (``cpu_attention.dipr_decode``)."""
         from kvreuse.kernels.dipr_decode import DIPRCounters
 
