@@ -342,3 +342,28 @@ def test_spider_tables_are_encoded_after_the_tables_they_reference_and_found_in_
     assert figures(llm)["tokens_loaded"] - before == sum(len(ids[t]) for t in tables) + len(
         tokenizer.encode(header + "\n", add_special_tokens=False)
     )
+
+
+def test_two_databases_that_share_a_table_name_are_both_encoded_and_served(llm):
+    """Spider's ``concert_singer`` and ``singer`` both have a table ``singer`` (with other columns): each database's
+    tables are stored under ``DATABASE.TABLE``, so encoding the second is not refused as a conflict."""
+    from kvreuse.localmodel import DATASETS
+    from kvreuse.modules.schemas import spider_schema, text_to_sql_prompt
+    from kvreuse.vllm.modules import encode_database, encode_modules
+
+    tables_json = DATASETS / "spider" / "tables.json"
+    first, second = spider_schema(tables_json, "concert_singer"), spider_schema(tables_json, "singer")
+    assert first.table("singer").ddl() != second.table("singer").ddl()
+    encode_database(llm, first)
+    ids = encode_database(llm, second)
+    header = f"Database {second.name}:"
+    encode_modules(llm, {f"header-{second.name}": header})
+    tokenizer = llm.get_tokenizer()
+    tables = [t.name for t in second.tables]
+    prompt = tokenizer.encode(text_to_sql_prompt(second, tables, "How many singers are there?"))
+    llm.reset_prefix_cache()
+    before = figures(llm)["tokens_loaded"]
+    generate(llm, [prompt])
+    assert figures(llm)["tokens_loaded"] - before == sum(len(ids[t]) for t in tables) + len(
+        tokenizer.encode(header + "\n", add_special_tokens=False)
+    )

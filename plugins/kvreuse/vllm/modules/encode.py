@@ -103,13 +103,20 @@ def encode_modules(
 def encode_database(llm: Any, schema: DatabaseSchema) -> dict[str, list[int]]:
     """Encode one module per table; a table's context is the DDL of the tables it references.
 
+    Each module is stored as ``DATABASE.TABLE``: databases often share table names (``Customers``), and a name
+    is stored once per namespace, so bare table names would refuse the second database's tables.
     Returns the table modules' token ids by table name.
     """
     tokenizer = llm.get_tokenizer()
     texts = dict(schema.modules())
     ids = {name: module_token_ids(tokenizer, text) for name, text in texts.items()}
     contexts = {table.name: [t for name in schema.references(table) for t in ids[name]] for table in schema.tables}
-    return encode_modules(llm, ids, contexts)
+    stored = encode_modules(
+        llm,
+        {f"{schema.name}.{name}": table_ids for name, table_ids in ids.items()},
+        {f"{schema.name}.{name}": context for name, context in contexts.items()},
+    )
+    return {name: stored[f"{schema.name}.{name}"] for name in ids}
 
 
 def schema_layout(llm: Any, schema_pml: str) -> SchemaLayout:
