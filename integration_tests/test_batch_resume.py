@@ -7,9 +7,6 @@ session of its own so that killing its process group kills its engine process wi
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +17,7 @@ from pathlib import Path
 import httpx
 import pandas as pd
 import pytest
+from served import stop_group, vllm_serve
 
 from kvreuse.batch import plan_table
 
@@ -27,74 +25,16 @@ pytestmark = pytest.mark.engine
 
 ROWS = 160
 INSTRUCTION = "Describe this movie in a few words."
-START_TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextmanager
 def vllm_server(model: Path, workdir: Path) -> Iterator[tuple[str, subprocess.Popen]]:
-    port = free_port()
-    log = (workdir / f"server-{port}.log").open("w")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-            "--block-size",
-            "32",
-            "--enforce-eager",
-            "--kv-cache-memory-bytes",
-            str(256 << 20),
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "512",
-            "--seed",
-            "0",
-            "--disable-uvicorn-access-log",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=workdir,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _healthy(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"vllm serve did not start:\n{Path(log.name).read_text()[-3000:]}")
-            time.sleep(1)
-        yield url, process
-    finally:
-        _kill_group(process)
-        log.close()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
+    arguments = [
+        *("--model", str(model), "--block-size", "32", "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20)),
+        *("--dtype", "float32", "--max-model-len", "512", "--seed", "0", "--disable-uvicorn-access-log"),
+    ]
+    with vllm_serve(arguments, workdir) as served:
+        yield served
 
 
 def kvreuse_run(table: Path, url: str, out: Path, *extra: str) -> subprocess.Popen:
@@ -145,7 +85,7 @@ def test_killing_the_engine_mid_job_keeps_the_rows_done_and_resume_answers_every
             assert job.poll() is None, job.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "the job wrote too few rows"
             time.sleep(0.2)
-        _kill_group(server)  # the server and its engine die mid-job
+        stop_group(server, crash=True)  # the server and its engine die mid-job
         _, err = job.communicate(timeout=120)
     assert job.returncode == 1, err[-3000:]
     assert "Traceback" not in err and "--resume" in err

@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from test_vllm_serve_backend import SERVED, START_TIMEOUT_S, _healthy, free_port
+from served import vllm_serve
+from test_vllm_serve_backend import SERVED
 
 pytestmark = pytest.mark.engine
 
@@ -30,40 +29,16 @@ ADDITIONAL = {"kvreuse": {"sparse": {"beta": "inf"}, "modules": {"cpu_bytes": 64
 
 @pytest.fixture(scope="module")
 def server(small_model, tmp_path_factory) -> Iterator[str]:
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("vllm_serve_guard")  # not the repository root: triton_kernels/ would shadow
-    log = (workdir / "server.log").open("w")
     arguments = [
-        *("--model", str(small_model), "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port)),
+        *("--model", str(small_model), "--served-model-name", SERVED),
         *("--block-size", "32", "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20), "--dtype", "float32"),
         *("--max-model-len", "2048", "--seed", "0", "--disable-uvicorn-access-log", "--api-key", API_KEY),
         *("--middleware", "kvreuse.vllm.modules.guard.ModuleWriteGuard"),
         *("--kv-transfer-config", json.dumps(CONNECTOR), "--additional-config", json.dumps(ADDITIONAL)),
     ]
     env = {**os.environ, "KVREUSE_SPARSE_CPU_BACKEND": "1", "KVREUSE_MODULES_WRITE_KEY": WRITE_KEY}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *arguments],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=workdir,
-        env=env,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _healthy(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"vllm serve did not start:\n{(workdir / 'server.log').read_text()[-3000:]}")
-            time.sleep(1)
+    with vllm_serve(arguments, tmp_path_factory.mktemp("vllm_serve_guard"), env) as (url, _):
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
 
 
 def complete(url: str, *, module: str | None = None, write_key: str | None = None) -> httpx.Response:

@@ -11,16 +11,14 @@ import io
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pandas as pd
 import psutil
 import pytest
+from served import free_port, wait_until_healthy
 
 from kvreuse.localmodel import DATASETS
 
@@ -29,7 +27,6 @@ pytestmark = pytest.mark.engine
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 ROWS = 30
-START_TIMEOUT_S = 300
 
 
 def blocks(language: str) -> list[str]:
@@ -48,27 +45,6 @@ def commands() -> list[str]:
 def the_command(*parts: str) -> str:
     (found,) = [c for c in commands() if all(p in c for p in parts)]
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-def wait_until_healthy(url: str, process: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not healthy(url):
-        if process.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"the server did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(1)
 
 
 @pytest.fixture

@@ -19,15 +19,12 @@ the backend to ask for them.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import httpx
 import pandas as pd
 import pytest
+from served import vllm_serve
 
 from kvreuse.batch import OpenAIServerBackend, plan_table, run_table
 from kvreuse.localmodel import DATASETS
@@ -38,81 +35,22 @@ MOVIES = DATASETS / "movies_small.csv"  # ../shared/datasets, or KVREUSE_DATASET
 FIELDS = ["movie_title", "movie_info"]
 MAX_TOKENS = 6
 SERVED = "small"
-START_TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(small_model, tmp_path_factory) -> Iterator[str]:
     """The URL of a running server; the process is always terminated after the module."""
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("vllm_serve")  # not the repository root: triton_kernels/ would shadow
-    log = (workdir / "server.log").open("w")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(small_model),
-            "--served-model-name",
-            SERVED,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--block-size",
-            "32",
-            "--enforce-eager",
-            "--kv-cache-memory-bytes",
-            str(256 << 20),
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "4096",
-            "--seed",
-            "0",
-            "--enable-prefix-caching",
-            "--enable-prompt-tokens-details",
-            "--disable-uvicorn-access-log",
-            "--additional-config",
-            '{"kvreuse": {"sparse": {"beta": "inf", "min_context": 0, "dense_layers": 0}}}',
-            "--kv-transfer-config",
-            '{"kv_connector": "KVReuseSparseFigures", "kv_role": "kv_both"}',
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=workdir,
-        env={**os.environ, "KVREUSE_SPARSE_CPU_BACKEND": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _healthy(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"vllm serve did not start:\n{(workdir / 'server.log').read_text()[-3000:]}")
-            time.sleep(1)
+    arguments = [
+        *("--model", str(small_model), "--served-model-name", SERVED),
+        *("--block-size", "32", "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20), "--dtype", "float32"),
+        *("--max-model-len", "4096", "--seed", "0", "--enable-prefix-caching", "--enable-prompt-tokens-details"),
+        "--disable-uvicorn-access-log",
+        *("--additional-config", '{"kvreuse": {"sparse": {"beta": "inf", "min_context": 0, "dense_layers": 0}}}'),
+        *("--kv-transfer-config", '{"kv_connector": "KVReuseSparseFigures", "kv_role": "kv_both"}'),
+    ]
+    env = {**os.environ, "KVREUSE_SPARSE_CPU_BACKEND": "1"}
+    with vllm_serve(arguments, tmp_path_factory.mktemp("vllm_serve"), env) as (url, _):
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 @pytest.fixture(scope="module")
