@@ -51,7 +51,7 @@ def the_command(*parts: str) -> str:
 def workdir(tmp_path: Path) -> Path:
     source = DATASETS / "movies_small.csv"
     if not source.exists():
-        pytest.skip(f"{source} is missing (set KVREUSE_DATASETS)")
+        pytest.fail(f"{source} is missing: this test reads the shared datasets (set KVREUSE_DATASETS)", pytrace=False)
     pd.read_csv(source, dtype=str, keep_default_na=False).head(ROWS).to_csv(tmp_path / "movies_small.csv", index=False)
     return tmp_path
 
