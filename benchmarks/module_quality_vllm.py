@@ -151,10 +151,11 @@ def _run_engine(
                 "first_difference": differ,
                 "seconds": round(time.perf_counter() - started, 1),
             }
+            versus_full = f"{same_as_full}/{len(cases)}" if full_tokens else "n/a (no full arm in this engine)"
             print(
-                f"{arm}: {right_engine}/{len(cases)} right in the engine; {same_as_full}/{len(cases)} outputs equal "
-                f"the engine's full prefill's; {computed / prompt_tokens:.1%} of prompt tokens computed; "
-                f"{same}/{compared} equal the reference's"
+                f"{arm}: {right_engine}/{len(cases)} right in the engine; {versus_full} outputs equal the engine's "
+                f"full prefill's; {computed / prompt_tokens:.1%} of prompt tokens computed; {same}/{compared} equal "
+                "the reference's"
             )
     finally:
         llm.llm_engine.engine_core.shutdown()
