@@ -8,9 +8,14 @@ own), each prompt sent after a prefix-cache reset so that its modules come from 
 stopping at ``<|im_end|>``; ``full`` is the same engine with ``skip_reading_prefix_cache`` (the connector and the
 prefix cache ignored, every token computed).
 
-Prints, per arm, how many cases give the reference's tokens exactly (and, where not, the first output token that
-differs) and how many answers are right in both; writes ``benchmarks/results/module_quality_vllm_<set>.json``.
-Run after ``module_quality.py`` has measured the same cases::
+The ``legolink-K`` arms are the engine's selective recompute (``modules.recompute_first``, here per request with
+``kv_transfer_params {"kvreuse_recompute_first": K}``) over the naive encodings: the first K tokens of each spliced
+module (the header's too) computed with the whole prompt before them.
+
+Prints, per arm, how many answers are right, how many outputs equal the engine's own full prefill's, the share of
+prompt tokens the engine computed, and, where ``module_quality.py`` measured the same cases and arm, how many give
+the reference's tokens exactly (and, where not, the first output token that differs); writes
+``benchmarks/results/module_quality_vllm_<set>.json``::
 
     python benchmarks/module_quality_vllm.py --set mixed --cases 20
 """
@@ -33,10 +38,14 @@ CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_loa
 SETTINGS = {"kvreuse": {"sparse": {"beta": float("inf")}, "modules": {"gpu_bytes": 0, "cpu_bytes": 4 << 30}}}
 
 
+LEGOLINK = {"legolink-16": 16, "legolink-32": 32}  # arm -> modules.recompute_first
+
+
 def _reference(set_name: str) -> dict[tuple[str, str], list[int]]:
     log = RUNS / f"{set_name}.jsonl"
     if not log.exists():
-        raise SystemExit(f"no reference results in {log}: run benchmarks/module_quality.py --set {set_name} first")
+        print(f"no reference results in {log} (benchmarks/module_quality.py --set {set_name}): engine figures only")
+        return {}
     rows = (json.loads(line) for line in log.read_text().splitlines())
     return {(r["case"], r["arm"]): r["tokens"] for r in rows}
 
@@ -52,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict] = {}
     # One engine per way of encoding the modules: the store refuses a module re-encoded under its name with
     # another start (kvreuse.errors.ModuleConflict), so anchored encodings cannot replace the naive ones in place.
-    for arms in (("full", "naive"), ("anchored",)):
+    for arms in (("full", "naive", *LEGOLINK), ("anchored",)):
         results.update(_run_engine(args.set, args.cases, arms, reference))
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"module_quality_vllm_{args.set}.json"
@@ -77,7 +86,8 @@ def _run_engine(
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
-    cases = [c for c in make_cases(QA_SETS[set_name], encode) if (c.key, "naive") in reference][:num_cases]
+    cases = [c for c in make_cases(QA_SETS[set_name], encode) if not reference or (c.key, "naive") in reference]
+    cases = cases[:num_cases]
     tokenized = [tokenize_case(c, encode) for c in cases]
     header = encode(HEADER)
     unique = list(dict.fromkeys(ids for tc in tokenized for ids in tc.modules))
@@ -88,40 +98,65 @@ def _run_engine(
         full = SamplingParams(
             max_tokens=MAX_NEW_TOKENS, temperature=0.0, stop_token_ids=[eos], skip_reading_prefix_cache=True
         )
+        full_tokens: dict[str, list[int]] = {}
         for arm in arms:
             started = time.perf_counter()
             if arm == "naive":
                 encode_modules(llm, {"header": header, **modules})
             elif arm == "anchored":
                 encode_modules(llm, {"header": header, **modules}, contexts={name: header for name in modules})
-            same = right_both = right_engine = 0
+            same = right_both = right_engine = same_as_full = compared = 0
+            computed = prompt_tokens = 0
             differ: dict[str, int] = {}  # case -> first output token that differs from the reference's
             for case, tc in zip(cases, tokenized):
                 llm.reset_prefix_cache()
                 params = full if arm == "full" else sampling
+                if arm in LEGOLINK:
+                    params = SamplingParams(
+                        max_tokens=MAX_NEW_TOKENS,
+                        temperature=0.0,
+                        stop_token_ids=[eos],
+                        extra_args={"kv_transfer_params": {"kvreuse_recompute_first": LEGOLINK[arm]}},
+                    )
                 out = llm.generate([TokensPrompt(prompt_token_ids=tc.prompt)], params, use_tqdm=False)[0]
                 tokens = list(out.outputs[0].token_ids)
-                expected = reference[(case.key, arm)]
                 ours = is_correct(tokenizer.decode(tokens, skip_special_tokens=True), case)
-                theirs = is_correct(tokenizer.decode(expected, skip_special_tokens=True), case)
-                same += tokens == expected
-                if tokens != expected:
-                    differ[case.key] = next(
-                        (i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), min(len(tokens), len(expected))
-                    )
                 right_engine += ours
-                right_both += ours and theirs
-                if arm != "full" and out.num_cached_tokens < len(tc.prompt) - len(tc.question):
+                computed += len(tc.prompt) - out.num_cached_tokens
+                prompt_tokens += len(tc.prompt)
+                if arm == "full":
+                    full_tokens[case.key] = tokens
+                same_as_full += tokens == full_tokens.get(case.key)
+                expected = reference.get((case.key, arm))
+                if expected is not None:
+                    compared += 1
+                    theirs = is_correct(tokenizer.decode(expected, skip_special_tokens=True), case)
+                    same += tokens == expected
+                    right_both += ours and theirs
+                    if tokens != expected:
+                        differ[case.key] = next(
+                            (i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b),
+                            min(len(tokens), len(expected)),
+                        )
+                if arm in ("naive", "anchored") and out.num_cached_tokens < len(tc.prompt) - len(tc.question):
                     raise SystemExit(f"{case.key}: only {out.num_cached_tokens} prompt tokens came from the cache")
             results[arm] = {
                 "cases": len(cases),
-                "same_tokens_as_reference": same,
                 "right_in_engine": right_engine,
+                "same_tokens_as_full": same_as_full if full_tokens else None,
+                "computed_share": round(computed / prompt_tokens, 4),
+                "compared_with_reference": compared,
+                "same_tokens_as_reference": same,
                 "right_in_both": right_both,
                 "first_difference": differ,
                 "seconds": round(time.perf_counter() - started, 1),
             }
-            print(f"{arm}: {same}/{len(cases)} outputs equal the reference's; {right_engine} right in the engine")
+            versus_full = f"{same_as_full}/{len(cases)}" if full_tokens else "n/a (no full arm in this engine)"
+            print(
+                f"{arm}: {right_engine}/{len(cases)} right in the engine; {versus_full} outputs equal the engine's "
+                f"full prefill's; {computed / prompt_tokens:.1%} of prompt tokens computed; {same}/{compared} equal "
+                "the reference's"
+            )
     finally:
         llm.llm_engine.engine_core.shutdown()
     return results

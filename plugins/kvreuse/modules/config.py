@@ -73,6 +73,13 @@ class ModulesConfig:
         "a module past it is refused",
         low=0,
     )
+    recompute_first: int = config.setting(
+        0,
+        "engine: tokens at the start of each spliced module computed afresh with the whole prompt before them "
+        '(LegoLink); a request may set its own with kv_transfer_params {"kvreuse_recompute_first": K} '
+        "(0 = none: spliced KV as encoded)",
+        low=0,
+    )
 
     @classmethod
     def load(cls, flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> ModulesConfig:

@@ -75,6 +75,29 @@ def plan_splice(
     return pieces
 
 
+def first_tokens(pieces: Sequence[Piece], k: int) -> tuple[int, ...]:
+    """Prompt positions of the pieces' tokens that are among the first ``k`` tokens of their module, ascending: the
+    tokens LegoLink recomputes (Hu et al. 2024, "EPIC: Efficient Position-Independent Context Caching", section 4).
+
+    A module's first tokens carry the attention sink that encoding it alone put there; recomputed with the whole
+    prompt before them, they attend across modules again. A piece that starts inside its module (the engine's
+    prefix hit ended there) recomputes only those of its tokens that are still among the module's first ``k``.
+    """
+    return tuple(piece.prompt_start + i for piece in pieces for i in range(max(0, min(piece.length, k - piece.offset))))
+
+
+def true_positions(first: int, count: int, start: int, recompute: Sequence[int]) -> list[int]:
+    """The prompt positions of a step's ``count`` scheduled tokens of one request, the engine having scheduled
+    positions ``first ..`` of a prompt whose spliced run keeps ``recompute`` (ascending) to compute.
+
+    The engine counts the run's loaded tokens as computed, ``start`` of them in all, so it schedules
+    ``len(recompute)`` more tokens from ``start`` on, then the rest of the prompt. Those first scheduled tokens
+    are really the tokens at ``recompute``; as ``start + len(recompute)`` is the run's end, every token after
+    them keeps its own position.
+    """
+    return [recompute[p - start] if start <= p < start + len(recompute) else p for p in range(first, first + count)]
+
+
 class SkipReason(StrEnum):
     """Why a module found in a prompt was not spliced (the ``reason`` label of
     ``kvreuse:module_splice_skipped_total``)."""

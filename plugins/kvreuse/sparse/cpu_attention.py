@@ -97,6 +97,19 @@ def dense_causal(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return out[0].transpose(0, 1)
 
 
+def dense_at(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``query[q_len, q_heads, d]``, the tokens at sequence ``positions[q_len]`` (any order, gaps allowed),
+    attending to ``keys``/``values[seq_len, kv_heads, d]`` at or before their own position: ``[q_len, q_heads,
+    d]`` in the query's dtype. What a step computes for tokens spread over a spliced run (module recompute)."""
+    seq_len = keys.shape[0]
+    mask = torch.arange(seq_len, device=positions.device)[None, :] <= positions[:, None]
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, keys.to(query.dtype), values.to(query.dtype)))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device), scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
 # ----------------------------------------------------------------------------------------------------- decode
 
 

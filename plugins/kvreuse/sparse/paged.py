@@ -65,6 +65,9 @@ class PagedBatch:
     slot_mapping: torch.Tensor
     num_actual_tokens: int
     max_seq_len: int
+    # Where given (module recompute moved some tokens of the step), each token's position in its sequence; dense
+    # attention then masks by position instead of by order.
+    query_positions: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -246,7 +249,7 @@ class SparseAttention:
         if count:
             self.figures.add_dense(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads, count)
         if plan.dense is not None:
-            self._dense(query, key_cache, value_cache, plan.dense, out)
+            self._dense(query, key_cache, value_cache, plan.dense, out, batch.query_positions)
         if plan.dipr is not None:
             self._dipr_decode(layer, query, key_cache, value_cache, sketch, plan.dipr, batch.max_seq_len, out)
         return out
@@ -271,9 +274,19 @@ class SparseAttention:
         return plans[dense_layer]
 
     def _dense(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, sub: SubBatch, out: torch.Tensor
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        sub: SubBatch,
+        out: torch.Tensor,
+        positions: torch.Tensor | None = None,
     ) -> None:
-        """Dense causal attention of a sub-batch (prefill, chunked prefill, dense decode) into its rows."""
+        """Dense causal attention of a sub-batch (prefill, chunked prefill, dense decode) into its rows; with
+        ``positions`` (host, one per token of the batch), masked by position, in PyTorch."""
+        if positions is not None:
+            self._dense_at(query, key_cache, value_cache, sub, out, positions)
+            return
         if self._use_kernels(query):
             from kvreuse.kernels.paged_causal import PagedCausalAttention
 
@@ -293,6 +306,29 @@ class SparseAttention:
                 keys = cpu_attention.sequence_tokens(key_cache, blocks, seq_len)
                 values = cpu_attention.sequence_tokens(value_cache, blocks, seq_len)
                 result = cpu_attention.dense_causal(query[first:last], keys, values, self.scale)
+            out[first:last] = result.to(out.dtype)
+
+    def _dense_at(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        sub: SubBatch,
+        out: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        """``_dense`` for a step whose tokens are not all in order: each query attends to the keys at or before
+        its own position, read up to the furthest position a query of the request has (a recomputed token may lie
+        beyond the request's scheduled length, among loaded keys)."""
+        for i, (first, last, seq_len) in enumerate(
+            zip(sub.query_starts.tolist(), sub.query_ends.tolist(), sub.seq_lens.tolist())
+        ):
+            where = positions[first:last]
+            length = max(seq_len, int(where.max()) + 1)
+            blocks = sub.block_table[i, : -(-length // self.block_size)]
+            keys = cpu_attention.sequence_tokens(key_cache, blocks, length)
+            values = cpu_attention.sequence_tokens(value_cache, blocks, length)
+            result = cpu_attention.dense_at(query[first:last], keys, values, where.to(query.device), self.scale)
             out[first:last] = result.to(out.dtype)
 
     def _dipr_decode(

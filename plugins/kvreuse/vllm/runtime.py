@@ -27,6 +27,8 @@ from kvreuse.sparse.figures import AttendedFractions
 from kvreuse.sparse.paged import SparseAttention
 
 if TYPE_CHECKING:
+    import torch
+
     from kvreuse.vllm.modules.worker import ModuleWorker
 
 
@@ -37,6 +39,9 @@ class ProcessRuntime:
     sparse_attention: SparseAttention | None = None
     sparse_owner: object | None = None  # the vLLM configuration of the engine that built ``sparse_attention``
     module_worker: ModuleWorker | None = None
+    # This step's token positions when module recompute moved some (host int64, one per scheduled token), else
+    # None: set by the module connector's input wrapper, read by the sparse backend's metadata builder.
+    step_positions: torch.Tensor | None = None
 
     def sparse_attention_for(self, owner: object, build: Callable[[], SparseAttention]) -> SparseAttention:
         """The process's sparse attention for the engine configured by ``owner``, built by the engine's first

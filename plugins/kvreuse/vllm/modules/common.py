@@ -22,6 +22,7 @@ from kvreuse.modules.writes import WRITE_PROOF, check_module_name, proven
 ENCODE_MODULE = "kvreuse_module"
 ENCODE_CONTEXT = "kvreuse_context"
 ENCODE_REPLACE = "kvreuse_replace"  # an explicit replacement of the module stored under the name
+RECOMPUTE_FIRST = "kvreuse_recompute_first"  # a request's own modules.recompute_first
 
 
 def encode_params(name: str, context_tokens: int = 0, *, replace: bool = False) -> dict[str, Any]:
@@ -37,6 +38,23 @@ def marks_encode(params: object) -> bool:
     """Whether a request's ``kv_transfer_params`` ask to encode a module (well formed or not; anything but a
     mapping asks nothing)."""
     return isinstance(params, Mapping) and ENCODE_MODULE in params
+
+
+def recompute_first(params: object, default: int) -> int:
+    """The tokens per spliced module a request recomputes: its ``kv_transfer_params``' :data:`RECOMPUTE_FIRST`,
+    else ``default`` (``modules.recompute_first``).
+
+    Raises :class:`ModuleRegistrationError` for a value that is not a non-negative integer (the request then
+    splices with ``default``).
+    """
+    if not isinstance(params, Mapping) or RECOMPUTE_FIRST not in params:
+        return default
+    value = params[RECOMPUTE_FIRST]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ModuleRegistrationError(
+            f"{RECOMPUTE_FIRST} must be a non-negative integer (tokens per module), got {repr(value)[:32]}"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -90,6 +108,11 @@ class LoadSpec:
     pieces: tuple[Piece, ...]
     slots: tuple[tuple[int, ...], ...]  # per piece, the slot of each of its tokens
     blocks: tuple[tuple[int, ...], ...]  # per piece, the blocks its tokens lie in (reported if it fails)
+    # Prompt positions inside the pieces that this step computes instead (ascending; empty: none). vLLM then counts
+    # only ``start`` tokens as computed and schedules these first, at positions ``start ..``; the worker moves them
+    # to their own positions before the forward (``kvreuse.patches.vllm_0_32.remap_scheduled_tokens``).
+    recompute: tuple[int, ...] = ()
+    start: int = 0
 
 
 @dataclass(frozen=True)

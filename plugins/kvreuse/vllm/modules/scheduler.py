@@ -41,7 +41,7 @@ from kvreuse.errors import ConfigError, ModuleRegistrationError, UnsupportedPosi
 from kvreuse.kernels.rerotate import rope_spec_from_hf_config
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.namespace import namespace_label, namespace_of
-from kvreuse.modules.splice import Piece, block_modules, plan_splice, skipped_modules, token_slots
+from kvreuse.modules.splice import Piece, block_modules, first_tokens, plan_splice, skipped_modules, token_slots
 from kvreuse.modules.store import ModuleKey, context_fingerprint
 from kvreuse.modules.trie import ModuleMatch, ModuleTrie
 from kvreuse.modules.writes import engine_write_keys
@@ -54,6 +54,7 @@ from kvreuse.vllm.modules.common import (
     SaveSpec,
     encode_request,
     marks_encode,
+    recompute_first,
     write_allowed,
 )
 from kvreuse.vllm.names import ConnectorName
@@ -78,11 +79,25 @@ class WriteRefusal(StrEnum):
 @dataclass(frozen=True)
 class _Look:
     """What the scheduler found in a waiting request's prompt, and the entries folded into its block hashes from
-    block ``first_block`` on."""
+    block ``first_block`` on, with the tokens per module it recomputes (``recompute_first``, folded too)."""
 
     matches: list[ModuleMatch]
     first_block: int
     folded: frozenset[ModuleKey]
+    recompute_first: int = 0
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A waiting request's planned run and the positions in it that are recomputed rather than loaded."""
+
+    pieces: list[Piece]
+    recompute: tuple[int, ...] = ()
+
+    @property
+    def external(self) -> int:
+        """The tokens offered to vLLM as computed."""
+        return sum(piece.length for piece in self.pieces) - len(self.recompute)
 
 
 class ModuleScheduler:
@@ -112,8 +127,9 @@ class ModuleScheduler:
         self.available: set[ModuleKey] = set()
         self._looks: dict[str, _Look] = {}
         self._counted: set[str] = set()  # requests whose skipped modules were counted
-        self._plans: dict[str, list[Piece]] = {}  # asked about, not yet allocated
+        self._plans: dict[str, _Plan] = {}  # asked about, not yet allocated
         self._loads: list[LoadSpec] = []  # allocated, for the next step's metadata
+        self._prompt_lens: dict[str, int] = {}  # requests of self._loads that recompute: their prompt's length
         self._writes: dict[str, ModuleWrite | None] = {}  # encode requests asked about: the write, None if refused
         self._encodes: dict[str, tuple[ModuleWrite, tuple[int, ...]]] = {}  # req id -> write, prompt
         self.skipped: Counter[str] = Counter()  # modules found but not spliced, by reason (since take_stats)
@@ -149,7 +165,7 @@ class ModuleScheduler:
         if look is None or stale or hit_block < look.first_block:
             matches = look.matches if look is not None and not stale else self._find(request, prompt)
             first_block = hit_block if look is None else min(hit_block, look.first_block)
-            look = self._looks[rid] = self._fold(request, matches, first_block)
+            look = self._looks[rid] = self._fold(request, matches, first_block, self._recompute_first(request))
             if look.folded and (
                 num_computed_tokens > first_block * self.block_size  # vLLM's hit used hashes just changed
                 or vllm_0_32.prefix_cache_hit(self.kv_cache_manager, request) > num_computed_tokens
@@ -158,48 +174,67 @@ class ModuleScheduler:
                 return None
         stop = min(len(prompt), request.num_tokens) - 1  # vLLM computes at least the last token
         pieces = plan_splice(look.matches, num_computed_tokens, stop, self.available.__contains__)
-        self._plans[rid] = pieces
+        plan = self._plans[rid] = _Plan(pieces, first_tokens(pieces, look.recompute_first))
         if rid not in self._counted:  # counted once per request (vLLM may ask again while it waits)
             self._counted.add(rid)
             self._count_skipped(request, prompt, look.matches, pieces, num_computed_tokens, stop)
-        return sum(piece.length for piece in pieces)
+        return plan.external
 
     def allocated(self, request: Request, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM gave the request its blocks and took ``num_external_tokens`` of the planned tokens."""
         rid = request.request_id
-        pieces = self._plans.pop(rid, [])
+        plan = self._plans.pop(rid, _Plan([]))
         write = self._writes.pop(rid, None)
         if write is not None:
             self._encodes[rid] = (write, tuple(request.prompt_token_ids or ()))
         if num_external_tokens <= 0:
             return
-        kept: list[Piece] = []
-        left = num_external_tokens
-        for piece in pieces:  # vLLM may take fewer tokens than offered
-            if left <= 0:
-                break
-            take = min(piece.length, left)
-            kept.append(Piece(piece.name, piece.offset, piece.prompt_start, take))
-            left -= take
-        if left:
-            raise RuntimeError(
-                f"{ConnectorName.MODULE_CACHE}: vLLM took {num_external_tokens} tokens of request {rid}, more "
-                f"than the {num_external_tokens - left} planned"
-            )
-        slots = tuple(tuple(token_slots(block_ids, self.block_size, p.prompt_start, p.prompt_end)) for p in kept)
+        if (
+            plan.recompute
+            and num_external_tokens == plan.external
+            and plan.pieces[-1].prompt_end <= len(block_ids) * self.block_size
+        ):
+            # The whole run is loaded; the recomputed positions are overwritten by the forward.
+            self._loads.append(self._load(rid, plan.pieces, block_ids, plan.recompute))
+            self._prompt_lens[rid] = request.num_tokens
+            return
+        # vLLM took fewer tokens than offered (or the run's blocks are not all allocated): load the first ones;
+        # vLLM computes the rest of the run at its own positions (more recompute than asked, never a wrong one).
+        self._loads.append(self._load(rid, _first(plan.pieces, num_external_tokens, rid), block_ids, ()))
+
+    def _load(self, rid: str, pieces: list[Piece], block_ids: Sequence[int], recompute: tuple[int, ...]) -> LoadSpec:
+        slots = tuple(tuple(token_slots(block_ids, self.block_size, p.prompt_start, p.prompt_end)) for p in pieces)
         blocks = tuple(tuple(sorted({s // self.block_size for s in piece_slots})) for piece_slots in slots)
-        self._loads.append(LoadSpec(rid, tuple(kept), slots, blocks))
+        start = pieces[-1].prompt_end - len(recompute) if recompute else 0
+        return LoadSpec(rid, tuple(pieces), slots, blocks, recompute, start)
 
     def build_metadata(self, scheduler_output: SchedulerOutput) -> ModuleCacheMetadata:
-        meta = ModuleCacheMetadata(loads=self._loads, saves=self._saves(scheduler_output))
+        loads = [self._whole_or_plain(spec, scheduler_output) for spec in self._loads]
+        meta = ModuleCacheMetadata(loads=loads, saves=self._saves(scheduler_output))
         self._loads = []
+        self._prompt_lens.clear()
         seen: set[ModuleKey] = set()
-        for pieces in self._plans.values():  # requests still waiting: their modules are worth promoting now
-            for piece in pieces:
+        for plan in self._plans.values():  # requests still waiting: their modules are worth promoting now
+            for piece in plan.pieces:
                 if piece.name not in seen:
                     seen.add(piece.name)
                     meta.prefetch.append(piece.name)
         return meta
+
+    def _whole_or_plain(self, spec: LoadSpec, scheduler_output: SchedulerOutput) -> LoadSpec:
+        """``spec`` if it recomputes nothing or vLLM scheduled the whole rest of the prompt in this step; else
+        (chunked prefill) the plain load of its first ``spec.start`` tokens: the recomputed tokens would be spread
+        over steps whose slots and keys the worker does not see, so vLLM computes the run's end at its own
+        positions instead (more recompute than asked, never a wrong one)."""
+        if not spec.recompute:
+            return spec
+        scheduled = scheduler_output.num_scheduled_tokens.get(spec.req_id, 0)
+        if spec.start + scheduled == self._prompt_lens.get(spec.req_id, -1):
+            return spec
+        pieces = _first(list(spec.pieces), spec.start - spec.pieces[0].prompt_start, spec.req_id)
+        kept = [slots[: piece.length] for piece, slots in zip(pieces, spec.slots)]
+        blocks = tuple(tuple(sorted({s // self.block_size for s in piece_slots})) for piece_slots in kept)
+        return LoadSpec(spec.req_id, tuple(pieces), tuple(kept), blocks)
 
     def _saves(self, scheduler_output: SchedulerOutput) -> list[SaveSpec]:
         """The encode requests whose prompt is complete after this step."""
@@ -263,7 +298,7 @@ class ModuleScheduler:
         return stats
 
     def finished(self, request_id: str) -> None:
-        for state in (self._looks, self._plans, self._writes, self._encodes):
+        for state in (self._looks, self._plans, self._writes, self._encodes, self._prompt_lens):
             state.pop(request_id, None)
         self._counted.discard(request_id)
 
@@ -272,23 +307,34 @@ class ModuleScheduler:
         """The modules of the global namespace and of the request's in its prompt."""
         return self.trie.find(prompt, namespace=namespace_of(request.cache_salt))
 
-    def _fold(self, request: Request, matches: list[ModuleMatch], first_block: int) -> _Look:
-        """Fold the entries of ``matches`` into the request's block hashes from ``first_block`` on (module doc)."""
+    def _recompute_first(self, request: Request) -> int:
+        """The tokens per spliced module ``request`` recomputes (its own setting, else the engine's)."""
+        try:
+            return recompute_first(request.kv_transfer_params, self.config.recompute_first)
+        except ModuleRegistrationError as why:
+            logger.error("kvreuse: request %s splices with modules.recompute_first: %s", request.request_id, why)
+            return self.config.recompute_first
+
+    def _fold(self, request: Request, matches: list[ModuleMatch], first_block: int, recompute: int) -> _Look:
+        """Fold the entries of ``matches`` into the request's block hashes from ``first_block`` on (module doc),
+        and ``recompute`` where it is not 0: blocks whose spliced KV was partly recomputed differ from those of
+        a plain splice, so neither may be given for the other."""
         manager = self.kv_cache_manager
         if manager is None or not vllm_0_32.caches_prefixes(manager):
-            return _Look(matches, first_block, frozenset())  # nothing is cached: no block to tell apart
+            return _Look(matches, first_block, frozenset(), recompute)  # nothing is cached: no block to tell apart
         stored = [match for match in matches if match.name in self.available]
         num_blocks = request.num_tokens // self.block_size
         blocks = block_modules(stored, self.block_size, first_block, num_blocks)
-        keys = {block: tuple(key.identity for key in names) for block, names in blocks.items()}
+        extra = (f"recompute_first={recompute}",) if recompute else ()
+        keys = {block: tuple(key.identity for key in names) + extra for block, names in blocks.items()}
         if keys and not vllm_0_32.fold_into_block_hashes(self.vllm_config, manager, request, first_block, keys):
             logger.warning(
                 "kvreuse: request %s: this engine's prefix-cache hashes cannot name module entries (hybrid "
                 "KV cache); no module is spliced into it",
                 request.request_id,
             )
-            return _Look([], first_block, frozenset())
-        return _Look(matches, first_block, frozenset(key for names in blocks.values() for key in names))
+            return _Look([], first_block, frozenset(), recompute)
+        return _Look(matches, first_block, frozenset(key for names in blocks.values() for key in names), recompute)
 
     def _count_skipped(
         self,
@@ -334,3 +380,21 @@ class ModuleScheduler:
             )
             return None
         return write
+
+
+def _first(pieces: list[Piece], tokens: int, rid: str) -> list[Piece]:
+    """The first ``tokens`` tokens of ``pieces`` (vLLM may take fewer tokens than offered)."""
+    kept: list[Piece] = []
+    left = tokens
+    for piece in pieces:
+        if left <= 0:
+            break
+        take = min(piece.length, left)
+        kept.append(Piece(piece.name, piece.offset, piece.prompt_start, take))
+        left -= take
+    if left:
+        raise RuntimeError(
+            f"{ConnectorName.MODULE_CACHE}: vLLM took {tokens} tokens of request {rid}, more than the "
+            f"{tokens - left} planned"
+        )
+    return kept

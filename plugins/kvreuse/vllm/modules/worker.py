@@ -30,7 +30,7 @@ from kvreuse.errors import (
 from kvreuse.kernels.rerotate import RopeSpec, check_rerotation
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.namespace import namespace_label
-from kvreuse.modules.splice import Piece, piece_kv
+from kvreuse.modules.splice import Piece, piece_kv, true_positions
 from kvreuse.modules.store import EncodedModule, ModuleKey, ModuleStore
 from kvreuse.patches import vllm_0_32
 from kvreuse.sparse.figures import FigureIncrements
@@ -90,6 +90,9 @@ class ModuleWorker:
         model_id, tokenizer_id = model_identity(vllm_config)
         self.store = ModuleStore(self.config, model_id=model_id, tokenizer_id=tokenizer_id)
         self.spec: RopeSpec | None = None  # None: positions cannot be moved, every load fails over to recompute
+        # Whether every layer's attention masks by position (kvreuse's backend), which recomputing tokens inside a
+        # spliced run needs; where not, such a load fails over to vLLM's recompute of the whole run.
+        self.masks_by_position = False
         self.layers: list[str] = []
         self._copies: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._errors: set[int] = set()
@@ -119,6 +122,9 @@ class ModuleWorker:
                     f"{ConnectorName.MODULE_CACHE} needs per-layer KV caches [blocks, kv_heads, block_size, "
                     f"2 * head_dim]; layer {name} ({backend}) has {tuple(kv_caches[name].shape)}"
                 )
+        # kvreuse's backend names itself CUSTOM (SparseAttentionBackend.get_name), also where it replaces CPU_ATTN.
+        self.masks_by_position = all(backends[name] == "CUSTOM" for name in self.layers)
+        vllm_0_32.remap_scheduled_tokens(self.recompute_moves, _publish_positions, true_positions)
         first = kv_caches[self.layers[0]]
         try:
             self.spec = check_rerotation(
@@ -142,7 +148,23 @@ class ModuleWorker:
             self._load_request(spec, forward_context)
         self.figures.load_s += time.perf_counter() - started
 
+    def recompute_moves(self, meta: object) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Per request of this step that recomputes tokens inside its spliced run: where vLLM's scheduled tokens
+        start and the positions they stand for (what ``vllm_0_32.remap_scheduled_tokens`` moves)."""
+        if not isinstance(meta, ModuleCacheMetadata) or not self.masks_by_position:
+            return {}
+        return {spec.req_id: (spec.start, spec.recompute) for spec in meta.loads if spec.recompute}
+
     def _load_request(self, spec: LoadSpec, forward_context: ForwardContext) -> None:
+        if spec.recompute and not self.masks_by_position:
+            self._errors.update(block for blocks in spec.blocks for block in blocks)
+            self.figures.load_failures += len(spec.pieces)
+            logger.warning(
+                "kvreuse: request %s recomputes tokens inside its spliced modules, which needs kvreuse's attention "
+                "backend in every layer; vLLM computes the whole run instead",
+                spec.req_id,
+            )
+            return
         for piece, slots, blocks in zip(spec.pieces, spec.slots, spec.blocks):
             module = self.store.get(piece.name) if self.spec is not None else None
             if module is None or module.num_layers != len(self.layers):
@@ -250,3 +272,8 @@ class ModuleWorker:
         handle = runtime()
         if handle.module_worker is self:
             handle.module_worker = None
+
+
+def _publish_positions(positions: torch.Tensor | None) -> None:
+    """Hand this step's token positions to the attention backend (``None``: all in order)."""
+    runtime().step_positions = positions

@@ -217,8 +217,17 @@ class SparseAttentionMetadataBuilder(AttentionMetadataBuilder[SparseAttentionMet
                 slot_mapping=m.slot_mapping,
                 num_actual_tokens=m.num_actual_tokens,
                 max_seq_len=m.max_seq_len,
+                query_positions=step_positions(m.num_actual_tokens),
             )
         )
+
+
+def step_positions(num_tokens: int) -> torch.Tensor | None:
+    """The positions the module connector gave this step's tokens (module recompute), if it moved any; checked
+    against the step's token count, so a step built without vLLM's input preparation (a dummy run) never gets
+    another step's."""
+    positions = runtime().step_positions
+    return positions if positions is not None and len(positions) == num_tokens else None
 
 
 class SparseAttentionImpl(AttentionImpl[SparseAttentionMetadata]):

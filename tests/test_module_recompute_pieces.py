@@ -1,0 +1,190 @@
+"""Selective recompute of spliced module tokens (``modules.recompute_first``) without an engine: which tokens, what the
+scheduler side offers vLLM and plans to load, how the worker's input wrapper moves a step's scheduled tokens
+(``vllm_0_32.remap_scheduled_tokens``, on a fake model runner and block table), and attention masked by position.
+The real engine: ``integration_tests/test_module_recompute.py``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from test_module_connector_pieces import module_scheduler
+
+from kvreuse.errors import ModuleRegistrationError
+from kvreuse.modules.splice import Piece, first_tokens, true_positions
+from kvreuse.modules.store import ModuleKey
+from kvreuse.sparse import cpu_attention
+from kvreuse.vllm.modules.common import ModuleCacheMetadata, recompute_first
+
+
+def test_first_tokens_are_each_modules_first_k_of_the_run():
+    pieces = [Piece("a", 0, 2, 5), Piece("b", 0, 7, 3), Piece("c", 2, 10, 4)]  # c: the engine's hit ended inside
+    assert first_tokens(pieces, 0) == ()
+    assert first_tokens(pieces, 2) == (2, 3, 7, 8)  # c's first two tokens are in the engine's hit already
+    assert first_tokens(pieces, 3) == (2, 3, 4, 7, 8, 9, 10)
+    assert first_tokens(pieces, 100) == tuple(range(2, 14))
+
+
+def test_true_positions_move_the_first_scheduled_tokens_and_keep_the_rest():
+    # Run [2, 14) with recompute (2, 3, 7, 8): vLLM counts start = 14 - 4 = 10 as computed, schedules 10 ...
+    assert true_positions(10, 6, 10, (2, 3, 7, 8)) == [2, 3, 7, 8, 14, 15]
+    assert true_positions(12, 4, 10, (2, 3, 7, 8)) == [7, 8, 14, 15]  # a later chunk: same map
+    assert true_positions(20, 1, 10, (2, 3, 7, 8)) == [20]  # a decode
+    assert true_positions(10, 3, 10, ()) == [10, 11, 12]
+
+
+def test_a_request_sets_its_own_recompute_first_and_bad_values_name_the_problem():
+    assert recompute_first(None, 4) == 4 and recompute_first({"other": 1}, 4) == 4
+    assert recompute_first({"kvreuse_recompute_first": 0}, 4) == 0
+    assert recompute_first({"kvreuse_recompute_first": 32}, 0) == 32
+    for bad in (-1, True, "8", 1.5):
+        with pytest.raises(ModuleRegistrationError, match="kvreuse_recompute_first must be a non-negative integer"):
+            recompute_first({"kvreuse_recompute_first": bad}, 0)
+
+
+def _splice_request(k, rid="r"):
+    scheduler = module_scheduler()  # block size 4
+    a, b = ModuleKey("a", 1), ModuleKey("b", 2)
+    scheduler.trie.add(a, (1, 2, 3, 4, 5, 6))
+    scheduler.trie.add(b, (7, 8, 9, 10))
+    scheduler.available = {a, b}
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 0]  # run [0, 10), question [10, 12)
+    params = None if k is None else {"kvreuse_recompute_first": k}
+    request = SimpleNamespace(
+        request_id=rid, prompt_token_ids=prompt, num_tokens=len(prompt), kv_transfer_params=params, cache_salt=None
+    )
+    return scheduler, request
+
+
+def _step(rid, scheduled):
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={rid: scheduled},
+    )
+
+
+def test_the_scheduler_offers_the_run_less_the_recomputed_tokens_and_loads_all_of_it():
+    scheduler, request = _splice_request(2)
+    assert scheduler.matched_tokens(request, 0) == 10 - 4  # recompute 0, 1 (a) and 6, 7 (b)
+    scheduler.allocated(request, [5, 6, 7], 6)
+    (load,) = scheduler.build_metadata(_step("r", 6)).loads  # 4 recomputed + the 2 question tokens
+    assert [(p.name.name, p.prompt_start, p.length) for p in load.pieces] == [("a", 0, 6), ("b", 6, 4)]
+    assert load.recompute == (0, 1, 6, 7) and load.start == 6
+    assert load.slots == ((20, 21, 22, 23, 24, 25), (26, 27, 28, 29))
+
+
+def test_recompute_0_plans_exactly_todays_splice():
+    for k in (None, 0):
+        scheduler, request = _splice_request(k)
+        assert scheduler.matched_tokens(request, 0) == 10
+        scheduler.allocated(request, [5, 6, 7], 10)
+        (load,) = scheduler.build_metadata(_step("r", 2)).loads
+        assert load.recompute == () and load.start == 0 and sum(p.length for p in load.pieces) == 10
+
+
+def test_a_chunked_or_shortened_recompute_falls_back_to_loading_the_runs_first_tokens():
+    scheduler, request = _splice_request(2)
+    scheduler.matched_tokens(request, 0)
+    scheduler.allocated(request, [5, 6, 7], 6)
+    (load,) = scheduler.build_metadata(_step("r", 3)).loads  # vLLM chunked the prefill: 3 of 6 tokens this step
+    assert load.recompute == () and [(p.prompt_start, p.length) for p in load.pieces] == [(0, 6)]
+    assert load.slots == ((20, 21, 22, 23, 24, 25),) and load.blocks == ((5, 6),)
+    scheduler, request = _splice_request(2)
+    scheduler.matched_tokens(request, 0)
+    scheduler.allocated(request, [5, 6], 6)  # the run's last blocks are not allocated
+    (load,) = scheduler.build_metadata(_step("r", 6)).loads
+    assert load.recompute == () and sum(p.length for p in load.pieces) == 6
+
+
+class FakeBlockTable:
+    """vLLM's slot mapping, computed the simple way from a block table, 4 tokens per block."""
+
+    def __init__(self, rows):
+        self.rows = rows
+        self.slot_mapping = None
+
+    def compute_slot_mapping(self, num_reqs, query_start_loc, positions):
+        starts = query_start_loc.tolist()
+        slots = []
+        for req in range(num_reqs):
+            for pos in positions[starts[req] : starts[req + 1]].tolist():
+                slots.append(self.rows[req][pos // 4] * 4 + pos % 4)
+        self.slot_mapping = slots
+
+
+def test_the_input_wrapper_moves_a_requests_scheduled_tokens_to_their_positions_ids_and_slots(monkeypatch):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from kvreuse.patches import vllm_0_32
+
+    # Two requests: "d" decodes at position 20 (untouched); "r" has prompt [0, 12): run [0, 10) with (0, 1, 6, 7)
+    # recomputed, so vLLM counted 6 tokens as computed and scheduled 6 from position 6.
+    prompt = torch.arange(100, 112)
+    token_ids = torch.zeros(2, 32, dtype=torch.int64)
+    token_ids[1, :12] = prompt
+    token_ids[0, 20] = 7
+    table = FakeBlockTable([[9, 9, 9, 9, 9, 3], [5, 6, 7]])
+
+    def original(self, scheduler_output, num_scheduled_tokens):  # what vLLM computes: positions in order
+        starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens)])
+        self.query_start_loc = SimpleNamespace(np=starts, gpu=torch.tensor(starts))
+        pos = np.concatenate(
+            [np.arange(c, c + n) for c, n in zip(self.input_batch.num_computed_tokens_cpu, num_scheduled_tokens)]
+        )
+        self.positions[: len(pos)] = torch.tensor(pos)
+        ids = token_ids[np.repeat([0, 1], num_scheduled_tokens), pos]
+        self.input_ids.cpu[: len(pos)] = ids
+        self.input_ids.gpu[: len(pos)] = ids
+        self.input_batch.block_table.compute_slot_mapping(2, self.query_start_loc.gpu, self.positions[: len(pos)])
+        return "logits indices"
+
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", original)
+    published = []
+    worker = SimpleNamespace(masks_by_position=True)
+    from kvreuse.vllm.modules.worker import ModuleWorker
+
+    moves = lambda meta: ModuleWorker.recompute_moves(worker, meta)  # noqa: E731
+    vllm_0_32.remap_scheduled_tokens(moves, published.append, true_positions)
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(
+            req_id_to_index={"d": 0, "r": 1},
+            num_computed_tokens_cpu=np.array([20, 6]),
+            token_ids_cpu_tensor=token_ids,
+            block_table=table,
+            num_reqs=2,
+        ),
+        positions=torch.zeros(16, dtype=torch.int64),
+        input_ids=SimpleNamespace(cpu=torch.zeros(16, dtype=torch.int64), gpu=torch.zeros(16, dtype=torch.int64)),
+    )
+    from kvreuse.vllm.modules.common import LoadSpec
+
+    load = LoadSpec("r", (Piece("a", 0, 0, 10),), ((),), ((),), recompute=(0, 1, 6, 7), start=6)
+    output = SimpleNamespace(kv_connector_metadata=ModuleCacheMetadata(loads=[load]), total_num_scheduled_tokens=7)
+    assert GPUModelRunner._prepare_inputs(runner, output, np.array([1, 6])) == "logits indices"
+    want = [20, 0, 1, 6, 7, 10, 11]
+    assert runner.positions[:7].tolist() == want and published[-1].tolist() == want
+    assert runner.input_ids.cpu[:7].tolist() == [7, 100, 101, 106, 107, 110, 111] == runner.input_ids.gpu[:7].tolist()
+    assert table.slot_mapping == [3 * 4 + 0, 20, 21, 26, 27, 30, 31]
+    # A step without recompute loads is vLLM's, untouched, and publishes no positions.
+    output = SimpleNamespace(kv_connector_metadata=ModuleCacheMetadata(), total_num_scheduled_tokens=7)
+    GPUModelRunner._prepare_inputs(runner, output, np.array([1, 6]))
+    assert runner.positions[:7].tolist() == [20, 6, 7, 8, 9, 10, 11] and published[-1] is None
+    # A worker whose attention cannot mask by position moves nothing (its loads fail over to vLLM's recompute).
+    worker.masks_by_position = False
+    output = SimpleNamespace(kv_connector_metadata=ModuleCacheMetadata(loads=[load]), total_num_scheduled_tokens=7)
+    GPUModelRunner._prepare_inputs(runner, output, np.array([1, 6]))
+    assert runner.positions[:7].tolist() == [20, 6, 7, 8, 9, 10, 11]
+
+
+def test_attention_masked_by_position_is_causal_attention_in_the_tokens_order():
+    torch.manual_seed(0)
+    seq, heads, kv_heads, dim = 10, 4, 2, 8
+    query = torch.randn(seq, heads, dim)
+    keys, values = torch.randn(seq, kv_heads, dim), torch.randn(seq, kv_heads, dim)
+    causal = cpu_attention.dense_causal(query, keys, values, 0.3)
+    order = torch.tensor([3, 0, 9, 4, 1])  # a step's tokens out of order, with gaps
+    got = cpu_attention.dense_at(query[order], keys, values, order, 0.3)
+    assert torch.allclose(got, causal[order], atol=1e-6)
