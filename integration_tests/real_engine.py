@@ -5,9 +5,14 @@ Kept out of ``conftest.py`` so tests can import it by a name that no other test 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from kvreuse.localmodel import local_engine_args
+
+MODULE_CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 
 
 def start_llm(model: Path, **overrides):
@@ -18,3 +23,28 @@ def start_llm(model: Path, **overrides):
 
 def stop_llm(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
+
+
+@contextmanager
+def module_cache_llm(model: Path, cpu_bytes: int):
+    """An in-process engine with the module connector on vLLM's CPU build (kvreuse's backend in CPU_ATTN's place,
+    dense), stopped after; later engines in the process get the stock CPU_ATTN again."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    overridden = AttentionBackendEnum.CPU_ATTN.is_overridden()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVREUSE_SPARSE_CPU_BACKEND", "1")
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        engine = start_llm(
+            model,
+            kv_transfer_config=MODULE_CONNECTOR,
+            additional_config={
+                "kvreuse": {"sparse": {"beta": float("inf")}, "modules": {"gpu_bytes": 0, "cpu_bytes": cpu_bytes}}
+            },
+        )
+        try:
+            yield engine
+        finally:
+            stop_llm(engine)
+            if not overridden:
+                AttentionBackendEnum.CPU_ATTN.clear_override()

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 from greedy import LOGPROBS, assert_same_greedy_path
-from real_engine import start_llm, stop_llm
+from real_engine import module_cache_llm
 
 pytestmark = pytest.mark.engine
 
@@ -28,7 +28,6 @@ TEXTS = {
 QUESTION = "Question: which drama from 1994 has the best rating?\nSQL:"
 MAX_TOKENS = 8
 TOP = 20  # log-probabilities compared per first generated token (vLLM's default max_logprobs)
-CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 
 
 def _call(fn, *args):
@@ -54,25 +53,8 @@ def figures(llm) -> dict:
 
 @pytest.fixture(scope="module")
 def llm(small_model):
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    overridden = AttentionBackendEnum.CPU_ATTN.is_overridden()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KVREUSE_SPARSE_CPU_BACKEND", "1")
-        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        engine = start_llm(
-            small_model,
-            kv_transfer_config=CONNECTOR,
-            additional_config={
-                "kvreuse": {"sparse": {"beta": float("inf")}, "modules": {"gpu_bytes": 0, "cpu_bytes": 64 << 20}}
-            },
-        )
-        try:
-            yield engine
-        finally:
-            stop_llm(engine)
-            if not overridden:  # later modules' engines must get the stock CPU_ATTN again
-                AttentionBackendEnum.CPU_ATTN.clear_override()
+    with module_cache_llm(small_model, cpu_bytes=64 << 20) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

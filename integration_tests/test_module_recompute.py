@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 from greedy import LOGPROB_TOLERANCE, LOGPROBS, assert_same_greedy_path
-from real_engine import start_llm, stop_llm
+from real_engine import module_cache_llm
 
 pytestmark = pytest.mark.engine
 
@@ -27,7 +27,6 @@ TEXTS = {
 }
 QUESTION = "\nQuestion: In which town was Marta Ilves born?\nAnswer:"
 MAX_TOKENS = 12
-CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 
 
 def _figures(worker):
@@ -42,25 +41,8 @@ def loaded(llm) -> int:
 
 @pytest.fixture(scope="module")
 def llm(smollm2_model):
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    overridden = AttentionBackendEnum.CPU_ATTN.is_overridden()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KVREUSE_SPARSE_CPU_BACKEND", "1")
-        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        engine = start_llm(
-            smollm2_model,
-            kv_transfer_config=CONNECTOR,
-            additional_config={
-                "kvreuse": {"sparse": {"beta": float("inf")}, "modules": {"gpu_bytes": 0, "cpu_bytes": 256 << 20}}
-            },
-        )
-        try:
-            yield engine
-        finally:
-            stop_llm(engine)
-            if not overridden:  # later modules' engines must get the stock CPU_ATTN again
-                AttentionBackendEnum.CPU_ATTN.clear_override()
+    with module_cache_llm(smollm2_model, cpu_bytes=256 << 20) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
