@@ -17,9 +17,15 @@ keeps dense count as reading everything), ``blocks dipr`` the same over the laye
 ratios to the stock engine on the same case, medians over the timed cases: ``decode x`` (time per output token after
 the first, from vLLM's own per-request timestamps) and ``prefill x`` (time to the first token of the first arm).
 
+``agree inf`` is the share of cases whose completion equals beta = inf's (the backend's exact dense attention), so
+it isolates what pruning changes from the float-order differences between two attention implementations.
+
 Run: ``KVREUSE_DATASETS=/work/shared/datasets .venv/bin/python benchmarks/sparse_qa.py`` (``--cases N`` per length,
 ``--lengths 1024,2048``); writes ``benchmarks/results/sparse_qa.json`` and ``.png`` and prints the table. On a
-2-core shared CPU the full run takes hours; timings are ratios taken side by side, but still noisy.
+2-core shared CPU the full run takes hours, most of it prefills: ``--stock-cases N`` runs the stock engine on the
+first N cases of each length only (``agree`` is then over those, the ``cases`` column says how many), and
+``--combine A.json B.tmp ...`` summarises several runs (or the partial file of one) into one table. Timings are
+ratios taken side by side, but still noisy.
 """
 
 from __future__ import annotations
@@ -85,7 +91,9 @@ def _fractions(rows: list[dict], dense_layers: int) -> dict:
     return out
 
 
-def run(lengths: list[int], cases_per_length: dict[int, int], settings: dict, partial: Path) -> dict:
+def run(
+    lengths: list[int], cases_per_length: dict[int, int], settings: dict, partial: Path, stock_cases: int | None
+) -> dict:
     from vllm import LLM, SamplingParams
 
     from kvreuse.localmodel import local_engine_args
@@ -106,10 +114,11 @@ def run(lengths: list[int], cases_per_length: dict[int, int], settings: dict, pa
             cases = make_cases(length, cases_per_length[length], tokenizer)
             started = time.time()
             size = max(1, min(MAX_GROUP, GROUP_TOKENS // length))
-            groups = [cases[i : i + 1] for i in range(TIMED)]
-            groups += [cases[i : i + size] for i in range(TIMED, len(cases), size)]
-            for group in filter(None, groups):
-                run_group(group, stock, sparse, sampling, settings, result, timed=len(group) == 1)
+            starts = [*range(min(TIMED, len(cases))), *range(TIMED, len(cases), size)]
+            for start in starts:
+                group = cases[start : start + (1 if start < TIMED else size)]
+                with_stock = stock_cases is None or start < stock_cases
+                run_group(group, stock if with_stock else None, sparse, sampling, settings, result, start < TIMED)
                 partial.write_text(json.dumps(result, indent=1))  # a long run can be read while it goes
             print(f"{length} tokens: {len(cases)} cases in {time.time() - started:.0f} s", flush=True)
     finally:
@@ -119,31 +128,33 @@ def run(lengths: list[int], cases_per_length: dict[int, int], settings: dict, pa
 
 
 def run_group(cases: list[RetrievalCase], stock, sparse, sampling, settings: dict, result: dict, timed: bool) -> None:
-    """The cases through the stock engine, then through the sparse one once per beta, each engine given them all at
-    once. A case alone is timed; for a group, only answers and figures count (the requests share the steps)."""
-    outs = stock.generate([c.prompt for c in cases], sampling, use_tqdm=False)
-    records = []
-    for case, out in zip(cases, outs):
-        prefill, decode = _timing(out) if timed else (None, None)
-        records.append(
-            {
-                "kind": case.kind,
-                "length": case.tokens,
-                "index": case.index,
-                "prompt_tokens": len(out.prompt_token_ids),
-                "answer": case.answer,
-                "timed": timed,
-                "stock_tokens": list(out.outputs[0].token_ids),
-                "arms": {
-                    "stock": {
-                        "text": out.outputs[0].text,
-                        "correct": case.correct(out.outputs[0].text),
-                        "prefill_s": prefill,
-                        "decode_s": decode,
-                    }
-                },
+    """The cases through the stock engine (unless ``stock`` is None), then through the sparse one once per beta,
+    each engine given them all at once. A case alone is timed; for a group, only answers and figures count (the
+    requests share the steps)."""
+    records = [
+        {
+            "kind": case.kind,
+            "length": case.tokens,
+            "index": case.index,
+            "answer": case.answer,
+            "timed": timed and stock is not None,
+            "stock_tokens": None,
+            "arms": {},
+        }
+        for case in cases
+    ]
+    if stock is not None:
+        for case, out, record in zip(
+            cases, stock.generate([c.prompt for c in cases], sampling, use_tqdm=False), records
+        ):
+            prefill, decode = _timing(out) if timed else (None, None)
+            record["stock_tokens"] = list(out.outputs[0].token_ids)
+            record["arms"]["stock"] = {
+                "text": out.outputs[0].text,
+                "correct": case.correct(out.outputs[0].text),
+                "prefill_s": prefill,
+                "decode_s": decode,
             }
-        )
     for i, beta in enumerate(BETAS):
         arm = f"beta={beta:g}"
         sparse.collective_rpc(_configure(beta, settings))
@@ -159,10 +170,12 @@ def run_group(cases: list[RetrievalCase], stock, sparse, sampling, settings: dic
         )
         for case, out, record in zip(cases, outs, records):
             prefill, decode = _timing(out) if timed else (None, None)
+            tokens = list(out.outputs[0].token_ids)
+            record["prompt_tokens"] = len(out.prompt_token_ids)
             record["arms"][arm] = {
                 "text": out.outputs[0].text,
                 "correct": case.correct(out.outputs[0].text),
-                "agree": list(out.outputs[0].token_ids) == record["stock_tokens"],
+                "agree": None if record["stock_tokens"] is None else tokens == record["stock_tokens"],
                 "prefill_s": prefill if i == 0 else None,  # later arms find the prompt in the prefix cache
                 "decode_s": decode,
             }
@@ -170,39 +183,46 @@ def run_group(cases: list[RetrievalCase], stock, sparse, sampling, settings: dic
 
 
 def summarise(result: dict) -> list[dict]:
-    """Per length and arm: accuracy and agreement over all cases, fractions over all groups' decodes, speed
-    ratios (medians over the cases timed alone)."""
+    """Per length and arm: accuracy over the cases the arm ran, agreement with the stock engine over the cases it
+    ran too, agreement with beta = inf (the same backend's exact dense attention: the same completion text) over
+    all cases, fractions over all groups' decodes, speed ratios (medians over the cases timed alone)."""
     records, groups = result["cases"], result["groups"]
     rows = []
-    arms = list(records[0]["arms"])
+    arms = list(dict.fromkeys(arm for r in records for arm in r["arms"]))
+    dense = next(arm for arm in arms if arm != "stock")
     for length in sorted({r["length"] for r in records}):
         cases = [r for r in records if r["length"] == length]
         timed = [c for c in cases if c["timed"]]
         for arm in arms:
-            entries = [c["arms"][arm] for c in cases]
+            ran = [c for c in cases if arm in c["arms"]]
+            entries = [c["arms"][arm] for c in ran]
             row = {
                 "length": length,
                 "arm": arm,
-                "cases": len(cases),
+                "cases": len(ran),
                 "timed_cases": len(timed),
-                "prompt_tokens": statistics.median(c["prompt_tokens"] for c in cases),
+                "prompt_tokens": statistics.median(c["prompt_tokens"] for c in ran),
                 "accuracy": sum(e["correct"] for e in entries) / len(entries),
-                "decode_ms": 1e3 * statistics.median(c["arms"][arm]["decode_s"] for c in timed),
+                "decode_ms": 1e3 * statistics.median(c["arms"][arm]["decode_s"] for c in timed) if timed else None,
             }
             if arm != "stock":
-                row["agreement"] = sum(e["agree"] for e in entries) / len(entries)
+                with_stock = [e for e in entries if e["agree"] is not None]
+                row["stock_cases"] = len(with_stock)
+                row["agreement"] = sum(e["agree"] for e in with_stock) / len(with_stock) if with_stock else None
+                row["agreement_dense"] = sum(c["arms"][arm]["text"] == c["arms"][dense]["text"] for c in ran) / len(ran)
                 fractions = [g["fractions"] for g in groups if g["length"] == length and g["arm"] == arm]
                 for scope in ("all", "dipr"):
                     f = [x[scope] for x in fractions]
                     total_b, total_t = sum(x["blocks_total"] for x in f), sum(x["tokens_total"] for x in f)
                     row[f"blocks_{scope}"] = sum(x["blocks_read"] for x in f) / total_b if total_b else None
                     row[f"tokens_{scope}"] = sum(x["tokens_attended"] for x in f) / total_t if total_t else None
-                row["decode_ratio"] = statistics.median(
-                    c["arms"][arm]["decode_s"] / c["arms"]["stock"]["decode_s"] for c in timed
-                )
-                row["prefill_ratio"] = statistics.median(
-                    c["arms"][arms[1]]["prefill_s"] / c["arms"]["stock"]["prefill_s"] for c in timed
-                )
+                if timed:
+                    row["decode_ratio"] = statistics.median(
+                        c["arms"][arm]["decode_s"] / c["arms"]["stock"]["decode_s"] for c in timed
+                    )
+                    row["prefill_ratio"] = statistics.median(
+                        c["arms"][dense]["prefill_s"] / c["arms"]["stock"]["prefill_s"] for c in timed
+                    )
             rows.append(row)
     return rows
 
@@ -214,6 +234,7 @@ def format_table(rows: list[dict]) -> str:
         "cases",
         "acc",
         "agree",
+        "agree inf",
         "blocks",
         "tokens",
         "blocks dipr",
@@ -234,14 +255,15 @@ def format_table(rows: list[dict]) -> str:
                 [
                     f"{r['length']:,}",
                     r["arm"],
-                    str(r["cases"]),
+                    str(r["cases"]) if "stock_cases" not in r else f"{r['cases']} ({r['stock_cases']})",
                     pct(r["accuracy"]),
                     pct(r.get("agreement")),
+                    pct(r.get("agreement_dense")),
                     pct(r.get("blocks_all")),
                     pct(r.get("tokens_all")),
                     pct(r.get("blocks_dipr")),
                     pct(r.get("tokens_dipr")),
-                    f"{r['decode_ms']:.1f}",
+                    "-" if r["decode_ms"] is None else f"{r['decode_ms']:.1f}",
                     "-" if "decode_ratio" not in r else f"{r['decode_ratio']:.2f}",
                     "-" if "prefill_ratio" not in r else f"{r['prefill_ratio']:.2f}",
                 ]
@@ -288,12 +310,25 @@ def main() -> None:
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--name", default="sparse_qa")
     parser.add_argument("--sparse", default="{}", help="sparse settings besides beta, e.g. '{\"min_context\": 0}'")
+    parser.add_argument(
+        "--stock-cases", type=int, help="run the stock engine on the first N cases of each length only (N >= 6)"
+    )
+    parser.add_argument(
+        "--combine", nargs="+", type=Path, help="summarise these runs' JSON (or .tmp) files together; runs nothing"
+    )
     args = parser.parse_args()
-    lengths = [int(x) for x in args.lengths.split(",")]
-    per_length = {n: args.cases or CASES.get(n, 50) for n in lengths}
+    if args.stock_cases is not None and args.stock_cases < TIMED:
+        parser.error(f"--stock-cases must be at least {TIMED}: the timed cases need the stock engine")
     started = time.time()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    records = run(lengths, per_length, json.loads(args.sparse), RESULTS / f"{args.name}.tmp")
+    if args.combine:
+        runs = [json.loads(path.read_text()) for path in args.combine]
+        records = {key: [x for run_ in runs for x in run_[key]] for key in ("cases", "groups")}
+    else:
+        lengths = [int(x) for x in args.lengths.split(",")]
+        per_length = {n: args.cases or CASES.get(n, 50) for n in lengths}
+        partial = RESULTS / f"{args.name}.tmp"
+        records = run(lengths, per_length, json.loads(args.sparse), partial, args.stock_cases)
     rows = summarise(records)
     print(format_table(rows))
     (RESULTS / f"{args.name}.json").write_text(json.dumps({"rows": rows, **records}, indent=1))
