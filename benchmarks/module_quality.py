@@ -695,7 +695,8 @@ def main(argv: list[str] | None = None) -> None:
         "kv_only_share": KV_ONLY_SHARE,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    report(f"module_quality_{args.set}", summaries, meta)
+    suffix = "_blend" if args.arms == "blend" else ""  # its own file: the README's table is the key arms'
+    report(f"module_quality_{args.set}{suffix}", summaries, meta)
 
 
 if __name__ == "__main__":
