@@ -102,9 +102,7 @@ def _run_engine(
     from kvreuse.vllm.modules import encode_modules
 
     model = REPO / "build" / "models" / "smollm2"
-    llm = LLM(
-        **local_engine_args(model, kv_transfer_config=CONNECTOR, additional_config=SETTINGS, disable_log_stats=False)
-    )
+    llm = LLM(**local_engine_args(model, kv_transfer_config=CONNECTOR, additional_config=SETTINGS))
     tokenizer = llm.get_tokenizer()
     eos = tokenizer.convert_tokens_to_ids(EOS_TEXT)
 
