@@ -25,7 +25,11 @@ the reference's tokens exactly (and, where not, the first output token that diff
 ``benchmarks/results/module_quality_vllm_<set>.json``::
 
     python benchmarks/module_quality_vllm.py --set mixed --cases 20
-    python benchmarks/module_quality_vllm.py --set long --cases 12   # the issue's TTFT shape: 8 modules x ~256
+    python benchmarks/module_quality_vllm.py --set long --cases 8 --ttft-only   # the issue's shape: 8 modules x ~256
+
+``--ttft-only``: TTFT alone (one token per request), the arms interleaved case by case in one engine (``full``,
+``naive``, ``legolink-*``, ``blend-*``; ``anchored`` computes what ``naive`` does), so that a change in the
+machine's load hits every arm alike; writes ``benchmarks/results/module_quality_vllm_ttft_<set>.json``.
 """
 
 from __future__ import annotations
@@ -72,9 +76,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", default="mixed", choices=sorted(QA_SETS))
     parser.add_argument("--cases", type=int, default=20)
+    parser.add_argument("--ttft-only", action="store_true", help="TTFT per arm, arms interleaved per case")
     args = parser.parse_args(argv)
     os.environ["KVREUSE_SPARSE_CPU_BACKEND"] = "1"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if args.ttft_only:
+        _ttft_side_by_side(args.set, args.cases)
+        return
     reference = _reference(args.set)
     results: dict[str, dict] = {}
     # One engine per way of encoding the modules: the store refuses a module re-encoded under its name with
@@ -88,6 +96,76 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{arm}: TTFT {ttft * 1e3 if ttft else float('nan'):.1f} ms median, {figures['ttft_vs_full']} of full's")
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"module_quality_vllm_{args.set}.json"
+    path.write_text(json.dumps(results, indent=2))
+    print(f"wrote {path}")
+
+
+def _ttft_side_by_side(set_name: str, num_cases: int) -> None:
+    """TTFT of every arm but ``anchored`` on the same prompts in one engine, the arms taking turns per case."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvreuse.vllm.modules import encode_modules
+
+    llm = LLM(
+        **local_engine_args(
+            REPO / "build" / "models" / "smollm2", kv_transfer_config=CONNECTOR, additional_config=SETTINGS
+        )
+    )
+    tokenizer = llm.get_tokenizer()
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    tokenized = [tokenize_case(c, encode) for c in make_cases(QA_SETS[set_name], encode)[:num_cases]]
+    header = encode(HEADER)
+    unique = list(dict.fromkeys(ids for tc in tokenized for ids in tc.modules))
+    arms: dict[str, dict] = {"full": {}, "naive": {}}
+    arms.update({arm: {"kvreuse_recompute_first": k} for arm, k in LEGOLINK.items()})
+    arms.update({arm: {"kvreuse_recompute_share": r} for arm, r in BLEND.items()})
+    ttfts: dict[str, list[float]] = {arm: [] for arm in arms}
+    computed = dict.fromkeys(arms, 0)
+    try:
+        encode_modules(llm, {"header": header})
+        encode_modules(llm, {f"module-{i}": list(ids) for i, ids in enumerate(unique)}, probe=header)
+        for n, tc in enumerate(tokenized):
+            for arm, transfer in arms.items():
+                params = SamplingParams(
+                    max_tokens=1,
+                    temperature=0.0,
+                    skip_reading_prefix_cache=arm == "full",
+                    extra_args={"kv_transfer_params": transfer} if transfer else None,
+                )
+                llm.reset_prefix_cache()
+                out = llm.generate([TokensPrompt(prompt_token_ids=list(tc.prompt))], params, use_tqdm=False)[0]
+                ttft = _ttft(out)
+                if ttft is None:
+                    raise SystemExit("vLLM gave no request stats (disable_log_stats must be off)")
+                ttfts[arm].append(ttft)
+                computed[arm] += len(tc.prompt) - out.num_cached_tokens
+            print(f"[{n + 1}/{len(tokenized)}] {len(tc.prompt)} tokens", flush=True)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    total = sum(len(tc.prompt) for tc in tokenized)
+    full = statistics.median(ttfts["full"])
+    results = {
+        arm: {
+            "cases": len(tokenized),
+            "computed_share": round(computed[arm] / total, 4),
+            "ttft_median_s": round(statistics.median(values), 5),
+            "ttft_vs_full": round(statistics.median(values) / full, 4),
+            "speedup": round(full / statistics.median(values), 2),
+        }
+        for arm, values in ttfts.items()
+    }
+    print(f"{set_name}: {len(tokenized)} prompts of {total / len(tokenized):.0f} tokens on average")
+    for arm, r in results.items():
+        print(
+            f"{arm}: {r['computed_share']:.1%} of prompt tokens computed; TTFT {r['ttft_median_s'] * 1e3:.1f} ms "
+            f"median, {r['ttft_vs_full']:.3f} of full's ({r['speedup']:.2f}x faster)"
+        )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"module_quality_vllm_ttft_{set_name}.json"
     path.write_text(json.dumps(results, indent=2))
     print(f"wrote {path}")
 
