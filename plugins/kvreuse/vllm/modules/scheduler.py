@@ -34,7 +34,7 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
@@ -100,7 +100,7 @@ class _Look:
     folded: frozenset[ModuleKey]
     recompute_first: int = 0
     recompute_share: float = 0.0
-    rankings: Mapping[ModuleKey, tuple[int, ...]] = field(default_factory=dict)
+    rankings: Mapping[Hashable, tuple[int, ...]] = field(default_factory=dict)  # by ModuleKey
 
     def recompute(self, pieces: Sequence[Piece]) -> tuple[int, ...]:
         """Prompt positions of ``pieces`` to recompute: LegoLink's first tokens and the encode-time choice."""
@@ -357,12 +357,12 @@ class ModuleScheduler:
             logger.error("kvreuse: request %s splices with modules.recompute_share: %s", request.request_id, why)
             return self.config.recompute_share
 
-    def _rankings(self, request: Request, matches: list[ModuleMatch], share: float) -> dict[ModuleKey, tuple[int, ...]]:
+    def _rankings(self, request: Request, matches: list[ModuleMatch], share: float) -> dict[Hashable, tuple[int, ...]]:
         """The encode-time rankings of the modules of ``matches`` (none when ``share`` is 0); a module without one
         (encoded without a probe) is logged once and recomputes by ``recompute_first`` alone."""
         if not share:
             return {}
-        found = {}
+        found: dict[Hashable, tuple[int, ...]] = {}
         for match in matches:
             if match.name in self.rankings:
                 found[match.name] = self.rankings[match.name]
@@ -391,7 +391,7 @@ class ModuleScheduler:
         stored = [match for match in matches if match.name in self.available]
         num_blocks = request.num_tokens // self.block_size
         blocks = block_modules(stored, self.block_size, first_block, num_blocks)
-        extra = (f"recompute_first={recompute}",) if recompute else ()
+        extra: tuple[str, ...] = (f"recompute_first={recompute}",) if recompute else ()
         if share:
             extra += (f"recompute_share={share!r}",)
         keys = {
