@@ -56,6 +56,8 @@ from splice_reference import (
     stack_parallel,
 )
 
+from kvreuse.modules.blend import encode_deviation, ranking, token_scores
+from kvreuse.modules.splice import Piece, chosen_tokens, merge_positions
 from kvreuse.modules.store import EncodedModule
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,6 +65,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = REPO / "build" / "module_quality"
 MAX_NEW_TOKENS = 16
 RESUME_LAYERS = (15, 20)  # layers the resume arms start at (their hidden states are kept per module)
+RANKINGS = {"first": "first", "all": "all", "deep": tuple(range(10, 30))}  # encode-time rankings by layer set
 DECODE_BATCH = 12  # arms decoded together (memory: one cache copy each)
 EOS_TEXT = "<|im_end|>"
 KEY_ARMS = (
@@ -74,6 +77,16 @@ KEY_ARMS = (
     "cacheblend-15%",
     "ape-anchored-T0.8",
     "ape+cacheblend-10%",
+)
+BLEND_ARMS = (  # the encode-time token choice against the published methods it stands in for
+    "naive",
+    "legolink-16",
+    "cacheblend-10%",
+    "blend-first-10%",
+    "blend-all-10%",
+    "blend-deep-10%",
+    "blend-all-15%",
+    "legolink-8+blend-all-5%",
 )
 
 
@@ -87,6 +100,7 @@ class Prepared:
     caches: dict[str, KVCache]  # "alone", "anchored" (kvreuse's sequential splice), "parallel" (APE's layout)
     exact: KVCache | None = None  # full prefill's KV of the same tokens (for the oracle arms that use it)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> module tokens' own hidden states
+    rankings: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)  # layer set -> per module, encode time
 
     @property
     def module_index(self) -> torch.Tensor:
@@ -106,6 +120,7 @@ class ModuleCache:
         self._alone: dict[tuple[int, ...], EncodedModule] = {}
         self._hidden: dict[tuple[int, ...], dict[int, torch.Tensor]] = {}
         self._anchored: dict[tuple[int, ...], EncodedModule] = {}
+        self._deviation: dict[tuple[int, ...], torch.Tensor] = {}
 
     def alone(self, ids: tuple[int, ...]) -> EncodedModule:
         if ids not in self._alone:
@@ -117,6 +132,13 @@ class ModuleCache:
         if ids not in self._anchored:
             self._anchored[ids] = as_module(f"a{len(self._anchored)}", self.model.encode(ids, self.header))
         return self._anchored[ids]
+
+    def ranking(self, ids: tuple[int, ...], layers: str | Sequence[int]) -> tuple[int, ...]:
+        """The module's tokens by how far their KV encoded alone lies from their KV encoded after the header,
+        most first (``kvreuse.modules.blend``: what the engine stores with a module encoded with a probe)."""
+        if ids not in self._deviation:
+            self._deviation[ids] = encode_deviation(self.alone(ids), self.anchored(ids), self.model.spec)
+        return ranking(token_scores(self._deviation[ids], layers))
 
     def prepare(self, case: TokenizedCase) -> Prepared:
         spans, pos = [], len(self.header)
@@ -131,7 +153,8 @@ class ModuleCache:
             "parallel": stack_parallel(self.header, anchored),
         }
         hidden = {layer: torch.cat([self._hidden[ids][layer] for ids in case.modules]) for layer in RESUME_LAYERS}
-        return Prepared(case, spans, caches, hidden=hidden)
+        rankings = {name: [self.ranking(ids, layers) for ids in case.modules] for name, layers in RANKINGS.items()}
+        return Prepared(case, spans, caches, hidden=hidden, rankings=rankings)
 
 
 # ---------------------------------------------------------------------------------------------------- the arms
@@ -230,6 +253,21 @@ def first_tokens(k: int) -> Select:
     return lambda prep: FixedTokens(torch.cat([torch.arange(s, min(e, s + k)) for s, e in prep.spans]))
 
 
+def encoded_choice(share: float, layers: str, first: int = 0) -> Select:
+    """The top ``share`` of each module's tokens by the ranking chosen when it was encoded (KV deviation between
+    the module encoded alone and after the header, summed over ``layers``; ``kvreuse.modules.blend``), with the
+    first ``first`` tokens of each module (LegoLink) too; recomputed in every layer. The engine's choice exactly
+    (``kvreuse.modules.splice.chosen_tokens``, ``merge_positions``)."""
+
+    def select(prep: Prepared) -> Recompute:
+        pieces = [Piece(i, 0, s, e - s) for i, (s, e) in enumerate(prep.spans)]
+        chosen = chosen_tokens(pieces, dict(enumerate(prep.rankings[layers])), share)
+        lego = [s + i for s, e in prep.spans for i in range(min(first, e - s))]
+        return FixedTokens(torch.tensor(merge_positions(chosen, lego), dtype=torch.int64))
+
+    return select
+
+
 def deviation(ratios: dict[int, float]) -> Select:
     return lambda prep: KVDeviation(prep.module_index, ratios)
 
@@ -271,7 +309,8 @@ def other_modules(prep: Prepared) -> Recompute:
 def arms(which: str) -> list[Arm]:
     """The arms of a run: ``main`` (each family's representative settings and the combinations), ``sweep``
     (parameter grids), ``all`` (both), ``key`` (the README's arms: the published methods at the goal's compute,
-    the best APE setting and combination at the goal's compute; for a short run over more cases)."""
+    the best APE setting and combination at the goal's compute; for a short run over more cases), ``blend`` (the
+    encode-time token choice against LegoLink and CacheBlend)."""
     ape = (0.8, 1.0)
     main = [
         Arm("naive", "naive"),
@@ -293,6 +332,7 @@ def arms(which: str) -> list[Arm]:
         Arm("ape+legolink-16", "combo", cache="anchored", ape=ape, select=first_tokens(16)),
         Arm("ape+cacheblend-10%", "combo", cache="anchored", ape=ape, select=deviation({1: 0.10})),
         Arm("legolink-16+probe-prefix", "combo", select=first_tokens(16), probe=Probe("prefix", 16)),
+        Arm("blend-all-10%", "blend", select=encoded_choice(0.10, "all"), note="encode-time choice, all layers"),
         Arm("oracle-gold", "oracle", select=gold_module, note="the answer's module recomputed"),
         Arm("oracle-others", "oracle", select=other_modules, note="every module but the answer's recomputed"),
     ]
@@ -308,6 +348,10 @@ def arms(which: str) -> list[Arm]:
             for t, s in ((0.9, 1.0), (0.7, 1.0), (0.6, 1.0), (1.0, 0.5), (1.0, 2.0), (0.8, 0.5), (0.8, 2.0))
         ],
         Arm("ape-parallel-T0.8", "ape", cache="parallel", ape=ape),
+        Arm("blend-first-10%", "blend", select=encoded_choice(0.10, "first"), note="encode-time choice, layer 1"),
+        Arm("blend-deep-10%", "blend", select=encoded_choice(0.10, "deep"), note="encode-time choice, layers 10-29"),
+        Arm("blend-all-15%", "blend", select=encoded_choice(0.15, "all")),
+        Arm("legolink-8+blend-all-5%", "combo", select=encoded_choice(0.05, "all", first=8)),
         Arm("sinks-4", "sinks", hide_sinks=4),
         Arm("probe-5%", "probe", probe=Probe("tokens", 0.05)),
         Arm("probe-20%", "probe", probe=Probe("tokens", 0.20)),
@@ -324,8 +368,9 @@ def arms(which: str) -> list[Arm]:
             for a, b in ((0, 10), (10, 20), (20, 30), (0, 20), (10, 30), (15, 30), (25, 30))
         ],
     ]
-    if which == "key":
-        return [a for a in main + sweep if a.name in KEY_ARMS]
+    if which in ("key", "blend"):
+        names = KEY_ARMS if which == "key" else BLEND_ARMS
+        return [a for a in main + sweep if a.name in names]
     return {"main": main, "sweep": sweep, "all": main + sweep}[which]
 
 
@@ -628,7 +673,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", default="mixed", choices=sorted(QA_SETS))
     parser.add_argument("--cases", type=int, default=None, help="the first N cases (default: all)")
-    parser.add_argument("--arms", default="main", choices=("main", "sweep", "all", "key"))
+    parser.add_argument("--arms", default="main", choices=("main", "sweep", "all", "key", "blend"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--report-only", action="store_true", help="summarise the kept results, compute nothing")
     args = parser.parse_args(argv)
@@ -650,7 +695,8 @@ def main(argv: list[str] | None = None) -> None:
         "kv_only_share": KV_ONLY_SHARE,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    report(f"module_quality_{args.set}", summaries, meta)
+    suffix = "_blend" if args.arms == "blend" else ""  # its own file: the README's table is the key arms'
+    report(f"module_quality_{args.set}{suffix}", summaries, meta)
 
 
 if __name__ == "__main__":

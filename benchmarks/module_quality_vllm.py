@@ -10,7 +10,14 @@ prefix cache ignored, every token computed).
 
 The ``legolink-K`` arms are the engine's selective recompute (``modules.recompute_first``, here per request with
 ``kv_transfer_params {"kvreuse_recompute_first": K}``) over the naive encodings: the first K tokens of each spliced
-module (the header's too) computed with the whole prompt before them.
+module (the header's too) computed with the whole prompt before them. The ``blend-*`` arms are CacheBlend's token
+choice made at encode time (``modules.recompute_share``, here per request with ``kv_transfer_params
+{"kvreuse_recompute_share": R}``): the modules encoded with ``encode_modules(..., probe=header)``, the header
+without (its spliced KV is exact), the top R of each module's tokens by the probe's ranking recomputed.
+
+TTFT per arm is vLLM's own per-request figure (``RequestOutput.metrics``: ``first_token_ts - scheduled_ts``, engine
+core timestamps), median over the cases, with its ratio to ``full``'s median in the same run; arms run one after
+another in the same process on a machine others may share, so only the ratios mean anything.
 
 Prints, per arm, how many answers are right, how many outputs equal the engine's own full prefill's, the share of
 prompt tokens the engine computed, and, where ``module_quality.py`` measured the same cases and arm, how many give
@@ -18,6 +25,11 @@ the reference's tokens exactly (and, where not, the first output token that diff
 ``benchmarks/results/module_quality_vllm_<set>.json``::
 
     python benchmarks/module_quality_vllm.py --set mixed --cases 20
+    python benchmarks/module_quality_vllm.py --set long --cases 8 --ttft-only   # the issue's shape: 8 modules x ~256
+
+``--ttft-only``: TTFT alone (one token per request), the arms interleaved case by case in one engine (``full``,
+``naive``, ``legolink-*``, ``blend-*``; ``anchored`` computes what ``naive`` does), so that a change in the
+machine's load hits every arm alike; writes ``benchmarks/results/module_quality_vllm_ttft_<set>.json``.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -39,6 +52,15 @@ SETTINGS = {"kvreuse": {"sparse": {"beta": float("inf")}, "modules": {"gpu_bytes
 
 
 LEGOLINK = {"legolink-16": 16, "legolink-32": 32}  # arm -> modules.recompute_first
+BLEND = {"blend-all-10%": 0.10}  # arm -> modules.recompute_share (modules probed after the header)
+
+
+def _ttft(out) -> float | None:
+    """vLLM's own time to first token of a finished request (engine-core timestamps; ``None`` without stats)."""
+    stats = getattr(out, "metrics", None)
+    if stats is None or not getattr(stats, "first_token_ts", 0.0) or not getattr(stats, "scheduled_ts", 0.0):
+        return None
+    return stats.first_token_ts - stats.scheduled_ts
 
 
 def _reference(set_name: str) -> dict[tuple[str, str], list[int]]:
@@ -54,17 +76,96 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", default="mixed", choices=sorted(QA_SETS))
     parser.add_argument("--cases", type=int, default=20)
+    parser.add_argument("--ttft-only", action="store_true", help="TTFT per arm, arms interleaved per case")
     args = parser.parse_args(argv)
     os.environ["KVREUSE_SPARSE_CPU_BACKEND"] = "1"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if args.ttft_only:
+        _ttft_side_by_side(args.set, args.cases)
+        return
     reference = _reference(args.set)
     results: dict[str, dict] = {}
     # One engine per way of encoding the modules: the store refuses a module re-encoded under its name with
     # another start (kvreuse.errors.ModuleConflict), so anchored encodings cannot replace the naive ones in place.
-    for arms in (("full", "naive", *LEGOLINK), ("anchored",)):
+    for arms in (("full", "naive", *LEGOLINK, *BLEND), ("anchored",)):
         results.update(_run_engine(args.set, args.cases, arms, reference))
+    full_ttft = results.get("full", {}).get("ttft_median_s")
+    for arm, figures in results.items():
+        ttft = figures.get("ttft_median_s")
+        figures["ttft_vs_full"] = round(ttft / full_ttft, 4) if ttft and full_ttft else None
+        print(f"{arm}: TTFT {ttft * 1e3 if ttft else float('nan'):.1f} ms median, {figures['ttft_vs_full']} of full's")
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"module_quality_vllm_{args.set}.json"
+    path.write_text(json.dumps(results, indent=2))
+    print(f"wrote {path}")
+
+
+def _ttft_side_by_side(set_name: str, num_cases: int) -> None:
+    """TTFT of every arm but ``anchored`` on the same prompts in one engine, the arms taking turns per case."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvreuse.vllm.modules import encode_modules
+
+    llm = LLM(
+        **local_engine_args(
+            REPO / "build" / "models" / "smollm2", kv_transfer_config=CONNECTOR, additional_config=SETTINGS
+        )
+    )
+    tokenizer = llm.get_tokenizer()
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    tokenized = [tokenize_case(c, encode) for c in make_cases(QA_SETS[set_name], encode)[:num_cases]]
+    header = encode(HEADER)
+    unique = list(dict.fromkeys(ids for tc in tokenized for ids in tc.modules))
+    arms: dict[str, dict] = {"full": {}, "naive": {}}
+    arms.update({arm: {"kvreuse_recompute_first": k} for arm, k in LEGOLINK.items()})
+    arms.update({arm: {"kvreuse_recompute_share": r} for arm, r in BLEND.items()})
+    ttfts: dict[str, list[float]] = {arm: [] for arm in arms}
+    computed = dict.fromkeys(arms, 0)
+    try:
+        encode_modules(llm, {"header": header})
+        encode_modules(llm, {f"module-{i}": list(ids) for i, ids in enumerate(unique)}, probe=header)
+        for n, tc in enumerate(tokenized):
+            for arm, transfer in arms.items():
+                params = SamplingParams(
+                    max_tokens=1,
+                    temperature=0.0,
+                    skip_reading_prefix_cache=arm == "full",
+                    extra_args={"kv_transfer_params": transfer} if transfer else None,
+                )
+                llm.reset_prefix_cache()
+                out = llm.generate([TokensPrompt(prompt_token_ids=list(tc.prompt))], params, use_tqdm=False)[0]
+                ttft = _ttft(out)
+                if ttft is None:
+                    raise SystemExit("vLLM gave no request stats (disable_log_stats must be off)")
+                ttfts[arm].append(ttft)
+                computed[arm] += len(tc.prompt) - out.num_cached_tokens
+            print(f"[{n + 1}/{len(tokenized)}] {len(tc.prompt)} tokens", flush=True)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    total = sum(len(tc.prompt) for tc in tokenized)
+    full = statistics.median(ttfts["full"])
+    results = {
+        arm: {
+            "cases": len(tokenized),
+            "computed_share": round(computed[arm] / total, 4),
+            "ttft_median_s": round(statistics.median(values), 5),
+            "ttft_vs_full": round(statistics.median(values) / full, 4),
+            "speedup": round(full / statistics.median(values), 2),
+        }
+        for arm, values in ttfts.items()
+    }
+    print(f"{set_name}: {len(tokenized)} prompts of {total / len(tokenized):.0f} tokens on average")
+    for arm, r in results.items():
+        print(
+            f"{arm}: {r['computed_share']:.1%} of prompt tokens computed; TTFT {r['ttft_median_s'] * 1e3:.1f} ms "
+            f"median, {r['ttft_vs_full']:.3f} of full's ({r['speedup']:.2f}x faster)"
+        )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"module_quality_vllm_ttft_{set_name}.json"
     path.write_text(json.dumps(results, indent=2))
     print(f"wrote {path}")
 
@@ -102,12 +203,14 @@ def _run_engine(
         for arm in arms:
             started = time.perf_counter()
             if arm == "naive":
-                encode_modules(llm, {"header": header, **modules})
+                encode_modules(llm, {"header": header})  # exact as spliced at 0: no probe, nothing to choose
+                encode_modules(llm, modules, probe=header)
             elif arm == "anchored":
                 encode_modules(llm, {"header": header, **modules}, contexts={name: header for name in modules})
             same = right_both = right_engine = same_as_full = compared = 0
             computed = prompt_tokens = 0
             differ: dict[str, int] = {}  # case -> first output token that differs from the reference's
+            ttfts: list[float] = []
             for case, tc in zip(cases, tokenized):
                 llm.reset_prefix_cache()
                 params = full if arm == "full" else sampling
@@ -118,8 +221,18 @@ def _run_engine(
                         stop_token_ids=[eos],
                         extra_args={"kv_transfer_params": {"kvreuse_recompute_first": LEGOLINK[arm]}},
                     )
+                if arm in BLEND:
+                    params = SamplingParams(
+                        max_tokens=MAX_NEW_TOKENS,
+                        temperature=0.0,
+                        stop_token_ids=[eos],
+                        extra_args={"kv_transfer_params": {"kvreuse_recompute_share": BLEND[arm]}},
+                    )
                 out = llm.generate([TokensPrompt(prompt_token_ids=tc.prompt)], params, use_tqdm=False)[0]
                 tokens = list(out.outputs[0].token_ids)
+                ttft = _ttft(out)
+                if ttft is not None:
+                    ttfts.append(ttft)
                 ours = is_correct(tokenizer.decode(tokens, skip_special_tokens=True), case)
                 right_engine += ours
                 computed += len(tc.prompt) - out.num_cached_tokens
@@ -150,6 +263,7 @@ def _run_engine(
                 "right_in_both": right_both,
                 "first_difference": differ,
                 "seconds": round(time.perf_counter() - started, 1),
+                "ttft_median_s": round(statistics.median(ttfts), 5) if ttfts else None,
             }
             versus_full = f"{same_as_full}/{len(cases)}" if full_tokens else "n/a (no full arm in this engine)"
             print(

@@ -398,5 +398,6 @@ def test_every_modules_setting_is_documented():
         "modules.open_writes",
         "modules.index_bytes",
         "modules.recompute_first",
+        "modules.recompute_share",
     ]
     assert all(doc for *_, doc in rows)

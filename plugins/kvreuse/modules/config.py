@@ -80,6 +80,15 @@ class ModulesConfig:
         "(0 = none: spliced KV as encoded)",
         low=0,
     )
+    recompute_share: float = config.setting(
+        0.0,
+        "engine: share (0 to 1) of each spliced module's tokens computed afresh, those whose KV moved most when "
+        "the module was encoded after a probe context (encode_modules(..., probe=...); CacheBlend's choice made "
+        'at encode time); a request may set its own with kv_transfer_params {"kvreuse_recompute_share": R}; '
+        "with recompute_first, the union (0 = none; a module encoded without a probe recomputes none)",
+        low=0,
+        high=1,
+    )
 
     @classmethod
     def load(cls, flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> ModulesConfig:

@@ -24,7 +24,8 @@ can fold their entries' keys into the block's hash (the blocks after them chain 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Sequence
+import math
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -84,6 +85,36 @@ def first_tokens(pieces: Sequence[Piece], k: int) -> tuple[int, ...]:
     prefix hit ended there) recomputes only those of its tokens that are still among the module's first ``k``.
     """
     return tuple(piece.prompt_start + i for piece in pieces for i in range(max(0, min(piece.length, k - piece.offset))))
+
+
+def chosen_tokens(pieces: Sequence[Piece], rankings: Mapping[Hashable, Sequence[int]], share: float) -> tuple[int, ...]:
+    """Prompt positions, ascending, of the pieces' tokens that are among the top ``share`` (0 to 1) of their
+    module's ranking: the tokens chosen when the module was encoded (``kvreuse.modules.blend``: CacheBlend's
+    deviation, measured against a probe context instead of the request).
+
+    ``rankings[name]`` lists every token index of the module (relative to its first token), most deviating first;
+    a module of ``n`` tokens recomputes its first ``ceil(share * n)``. A module without a ranking (encoded without
+    a probe) recomputes nothing here. A piece that starts inside its module (the engine's prefix hit ended there)
+    recomputes only the chosen tokens still in it.
+    """
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"recompute share {share!r} is not between 0 and 1")
+    positions: list[int] = []
+    for piece in pieces:
+        ranking = rankings.get(piece.name, ())
+        count = math.ceil(round(share * len(ranking), 9))
+        positions += [
+            piece.prompt_start + i - piece.offset
+            for i in sorted(ranking[:count])
+            if piece.offset <= i < piece.offset + piece.length
+        ]
+    return tuple(positions)
+
+
+def merge_positions(*choices: Sequence[int]) -> tuple[int, ...]:
+    """The union of several choices of positions to recompute, ascending (e.g. LegoLink's first tokens and the
+    encode-time choice)."""
+    return tuple(sorted({p for choice in choices for p in choice}))
 
 
 def true_positions(first: int, count: int, start: int, recompute: Sequence[int]) -> list[int]:

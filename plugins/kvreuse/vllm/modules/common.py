@@ -22,15 +22,21 @@ from kvreuse.modules.writes import WRITE_PROOF, check_module_name, proven
 ENCODE_MODULE = "kvreuse_module"
 ENCODE_CONTEXT = "kvreuse_context"
 ENCODE_REPLACE = "kvreuse_replace"  # an explicit replacement of the module stored under the name
+ENCODE_PROBE = "kvreuse_probe"  # the module's tokens after a probe context: rank the stored entry's, store nothing
 RECOMPUTE_FIRST = "kvreuse_recompute_first"  # a request's own modules.recompute_first
+RECOMPUTE_SHARE = "kvreuse_recompute_share"  # a request's own modules.recompute_share
 
 
-def encode_params(name: str, context_tokens: int = 0, *, replace: bool = False) -> dict[str, Any]:
+def encode_params(name: str, context_tokens: int = 0, *, replace: bool = False, probe: bool = False) -> dict[str, Any]:
     """The ``kv_transfer_params`` of an encode request for module ``name`` after ``context_tokens`` tokens (with
-    ``replace``: replacing the module stored under ``name`` in the request's namespace)."""
+    ``replace``: replacing the module stored under ``name`` in the request's namespace; with ``probe``: the tokens
+    after the context are the stored module's, encoded after a probe context, and rank its tokens for
+    ``modules.recompute_share`` instead of being stored, ``kvreuse.modules.blend``)."""
     params: dict[str, Any] = {ENCODE_MODULE: name, ENCODE_CONTEXT: int(context_tokens)}
     if replace:
         params[ENCODE_REPLACE] = True
+    if probe:
+        params[ENCODE_PROBE] = True
     return params
 
 
@@ -57,15 +63,34 @@ def recompute_first(params: object, default: int) -> int:
     return value
 
 
+def recompute_share(params: object, default: float) -> float:
+    """The share of each spliced module's tokens, by the ranking chosen when it was encoded, that a request
+    recomputes: its ``kv_transfer_params``' :data:`RECOMPUTE_SHARE`, else ``default`` (``modules.recompute_share``).
+
+    Raises :class:`ModuleRegistrationError` for a value that is not a number from 0 to 1 (the request then splices
+    with ``default``).
+    """
+    if not isinstance(params, Mapping) or RECOMPUTE_SHARE not in params:
+        return default
+    value = params[RECOMPUTE_SHARE]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ModuleRegistrationError(
+            f"{RECOMPUTE_SHARE} must be a number from 0 to 1 (share of each module's tokens), got {repr(value)[:32]}"
+        )
+    return float(value)
+
+
 @dataclass(frozen=True)
 class ModuleWrite:
     """An encode request's write: store the prompt's tokens after ``context`` as module ``name`` of ``namespace``
-    (replacing the entry stored under the name there if ``replace``)."""
+    (replacing the entry stored under the name there if ``replace``); a ``probe`` ranks the stored entry's tokens
+    by how far its KV lies from the prompt's instead (``kvreuse.modules.blend``)."""
 
     name: str
     context: int
     namespace: str
     replace: bool
+    probe: bool = False
 
 
 def encode_request(params: object, num_prompt_tokens: int, namespace: str = GLOBAL) -> ModuleWrite | None:
@@ -89,7 +114,12 @@ def encode_request(params: object, num_prompt_tokens: int, namespace: str = GLOB
     replace = params.get(ENCODE_REPLACE, False)
     if not isinstance(replace, bool):
         raise ModuleRegistrationError(f"{ENCODE_REPLACE} of module {name!r} must be true or false")
-    return ModuleWrite(name, context, namespace, replace)
+    probe = params.get(ENCODE_PROBE, False)
+    if not isinstance(probe, bool) or (probe and replace):
+        raise ModuleRegistrationError(
+            f"{ENCODE_PROBE} of module {name!r} must be true or false, and a probe replaces nothing"
+        )
+    return ModuleWrite(name, context, namespace, replace, probe)
 
 
 def write_allowed(write: ModuleWrite, params: Mapping[str, Any], keys: Sequence[str]) -> bool:
@@ -128,6 +158,7 @@ class SaveSpec:
     context: str  # context_fingerprint of the tokens before the module
     namespace: str
     replace: bool
+    probe: bool = False  # rank the stored entry's tokens against these (kvreuse.modules.blend), store nothing
 
 
 @dataclass
@@ -145,15 +176,24 @@ class ModuleCacheWorkerMeta(KVConnectorWorkerMetadata):
 
     With tensor parallelism each worker stores its own heads' share; a module is usable once every worker stored
     it, and unusable as soon as one lost it, so aggregation intersects ``stored`` and unites ``dropped``.
+
+    Per-token deviation ``scores`` of a probed module (``kvreuse.modules.blend.token_scores``) are sums over
+    heads, so aggregation adds each worker's share.
     """
 
     stored: dict[ModuleKey, tuple[int, ...]] = field(default_factory=dict)
     dropped: set[ModuleKey] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)  # module (name, namespace label) -> why it was not stored
+    scores: dict[ModuleKey, tuple[float, ...]] = field(default_factory=dict)  # probed modules: per token
 
     def aggregate(self, other: ModuleCacheWorkerMeta) -> ModuleCacheWorkerMeta:
         return ModuleCacheWorkerMeta(
             stored={key: ids for key, ids in self.stored.items() if key in other.stored},
             dropped=self.dropped | other.dropped,
             failed={**self.failed, **other.failed},
+            scores={
+                key: tuple(a + b for a, b in zip(mine, other.scores[key]))
+                for key, mine in self.scores.items()
+                if key in other.scores
+            },
         )

@@ -45,9 +45,11 @@ def module_token_ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(module_text(text), add_special_tokens=False))
 
 
-def signed_encode_params(name: str, context_tokens: int = 0, *, replace: bool = False) -> dict[str, Any]:
+def signed_encode_params(
+    name: str, context_tokens: int = 0, *, replace: bool = False, probe: bool = False
+) -> dict[str, Any]:
     """:func:`encode_params` of a global module with this process tree's write proof (offline writes only)."""
-    params = encode_params(name, context_tokens, replace=replace)
+    params = encode_params(name, context_tokens, replace=replace, probe=probe)
     params[WRITE_PROOF] = local_write_proof(name, int(context_tokens), GLOBAL, replace)
     return params
 
@@ -58,8 +60,14 @@ def encode_modules(
     contexts: Mapping[str, Sequence[int]] | None = None,
     *,
     replace: bool = False,
+    probe: Sequence[int] | None = None,
 ) -> dict[str, list[int]]:
     """Encode each module (text, or token ids taken as they are) after its context's token ids (default none).
+
+    With ``probe`` (token ids, e.g. the chat header every prompt starts with), each module is then computed once
+    more after ``probe`` and its context, and its tokens are ranked by how far their KV moved
+    (``kvreuse.modules.blend``): a splice recomputes the top ``modules.recompute_share`` of them (CacheBlend's
+    choice, made here instead of per request). The probe's KV is not stored.
 
     A name already stored with other content (other tokens or context) is refused (the engine logs
     ``ModuleConflict``) unless ``replace``: then the new entry takes the name, and no block of vLLM's prefix cache
@@ -97,6 +105,23 @@ def encode_modules(
         )
     if prompts:
         llm.generate(prompts, params, use_tqdm=False)
+    if probe is not None:  # after the modules are stored: each probe ranks a stored entry
+        probes = [TokensPrompt(prompt_token_ids=list(probe) + list(contexts.get(n, ())) + i) for n, i in ids.items()]
+        probe_params = [
+            SamplingParams(
+                max_tokens=1,
+                temperature=0.0,
+                skip_reading_prefix_cache=True,
+                extra_args={
+                    "kv_transfer_params": signed_encode_params(
+                        name, len(probe) + len(contexts.get(name, ())), probe=True
+                    )
+                },
+            )
+            for name in ids
+        ]
+        if probes:
+            llm.generate(probes, probe_params, use_tqdm=False)
     return ids
 
 

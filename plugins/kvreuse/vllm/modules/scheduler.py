@@ -30,18 +30,30 @@ entries left the store while it waited is folded again the same way.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from kvreuse.errors import ConfigError, ModuleRegistrationError, UnsupportedPositionalEncoding
 from kvreuse.kernels.rerotate import rope_spec_from_hf_config
+from kvreuse.modules.blend import ranking
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.namespace import namespace_label, namespace_of
-from kvreuse.modules.splice import Piece, block_modules, first_tokens, plan_splice, skipped_modules, token_slots
+from kvreuse.modules.splice import (
+    Piece,
+    block_modules,
+    chosen_tokens,
+    first_tokens,
+    merge_positions,
+    plan_splice,
+    skipped_modules,
+    token_slots,
+)
 from kvreuse.modules.store import ModuleKey, context_fingerprint
 from kvreuse.modules.trie import ModuleMatch, ModuleTrie
 from kvreuse.modules.writes import engine_write_keys
@@ -55,6 +67,7 @@ from kvreuse.vllm.modules.common import (
     encode_request,
     marks_encode,
     recompute_first,
+    recompute_share,
     write_allowed,
 )
 from kvreuse.vllm.names import ConnectorName
@@ -79,12 +92,22 @@ class WriteRefusal(StrEnum):
 @dataclass(frozen=True)
 class _Look:
     """What the scheduler found in a waiting request's prompt, and the entries folded into its block hashes from
-    block ``first_block`` on, with the tokens per module it recomputes (``recompute_first``, folded too)."""
+    block ``first_block`` on, with the tokens per module it recomputes (``recompute_first``; ``recompute_share``
+    of each module's ``rankings``, as they were when folded; folded too)."""
 
     matches: list[ModuleMatch]
     first_block: int
     folded: frozenset[ModuleKey]
     recompute_first: int = 0
+    recompute_share: float = 0.0
+    rankings: Mapping[Hashable, tuple[int, ...]] = field(default_factory=dict)  # by ModuleKey
+
+    def recompute(self, pieces: Sequence[Piece]) -> tuple[int, ...]:
+        """Prompt positions of ``pieces`` to recompute: LegoLink's first tokens and the encode-time choice."""
+        first = first_tokens(pieces, self.recompute_first)
+        if not self.recompute_share:
+            return first
+        return merge_positions(first, chosen_tokens(pieces, self.rankings, self.recompute_share))
 
 
 @dataclass(frozen=True)
@@ -125,6 +148,9 @@ class ModuleScheduler:
             logger.warning("kvreuse: no module-write key or local secret in the engine's environment; no writes")
         self.trie = ModuleTrie(budget_bytes=self.config.index_bytes)
         self.available: set[ModuleKey] = set()
+        # Probed modules: their tokens, most deviating first (kvreuse.modules.blend), for modules.recompute_share.
+        self.rankings: dict[ModuleKey, tuple[int, ...]] = {}
+        self._unranked: set[ModuleKey] = set()  # modules without a ranking that a request asked for (logged once)
         self._looks: dict[str, _Look] = {}
         self._counted: set[str] = set()  # requests whose skipped modules were counted
         self._plans: dict[str, _Plan] = {}  # asked about, not yet allocated
@@ -165,7 +191,9 @@ class ModuleScheduler:
         if look is None or stale or hit_block < look.first_block:
             matches = look.matches if look is not None and not stale else self._find(request, prompt)
             first_block = hit_block if look is None else min(hit_block, look.first_block)
-            look = self._looks[rid] = self._fold(request, matches, first_block, self._recompute_first(request))
+            look = self._looks[rid] = self._fold(
+                request, matches, first_block, self._recompute_first(request), self._recompute_share(request)
+            )
             if look.folded and (
                 num_computed_tokens > first_block * self.block_size  # vLLM's hit used hashes just changed
                 or vllm_0_32.prefix_cache_hit(self.kv_cache_manager, request) > num_computed_tokens
@@ -174,7 +202,7 @@ class ModuleScheduler:
                 return None
         stop = min(len(prompt), request.num_tokens) - 1  # vLLM computes at least the last token
         pieces = plan_splice(look.matches, num_computed_tokens, stop, self.available.__contains__)
-        plan = self._plans[rid] = _Plan(pieces, first_tokens(pieces, look.recompute_first))
+        plan = self._plans[rid] = _Plan(pieces, look.recompute(pieces))
         if rid not in self._counted:  # counted once per request (vLLM may ask again while it waits)
             self._counted.add(rid)
             self._count_skipped(request, prompt, look.matches, pieces, num_computed_tokens, stop)
@@ -264,6 +292,7 @@ class ModuleScheduler:
                     context=context_fingerprint(prompt[: write.context]),
                     namespace=write.namespace,
                     replace=write.replace,
+                    probe=write.probe,
                 )
             )
         return saves
@@ -271,6 +300,7 @@ class ModuleScheduler:
     def worker_reported(self, report: ModuleCacheWorkerMeta) -> None:
         for key in report.dropped:  # first: a module encoded again comes back under a new version, same tokens
             self.trie.remove(key, namespace=key.namespace)
+            self.rankings.pop(key, None)
         for key, token_ids in report.stored.items():
             try:
                 self.trie.add(key, token_ids, namespace=key.namespace)
@@ -285,6 +315,10 @@ class ModuleScheduler:
                 len(token_ids),
             )
         self.available -= report.dropped
+        for key, scores in report.scores.items():
+            if key in self.available:
+                self.rankings[key] = ranking(scores)
+                self._unranked.discard(key)
         for name, why in report.failed.items():
             logger.error("kvreuse module %s was not stored: %s", name, why)
 
@@ -315,26 +349,66 @@ class ModuleScheduler:
             logger.error("kvreuse: request %s splices with modules.recompute_first: %s", request.request_id, why)
             return self.config.recompute_first
 
-    def _fold(self, request: Request, matches: list[ModuleMatch], first_block: int, recompute: int) -> _Look:
+    def _recompute_share(self, request: Request) -> float:
+        """The share of each spliced module's ranked tokens ``request`` recomputes (its own, else the engine's)."""
+        try:
+            return recompute_share(request.kv_transfer_params, self.config.recompute_share)
+        except ModuleRegistrationError as why:
+            logger.error("kvreuse: request %s splices with modules.recompute_share: %s", request.request_id, why)
+            return self.config.recompute_share
+
+    def _rankings(self, request: Request, matches: list[ModuleMatch], share: float) -> dict[Hashable, tuple[int, ...]]:
+        """The encode-time rankings of the modules of ``matches`` (none when ``share`` is 0); a module without one
+        (encoded without a probe) is logged once and recomputes by ``recompute_first`` alone."""
+        if not share:
+            return {}
+        found: dict[Hashable, tuple[int, ...]] = {}
+        for match in matches:
+            if match.name in self.rankings:
+                found[match.name] = self.rankings[match.name]
+            elif match.name in self.available and match.name not in self._unranked:
+                self._unranked.add(match.name)
+                logger.warning(
+                    "kvreuse module %r has no token choice (encoded without a probe: encode_modules(..., probe=...)); "
+                    "request %s recomputes none of its tokens by modules.recompute_share",
+                    getattr(match.name, "name", match.name),
+                    request.request_id,
+                )
+        return found
+
+    def _fold(
+        self, request: Request, matches: list[ModuleMatch], first_block: int, recompute: int, share: float = 0.0
+    ) -> _Look:
         """Fold the entries of ``matches`` into the request's block hashes from ``first_block`` on (module doc),
-        and ``recompute`` where it is not 0: blocks whose spliced KV was partly recomputed differ from those of
-        a plain splice, so neither may be given for the other."""
+        and ``recompute`` and ``share`` where they are not 0 (with the ranking of each module in the block):
+        blocks whose spliced KV was partly recomputed differ from those of a plain splice or of another choice,
+        so none may be given for another."""
+        rankings = self._rankings(request, matches, share)
         manager = self.kv_cache_manager
         if manager is None or not vllm_0_32.caches_prefixes(manager):
-            return _Look(matches, first_block, frozenset(), recompute)  # nothing is cached: no block to tell apart
+            # nothing is cached: no block to tell apart
+            return _Look(matches, first_block, frozenset(), recompute, share, rankings)
         stored = [match for match in matches if match.name in self.available]
         num_blocks = request.num_tokens // self.block_size
         blocks = block_modules(stored, self.block_size, first_block, num_blocks)
-        extra = (f"recompute_first={recompute}",) if recompute else ()
-        keys = {block: tuple(key.identity for key in names) + extra for block, names in blocks.items()}
+        extra: tuple[str, ...] = (f"recompute_first={recompute}",) if recompute else ()
+        if share:
+            extra += (f"recompute_share={share!r}",)
+        keys = {
+            block: tuple(key.identity for key in names)
+            + extra
+            + tuple(_ranking_digest(rankings[key]) for key in names if share and key in rankings)
+            for block, names in blocks.items()
+        }
         if keys and not vllm_0_32.fold_into_block_hashes(self.vllm_config, manager, request, first_block, keys):
             logger.warning(
                 "kvreuse: request %s: this engine's prefix-cache hashes cannot name module entries (hybrid "
                 "KV cache); no module is spliced into it",
                 request.request_id,
             )
-            return _Look([], first_block, frozenset(), recompute)
-        return _Look(matches, first_block, frozenset(key for names in blocks.values() for key in names), recompute)
+            return _Look([], first_block, frozenset(), recompute, share)
+        folded = frozenset(key for names in blocks.values() for key in names)
+        return _Look(matches, first_block, folded, recompute, share, rankings)
 
     def _count_skipped(
         self,
@@ -380,6 +454,11 @@ class ModuleScheduler:
             )
             return None
         return write
+
+
+def _ranking_digest(order: Sequence[int]) -> str:
+    """A short name of a module's ranking (a module probed again ranks its tokens anew under the same entry)."""
+    return "ranking=" + hashlib.sha256(json.dumps(list(order)).encode()).hexdigest()[:16]
 
 
 def _first(pieces: list[Piece], tokens: int, rid: str) -> list[Piece]:

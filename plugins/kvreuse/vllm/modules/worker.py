@@ -28,6 +28,7 @@ from kvreuse.errors import (
     UnsupportedPositionalEncoding,
 )
 from kvreuse.kernels.rerotate import RopeSpec, check_rerotation
+from kvreuse.modules.blend import encode_deviation, token_scores
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.namespace import namespace_label
 from kvreuse.modules.splice import Piece, piece_kv, true_positions
@@ -35,7 +36,7 @@ from kvreuse.modules.store import EncodedModule, ModuleKey, ModuleStore
 from kvreuse.patches import vllm_0_32
 from kvreuse.sparse.figures import FigureIncrements
 from kvreuse.vllm.metrics import KVReuseStats
-from kvreuse.vllm.modules.common import LoadSpec, ModuleCacheMetadata, ModuleCacheWorkerMeta
+from kvreuse.vllm.modules.common import LoadSpec, ModuleCacheMetadata, ModuleCacheWorkerMeta, SaveSpec
 from kvreuse.vllm.modules.metrics import module_counter_values
 from kvreuse.vllm.names import SPARSE_CPU_SWITCH, ConnectorName
 from kvreuse.vllm.runtime import runtime
@@ -217,6 +218,9 @@ class ModuleWorker:
             if len(copies) != len(self.layers):
                 continue  # no forward ran for it this step (vLLM sends metadata to empty steps too)
             kv = torch.stack([torch.stack(pair) for pair in copies])  # [layers, 2, tokens, kv_heads, head_dim]
+            if save.probe:
+                self._rank(save, kv)
+                continue
             try:
                 module = EncodedModule(
                     save.name,
@@ -247,6 +251,32 @@ class ModuleWorker:
                 module.version,
             )
 
+    def _rank(self, save: SaveSpec, kv: torch.Tensor) -> None:
+        """Score the stored entry of ``save.name`` by how far its KV lies from ``kv``, its tokens encoded after a
+        probe context (``kvreuse.modules.blend``); the scheduler side turns the scores into the tokens a splice
+        recomputes (``modules.recompute_share``)."""
+        where = f"{save.name!r} of namespace {namespace_label(save.namespace)}"
+        key = self.store.current(save.name, save.namespace)
+        stored = self.store.get(key) if key is not None else None
+        if stored is None or self.spec is None:
+            self._report.failed[where] = (
+                "a probe needs the module stored first (encode it, then probe it); no token choice"
+                if self.spec is not None
+                else "positions cannot be moved for this model; no token choice"
+            )
+            return
+        probe = EncodedModule(
+            save.name, stored.model_id, stored.tokenizer_id, save.token_ids, save.start, kv, namespace=save.namespace
+        )
+        try:
+            deviation = encode_deviation(stored, probe, self.spec)
+        except ValueError as why:  # the probe's tokens are not the module's
+            self._report.failed[where] = str(why)
+            return
+        assert key is not None
+        self._report.scores[key] = token_scores(deviation)
+        logger.info("kvreuse module %s: tokens ranked against a probe context of %d tokens", where, save.start)
+
     # -- reports --------------------------------------------------------------------------------------------------
     def take_report(self) -> ModuleCacheWorkerMeta | None:
         """What entered the store since the last report, and what left it (evicted, failed to load)."""
@@ -256,7 +286,8 @@ class ModuleWorker:
         self._report.stored = {k: v for k, v in self._report.stored.items() if k not in lost}
         report = self._report
         self._report = ModuleCacheWorkerMeta()
-        return report if (report.stored or report.dropped or report.failed) else None
+        report.scores = {k: v for k, v in report.scores.items() if k not in lost}
+        return report if (report.stored or report.dropped or report.failed or report.scores) else None
 
     def take_increments(self) -> KVReuseStats | None:
         """The counters' increments since the last call, for vLLM's metrics (``None`` when nothing changed)."""
