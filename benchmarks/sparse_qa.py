@@ -92,7 +92,12 @@ def _fractions(rows: list[dict], dense_layers: int) -> dict:
 
 
 def run(
-    lengths: list[int], cases_per_length: dict[int, int], settings: dict, partial: Path, stock_cases: int | None
+    lengths: list[int],
+    cases_per_length: dict[int, int],
+    settings: dict,
+    partial: Path,
+    stock_cases: int | None,
+    timed: int = TIMED,
 ) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -114,11 +119,11 @@ def run(
             cases = make_cases(length, cases_per_length[length], tokenizer)
             started = time.time()
             size = max(1, min(MAX_GROUP, GROUP_TOKENS // length))
-            starts = [*range(min(TIMED, len(cases))), *range(TIMED, len(cases), size)]
+            starts = [*range(min(timed, len(cases))), *range(timed, len(cases), size)]
             for start in starts:
-                group = cases[start : start + (1 if start < TIMED else size)]
+                group = cases[start : start + (1 if start < timed else size)]
                 with_stock = stock_cases is None or start < stock_cases
-                run_group(group, stock if with_stock else None, sparse, sampling, settings, result, start < TIMED)
+                run_group(group, stock if with_stock else None, sparse, sampling, settings, result, start < timed)
                 partial.write_text(json.dumps(result, indent=1))  # a long run can be read while it goes
             print(f"{length} tokens: {len(cases)} cases in {time.time() - started:.0f} s", flush=True)
     finally:
@@ -314,11 +319,14 @@ def main() -> None:
         "--stock-cases", type=int, help="run the stock engine on the first N cases of each length only (N >= 6)"
     )
     parser.add_argument(
+        "--timed", type=int, default=TIMED, help=f"cases per length run alone for the speed ratios (default {TIMED})"
+    )
+    parser.add_argument(
         "--combine", nargs="+", type=Path, help="summarise these runs' JSON (or .tmp) files together; runs nothing"
     )
     args = parser.parse_args()
-    if args.stock_cases is not None and args.stock_cases < TIMED:
-        parser.error(f"--stock-cases must be at least {TIMED}: the timed cases need the stock engine")
+    if args.stock_cases is not None and args.stock_cases < args.timed:
+        parser.error(f"--stock-cases must be at least --timed ({args.timed}): the timed cases need the stock engine")
     started = time.time()
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.combine:
@@ -328,7 +336,7 @@ def main() -> None:
         lengths = [int(x) for x in args.lengths.split(",")]
         per_length = {n: args.cases or CASES.get(n, 50) for n in lengths}
         partial = RESULTS / f"{args.name}.tmp"
-        records = run(lengths, per_length, json.loads(args.sparse), partial, args.stock_cases)
+        records = run(lengths, per_length, json.loads(args.sparse), partial, args.stock_cases, args.timed)
     rows = summarise(records)
     print(format_table(rows))
     (RESULTS / f"{args.name}.json").write_text(json.dumps({"rows": rows, **records}, indent=1))
