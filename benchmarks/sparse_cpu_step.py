@@ -39,7 +39,7 @@ FIXTURE = REPO / "tests" / "data" / "smollm2_keys.pt"
 RESULTS = REPO / "benchmarks" / "results"
 LAYERS, Q_HEADS, KV_HEADS, DIM, BLOCK = 30, 9, 3, 64, 32
 SKETCH_ROWS = 5  # token rows of one block's sketch (kvreuse.vllm.sparse.backend.sketch_rows for this shape)
-BETAS = [float("inf"), 4.0]
+BETAS = [float("inf"), 4.0, 2.0]
 
 
 def real_kv(length: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
