@@ -69,6 +69,19 @@ def test_gather_blocks_copies_whole_pages_or_takes_the_view_of_consecutive_ones(
         assert run.data_ptr() == cache[4].data_ptr() and torch.equal(run, cache[4:7])
 
 
+def test_gather_kv_copies_scattered_pages_once_for_keys_and_values():
+    key_cache, value_cache, _ = caches()
+    scattered = torch.tensor([7, 2, 30])
+    keys, values = cpu_attention.gather_kv(key_cache, value_cache, scattered)
+    assert torch.equal(keys, key_cache[scattered]) and torch.equal(values, value_cache[scattered])
+    assert keys.untyped_storage().data_ptr() == values.untyped_storage().data_ptr()  # one copy holds both
+    keys, values = cpu_attention.gather_kv(key_cache, value_cache, torch.tensor([4, 5, 6]))
+    assert keys.data_ptr() == key_cache[4].data_ptr() and values.data_ptr() == value_cache[4].data_ptr()
+    apart = value_cache.clone()  # caches in separate memory: gathered one by one
+    keys, values = cpu_attention.gather_kv(key_cache, apart, scattered)
+    assert torch.equal(keys, key_cache[scattered]) and torch.equal(values, apart[scattered])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, q_len", [(300, 300), (300, 37), (45, 45), (33, 2)])
 @pytest.mark.parametrize("consecutive", [True, False])
@@ -135,3 +148,59 @@ def test_dipr_decode_attends_the_references_set_and_computes_its_output(beta, co
     assert (got.out - want).abs().max() <= tolerance(torch.float32, n, float(value_cache.abs().max()))
     if beta <= 2.0:  # the peaked keys make small betas prune: most blocks are never read
         assert got.blocks_read.max() <= -(-n // BLOCK) // 2
+
+
+def estimates_against_reference(query: torch.Tensor, key_cache: torch.Tensor, blocks: torch.Tensor, scale: float):
+    """``sketch_estimates`` of ``query[q_heads, d]`` over ``blocks`` (``upper``, ``lower``, ``width``) and the
+    reference's fp32 bounds of the same keys, all ``[kv, g, n]``."""
+    from kvreuse.kernels.key_sketch import logit_bounds_reference
+
+    sketch = sketch_of(key_cache)
+    kv = key_cache.shape[2]
+    q = query.float().view(kv, -1, query.shape[-1]) * scale
+    estimates = cpu_attention.sketch_estimates(q, sketch, blocks.long())
+    codes = sketch.codes[blocks.long()].flatten(0, 1)  # [n, kv, d]
+    scales = sketch.scales[blocks.long()].flatten(0, 1)  # [n, kv]
+    upper, lower = zip(*(logit_bounds_reference(q[h], codes[:, h], scales[:, h]) for h in range(kv)))
+    return *estimates, torch.stack(upper), torch.stack(lower)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sketch_estimates_bracket_the_references_bounds_within_their_width(seed):
+    """The int8 estimates bracket each bound as the reference computes it (``upper <= U_j <= upper + width``, the
+    same for ``L_j``), also for queries and keys with outlier channels and keys of very different sizes, and the
+    width is under 1% of the bound's half-width, so few decisions are left to evaluate exactly."""
+    key_cache, _, g = caches(seed=seed)
+    key_cache[..., :3] *= 40  # outlier key channels
+    key_cache[7] *= 1e-3  # a block of small keys: scales spanning decades
+    blocks = table(700, consecutive=False, g=g)
+    query = torch.randn(Q_HEADS, DIM, generator=g)
+    query[:, 5] *= 60  # an outlier query channel
+    upper, lower, width, want_upper, want_lower = estimates_against_reference(query, key_cache, blocks, SCALE)
+    assert bool(((upper <= want_upper) & (want_upper <= upper + width)).all())
+    assert bool(((lower <= want_lower) & (want_lower <= lower + width)).all())
+    half = (want_upper - want_lower) / 2
+    assert bool((width <= 0.01 * half).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_and_sketch_writes_what_the_references_write(dtype):
+    """The CPU path's one-pass write stores and sketches exactly what ``store_kv_reference`` then
+    ``sketch_written_reference`` do (the same roundings in the same order: compared with ``torch.equal``), padding
+    slots (-1) skipped."""
+    from kvreuse.kernels.key_sketch import sketch_written_reference
+    from kvreuse.kernels.paged_write import store_kv_reference
+
+    g = torch.Generator().manual_seed(3)
+    key = torch.randn(7, KV_HEADS, DIM, generator=g)
+    value = torch.randn(7, KV_HEADS, DIM, generator=g)
+    slots = torch.tensor([5, 40, -1, 33, 200, -1, 71])
+    got_k, got_v, _ = caches(dtype)
+    want_k, want_v = got_k.clone(), got_v.clone()
+    got_sketch, want_sketch = sketch_of(got_k), sketch_of(want_k)
+    cpu_attention.store_and_sketch(key, value, got_k, got_v, got_sketch, slots)
+    store_kv_reference(key, value, want_k, want_v, slots)
+    sketch_written_reference(want_k, want_sketch, slots)
+    for got, want in ((got_k, want_k), (got_v, want_v), (got_sketch.codes, want_sketch.codes)):
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(got_sketch.scales, want_sketch.scales)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_sparse_cpu_attention import estimates_against_reference
 
 from kvreuse.kernels.dipr_decode import DIPRDecode, dipr_selection_reference, masked_decode_reference
 from kvreuse.kernels.key_sketch import KeySketch, sketch_reference
@@ -113,3 +114,19 @@ def test_the_sketch_reads_about_what_an_oracle_reads_where_block_boxes_read_ever
     tau = sel.logits[0].amax(-1).view(3, 3) - 4.0  # generous: from the true largest logit
     box_read = (box.sum(-1) >= tau[..., None]).any(1).float().mean()
     assert box_read > 0.9
+
+
+def test_the_cpu_paths_sketch_estimates_bracket_the_bounds_on_real_keys(real):
+    """``cpu_attention.sketch_estimates`` (the int8 product that settles most of DIPR's decisions on a CPU) on every
+    real decode query of the fixture: its brackets hold the reference's fp32 bounds and are under 1% of the bound's
+    half-width wide."""
+    for layer_index in range(len(real["layers"])):
+        for step_index in range(len(real["query_positions"])):
+            query, key_cache, _, _, table, _ = step(real, layer_index, step_index)
+            upper, lower, width, want_upper, want_lower = estimates_against_reference(
+                query[0], key_cache, table[0], real["scale"]
+            )
+            where = (layer_index, step_index)
+            assert bool(((upper <= want_upper) & (want_upper <= upper + width)).all()), where
+            assert bool(((lower <= want_lower) & (want_lower <= lower + width)).all()), where
+            assert bool((width <= 0.01 * (want_upper - want_lower) / 2).all()), where

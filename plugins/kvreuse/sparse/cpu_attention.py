@@ -5,18 +5,23 @@ they do.
 kernels attend (the kernels' PyTorch references in ``kvreuse.kernels`` are the specification, and the tests hold
 these functions to them), but are written for a CPU:
 
+- ``store_and_sketch``: the cache write and the key sketch in one pass;
 - ``dense_causal``: dense causal attention of one request's new tokens through PyTorch's fused
   ``scaled_dot_product_attention`` (a FlashAttention-style CPU kernel that never holds the whole logit matrix);
 - ``dense_decode`` and ``dipr_decode``: one decode token per sequence, over the paged cache block by block. DIPR
-  computes every exact logit (on a CPU as cheap as the sketch's bounds) and reads values only for the blocks
-  holding an attended token; what the kernel would read, it works out from the sketch of a few tokens.
+  brackets every key's sketch bounds with an int8 matrix product over the codes (``sketch_estimates``: a quarter
+  of the keys' bytes, and exact integer arithmetic with a proven error bound), settles the kernel's decisions from
+  them (evaluating the reference's bounds for the few they leave open), and computes exact logits and values only
+  for the blocks it reads.
 
 Reading the paged cache: ``key_cache[num_blocks, block_size, kv_heads, head_dim]`` is a strided view (in vLLM one
 page holds K and V of every token, then the key sketch), and PyTorch's gathers and matrix products on such views
-fall back to slow element-wise copies. So ``gather_blocks`` copies whole pages (one contiguous ``index_select``,
-tens of microseconds) or, for consecutive blocks, takes the view as it is; and the matrix products run per KV head
-as batched products over blocks (``torch.bmm`` of ``[blocks, block_size, head_dim]`` matrices), whose strides
-BLAS takes without a copy.
+fall back to slow element-wise copies. So ``gather_blocks``/``gather_kv`` copy whole pages (one contiguous
+``index_select``, K and V together) or, for consecutive blocks, take the view as it is; and the matrix products run
+as one batched product over (token slot, KV head) (``head_logits``), whose operands are plain strided matrices of
+the page view that BLAS takes without a copy. The number of PyTorch calls per layer does not grow with the context:
+on a CPU shared by several processes each call that spawns threads may wait for a core, so fewer calls matter as
+much as fewer bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ if TYPE_CHECKING:  # the kernels' modules import Triton; the CPU path needs only
     from kvreuse.kernels.key_sketch import KeySketch
 
 NEG_INF = float("-inf")
+LEVELS = 3  # int8 levels of the query in sketch_estimates: each leaves a rest 254 times smaller
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -46,6 +52,30 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return rows.index_select(0, blocks).as_strided((len(blocks), *inner), (span, *cache.stride()[1:]))
 
 
+def gather_kv(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, blocks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gather_blocks`` of both caches; where they are views of the same pages (vLLM's: a page holds each token's K
+    then V), scattered blocks are copied once for both: one ``index_select`` of each page's span from its first key
+    element to its last value element."""
+    blocks = blocks.long()
+    delta = value_cache.storage_offset() - key_cache.storage_offset()
+    shared = (
+        key_cache.untyped_storage().data_ptr() == value_cache.untyped_storage().data_ptr()
+        and key_cache.shape == value_cache.shape
+        and key_cache.stride() == value_cache.stride()
+        and 0 <= delta < key_cache.stride(0)
+    )
+    if not shared or len(blocks) <= 1 or bool((blocks[1:] - blocks[:-1] == 1).all()):
+        return gather_blocks(key_cache, blocks), gather_blocks(value_cache, blocks)
+    inner, strides = key_cache.shape[1:], key_cache.stride()[1:]
+    span = delta + 1 + sum((size - 1) * stride for size, stride in zip(inner, strides))
+    rows = key_cache.as_strided((key_cache.shape[0], span), (key_cache.stride(0), 1), key_cache.storage_offset())
+    pages = rows.index_select(0, blocks)
+    shape = (len(blocks), *inner)
+    return pages.as_strided(shape, (span, *strides), 0), pages.as_strided(shape, (span, *strides), delta)
+
+
 def sequence_tokens(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first ``seq_len`` tokens of a sequence held in ``blocks``: ``[seq_len, kv_heads, head_dim]``."""
     block_size = cache.shape[1]
@@ -53,21 +83,27 @@ def sequence_tokens(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> 
 
 
 def head_logits(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``q[kv, g, d] . k`` for the keys of ``keys[blocks, block_size, kv, d]``: ``[kv, g, blocks * block_size]``,
-    one batched product per KV head."""
+    """``q[kv, g, d] . k`` for the keys of ``keys[blocks, block_size, kv, d]``: ``[kv, g, blocks * block_size]``.
+
+    One batched product over (token slot, KV head): for slot ``t`` of every block and KV head ``h``, the ``[g, d]``
+    query times the ``[d, blocks]`` keys of that slot, which is a plain strided matrix of the page view (rows a block
+    apart), so BLAS reads the keys where they lie and the call count does not grow with the context."""
     blocks, block_size, kv, dim = keys.shape
     group = q.shape[1]
-    per_head = [
-        torch.bmm(q[h].expand(blocks, group, dim), keys[:, :, h].transpose(1, 2).to(q.dtype)) for h in range(kv)
-    ]
-    return torch.stack(per_head).transpose(1, 2).reshape(kv, group, blocks * block_size)
+    by_slot = keys.permute(1, 2, 0, 3).reshape(block_size * kv, blocks, dim)  # a view when tokens hold all heads
+    q_slots = q.expand(block_size, kv, group, dim).reshape(block_size * kv, group, dim)
+    logits = torch.bmm(q_slots, by_slot.transpose(1, 2).to(q.dtype))  # [block_size * kv, g, blocks]
+    return logits.view(block_size, kv, group, blocks).permute(1, 2, 3, 0).reshape(kv, group, blocks * block_size)
 
 
 def head_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``sum_j weights[kv, g, j] v_j`` for the values of ``values[blocks, block_size, kv, d]``: ``[kv, g, d]``."""
-    blocks, block_size, kv, _ = values.shape
-    w = weights.view(kv, weights.shape[1], blocks, block_size).transpose(1, 2)  # [kv, blocks, g, block_size]
-    return torch.stack([torch.bmm(w[h], values[:, :, h].to(w.dtype)).sum(0) for h in range(kv)])
+    """``sum_j weights[kv, g, j] v_j`` for the values of ``values[blocks, block_size, kv, d]``: ``[kv, g, d]``, one
+    batched product over (token slot, KV head) as in ``head_logits``, then a sum over the slots."""
+    blocks, block_size, kv, dim = values.shape
+    group = weights.shape[1]
+    w = weights.view(kv, group, blocks, block_size).permute(3, 0, 1, 2).reshape(block_size * kv, group, blocks)
+    by_slot = values.permute(1, 2, 0, 3).reshape(block_size * kv, blocks, dim)
+    return torch.bmm(w, by_slot.to(w.dtype)).view(block_size, kv, group, dim).sum(0)
 
 
 def softmax_attend(logits: torch.Tensor, keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -75,6 +111,38 @@ def softmax_attend(logits: torch.Tensor, keep: torch.Tensor, values: torch.Tenso
     (``head_values``). Every row keeps a token (a decode's window is never empty)."""
     weights = torch.softmax(logits.masked_fill(~keep, NEG_INF), dim=-1)
     return head_values(weights, values)
+
+
+def store_and_sketch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    sketch: KeySketch,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """``store_kv_reference`` then ``sketch_written_reference`` (``kvreuse.kernels``), in one pass: the tokens with
+    a non-negative slot are stored, and their keys, as stored (in the cache's dtype), sketched from the step's
+    tensor instead of read back from the cache."""
+    from kvreuse.kernels.key_sketch import sketch_reference
+
+    n = min(len(slot_mapping), len(key))
+    slots = slot_mapping[:n].long()
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[:n][valid], value[:n][valid]
+    else:
+        key, value = key[:n], value[:n]
+    if len(slots) == 0:
+        return
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    stored = key.to(key_cache.dtype)
+    key_cache[blocks, offsets] = stored
+    value_cache[blocks, offsets] = value.to(value_cache.dtype)
+    codes, scales = sketch_reference(stored)
+    sketch.codes[blocks, offsets] = codes
+    sketch.scales[blocks, offsets] = scales
 
 
 # ---------------------------------------------------------------------------------------------------- prefill
@@ -136,9 +204,10 @@ def dense_decode(
     block_size, kv = key_cache.shape[1], key_cache.shape[2]
     n_blocks = -(-seq_len // block_size)
     q = query.float().view(kv, -1, query.shape[-1]) * scale
-    keys, values = gather_blocks(key_cache, blocks[:n_blocks]), gather_blocks(value_cache, blocks[:n_blocks])
-    in_seq = torch.arange(n_blocks * block_size) < seq_len
-    return softmax_attend(head_logits(q, keys), in_seq, values).flatten(0, 1)
+    keys, values = gather_kv(key_cache, value_cache, blocks[:n_blocks])
+    logits = head_logits(q, keys)
+    logits[..., seq_len:] = NEG_INF  # the last block's slots past the sequence
+    return head_values(torch.softmax(logits, dim=-1), values).flatten(0, 1)
 
 
 def window_positions(seq_len: int, sink: int, local: int) -> torch.Tensor:
@@ -164,6 +233,63 @@ def sketch_bounds_at(
     return approx + half, approx - half
 
 
+def sketch_estimates(
+    q: torch.Tensor, sketch: KeySketch, blocks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sketch's bounds ``U_j``, ``L_j`` on ``q[kv, g, d] . k_j`` for every key of ``blocks``, estimated with
+    integer arithmetic: ``(upper, lower, width)``, each ``[kv, g, n]`` (``n = blocks * block_size``),
+    such that ``upper <= U_j <= upper + width`` and ``lower <= L_j <= lower + width`` for the bounds *as the reference
+    computes them in fp32* (``logit_bounds_reference``).
+
+    The bounds are ``s_j (q . u_j) +- s_j ||q||_1 (1/2 + CODE_SLACK)`` for the codes ``u_j`` and scale ``s_j``. The
+    codes are int8, a quarter of the fp32 keys' bytes; an int8 matrix product (``torch._int_mm``, exact in int32)
+    reads them as they are, where a float product would first widen them to the keys' size. The query, fp32, is
+    written in ``LEVELS`` int8 levels: ``q = s1 q1 + s2 q2 + s3 q3 + e`` with ``q1 = round(q / s1)``, ``s1 = max_c
+    |q_c| / 127``, and each further level the same of the rest, so ``|e_c| <= max_c |q_c| / (2 * 254**2 * 127)``.
+    Then, as ``|u_jc| <= 127``,
+
+        q . u_j = s1 (q1 . u_j) + s2 (q2 . u_j) + s3 (q3 . u_j) + e . u_j,   |e . u_j| <= 127 ||e||_1,
+
+    and the integer products are exact (``|q1 . u_j| <= 127**2 d < 2**24``, so exact in fp32 too). The fp32
+    arithmetic on top (the levels' weighted sum, the rest ``e`` itself computed in fp32, adding the half-width,
+    the product with ``s_j``, the width) rounds a few times, each within ``u = 2**-24`` of terms at most ``127 (1 +
+    d / 254) ||q||_1`` (times ``s_j``); the reference's own evaluation (a ``d``-term fp32 dot product, then ``*
+    s_j``, plus its half-width) lands within ``(d + 4) u 127 s_j ||q||_1`` of the real bound. So an estimate ``s_j
+    (I +- h)`` of the levels' sum ``I`` is within ``127 s_j (||e||_1 + (2 d + 16) u ||q||_1) = s_j m / 2`` of the
+    reference's bound; ``upper`` and ``lower`` are those estimates less ``s_j m`` and ``width = 2 s_j m``, which
+    leaves the other half of the margin ``m`` for the roundings of these two steps. ``m`` comes to ~0.1% of the
+    half-width; it only chooses which keys ``dipr_decode`` evaluates exactly, so a wider one would cost a few
+    evaluations and a narrower one could change a decision.
+    """
+    from kvreuse.kernels.key_sketch import CODE_MAX, CODE_SLACK
+
+    kv, group, dim = q.shape
+    block_size = sketch.codes.shape[1]
+    n = len(blocks) * block_size
+    codes = gather_blocks(sketch.codes, blocks).reshape(n, kv * dim)  # tokens x (head, channel), int8
+    scales = gather_blocks(sketch.scales, blocks).reshape(n, kv).T[:, None, :]  # [kv, 1, n]
+    # Block-diagonal int8 [LEVELS * kv * g, kv * d]: row (level, h, i) holds query head (h, i) on KV head h's
+    # columns; and the fp32 [kv * g, LEVELS * kv * g] that weighs each level's row by its step.
+    matrix = torch.zeros(LEVELS, kv, group, kv, dim, dtype=torch.int8)
+    weigh = torch.zeros(kv * group, LEVELS, kv * group)
+    heads, rows = torch.arange(kv), torch.arange(kv * group)
+    rest = q
+    for i in range(LEVELS):
+        step = rest.abs().amax(-1, keepdim=True) / CODE_MAX  # [kv, g, 1]
+        level = torch.where(step > 0, torch.round(rest / torch.where(step > 0, step, 1.0)), 0.0).clamp_(-127, 127)
+        rest = rest - step * level
+        matrix[i, heads, :, heads] = level.to(torch.int8)
+        weigh[rows, i, rows] = step.flatten()
+    # Head-major ([rows, tokens]): the int8 product runs ~2x and the fp32 ops after it ~4x faster than token-major.
+    dots = torch._int_mm(matrix.view(LEVELS * kv * group, kv * dim), codes.T)  # exact
+    estimate = torch.mm(weigh.view(kv * group, LEVELS * kv * group), dots.float()).view(kv, group, n)
+    unit = torch.finfo(torch.float32).eps / 2
+    q_norm = q.abs().sum(-1, keepdim=True)  # [kv, g, 1]
+    margin = 2 * CODE_MAX * (rest.abs().sum(-1, keepdim=True) + (2 * dim + 16) * unit * q_norm)
+    half = q_norm * (0.5 + CODE_SLACK)
+    return (estimate + (half - margin)) * scales, (estimate - (half + margin)) * scales, 2 * margin * scales
+
+
 def dipr_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -179,14 +305,16 @@ def dipr_decode(
     """DIPR decode of ``query[q_heads, d]`` over a sequence of ``seq_len`` tokens in ``blocks``: the output, blocks
     read and tokens attended of ``DIPRDecode`` (see ``kvreuse.kernels.dipr_decode``), computed the CPU's way.
 
-    On a CPU the sketch saves nothing: turning int8 codes into floats costs what reading the fp32 keys does (in
-    the engine the sketch pass took 63% of DIPR's time, more than dense attention). So this computes every exact
-    logit (one batched product per KV head over the blocks, in place) and reads values only for the blocks
-    holding an attended token. The kernel's decisions come out the same because the sketch's bounds lie within
-    ``2 w_j`` of the exact logit (``w_j`` the bound's half-width): ``tau`` (the largest lower bound, minus
-    ``beta``) is attained among the tokens whose logit is within ``2 max_j w_j`` of the largest, and a block's
-    read decision is open only for tokens with ``tau - 2 w_j <= l_j < tau``; the sketch is evaluated for those
-    few tokens only. The attended set ``W ∪ {j : l_j >= tau}`` needs no bound. ``beta = inf`` is dense decode.
+    The kernel's decisions come from the sketch's bounds ``U_j``, ``L_j``: ``tau = max_j L_j - beta``, a block is
+    read if it holds a window token or a ``U_j >= tau``, and a read block's token is attended if it is in the window
+    or ``l_j >= tau``. Here every bound is first bracketed by ``sketch_estimates`` (an int8 product over the
+    codes, a quarter of the keys' bytes) within a width ``w_j`` (~0.2% of the bound's half-width); a decision the
+    brackets settle is the kernel's, and the few they leave open are taken on the bounds computed as the reference
+    does (``sketch_bounds_at``): for ``tau``, the tokens whose lower bound may be the largest; for the blocks, the
+    tokens whose upper bound's bracket holds ``tau``. Exact logits and values are then computed
+    only for the blocks some KV head reads, so a smaller beta reads and computes less; a token is attended where
+    the reference attends it (its KV head reads its block, and it is in the window or ``l_j >= tau``).
+    ``beta = inf`` is dense decode.
     """
     block_size, kv = key_cache.shape[1], key_cache.shape[2]
     n_blocks = -(-seq_len // block_size)
@@ -198,33 +326,32 @@ def dipr_decode(
         return DecodeResult(
             out, torch.full((kv,), n_blocks, dtype=torch.int64), torch.full((kv * group,), seq_len, dtype=torch.int64)
         )
-    from kvreuse.kernels.key_sketch import CODE_SLACK
-
-    n = n_blocks * block_size
-    in_seq = torch.arange(n) < seq_len
-    logits = head_logits(q, gather_blocks(key_cache, blocks)).masked_fill_(~in_seq, NEG_INF)  # [kv, g, n]
-    scales = gather_blocks(sketch.scales, blocks).reshape(n, kv).T[:, None, :]  # [kv, 1, n]
-    reach = 2 * (0.5 + CODE_SLACK) * q.abs().sum(-1, keepdim=True) * scales  # 2 w_j: |bound - l_j| <= 2 w_j
-    reach.masked_fill_(~in_seq, 0.0)  # slots past the sequence may hold anything
-    # tau: the largest lower bound, attained among the tokens within 2 max_j w_j of the largest logit
-    near = logits >= logits.amax(-1, keepdim=True) - reach.amax(-1, keepdim=True)
+    upper, lower, width = sketch_estimates(q, sketch, blocks)  # [kv, g, n]
+    upper[..., seq_len:] = lower[..., seq_len:] = NEG_INF  # the last block's slots past the sequence: anything
+    width = width.amax(-1, keepdim=True)  # [kv, g, 1]: the widest bracket, which settles as much as each token's
+    # tau: the largest lower bound, attained among the tokens whose estimated lower bound may be the largest
+    near = lower >= lower.amax(-1, keepdim=True) - width
     at = near.any(1).any(0).nonzero().flatten()
-    lower = sketch_bounds_at(q, sketch, blocks, at)[1].masked_fill_(~near[..., at], NEG_INF)
-    tau = lower.amax(-1, keepdim=True) - beta  # [kv, g, 1]
-    # blocks read: a logit at or above tau, or an upper bound that reaches it (open only within 2 w_j below tau)
-    sure = logits >= tau
-    open_ = (logits + reach >= tau) & ~sure
-    at = open_.any(1).any(0).nonzero().flatten()
-    reached = (sketch_bounds_at(q, sketch, blocks, at)[0] >= tau) & open_[..., at]
-    hit = sure.any(1)  # [kv, n]
-    hit[:, at] |= reached.any(1)
-    read = hit.view(kv, n_blocks, block_size).any(-1)
+    tau = sketch_bounds_at(q, sketch, blocks, at)[1].masked_fill_(~near[..., at], NEG_INF).amax(-1, keepdim=True)
+    tau = tau - beta  # [kv, g, 1]
+    # blocks read: an upper bound that reaches tau; a block whose estimates leave it open (its largest upper - tau
+    # within the widest bracket below 0) is decided on the bounds of its tokens
+    reach = (upper - tau).view(kv, group, n_blocks, block_size).amax(-1).amax(1)  # [kv, n_blocks]
+    read = reach >= 0
+    open_ = (reach + width.amax(1) >= 0) & ~read
+    undecided = open_.any(0).nonzero().flatten()
+    if len(undecided):
+        at = (undecided[:, None] * block_size + torch.arange(block_size)).flatten()
+        hit = (sketch_bounds_at(q, sketch, blocks, at)[0] >= tau).any(1) & (at < seq_len)  # [kv, len(at)]
+        read[:, undecided] |= hit.view(kv, len(undecided), block_size).any(-1) & open_[:, undecided]
     read[:, window_positions(seq_len, sink, local) // block_size] = True
-    pos = torch.arange(n)
+    # exact logits and values of the blocks some KV head reads
+    needed = read.any(0).nonzero().flatten()
+    keys, values = gather_kv(key_cache, value_cache, blocks[needed])
+    logits = head_logits(q, keys)  # [kv, g, m]
+    pos = (needed[:, None] * block_size + torch.arange(block_size)).flatten()
     is_window = (pos < sink) | (pos >= seq_len - local)
-    keep = in_seq & (is_window | (logits >= tau))  # [kv, g, n]
-    needed = keep.any(1).any(0).view(n_blocks, block_size).any(-1).nonzero().flatten()  # blocks holding a kept token
-    logits = logits.view(kv, group, n_blocks, block_size)[:, :, needed].flatten(2)
-    keep = keep.view(kv, group, n_blocks, block_size)[:, :, needed].flatten(2)
-    out = softmax_attend(logits, keep, gather_blocks(value_cache, blocks[needed]))
+    reads = read[:, needed].repeat_interleave(block_size, dim=1)[:, None, :]  # [kv, 1, m]
+    keep = reads & (pos < seq_len) & (is_window | (logits >= tau))
+    out = softmax_attend(logits, keep, values)
     return DecodeResult(out.flatten(0, 1), read.sum(1), keep.sum(-1).flatten())

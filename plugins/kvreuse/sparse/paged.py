@@ -218,18 +218,17 @@ class SparseAttention:
         slot_mapping: torch.Tensor,
     ) -> None:
         """Store a step's keys and values and sketch the keys."""
-        from kvreuse.kernels.key_sketch import KeySketchWrite, sketch_written_reference
-        from kvreuse.kernels.paged_write import PagedKVWrite, store_kv_reference
-
         slots = slot_mapping[: len(key)]
         if self._use_kernels(key_cache):
+            from kvreuse.kernels.key_sketch import KeySketchWrite
+            from kvreuse.kernels.paged_write import PagedKVWrite
+
             PagedKVWrite(self.block_size, self.num_kv_heads, self.head_dim).run(
                 key, value, key_cache, value_cache, slots
             )
             KeySketchWrite(self.block_size, self.num_kv_heads, self.head_dim).run(key_cache, sketch, slots)
         else:
-            store_kv_reference(key, value, key_cache, value_cache, slots)
-            sketch_written_reference(key_cache, sketch, slots)
+            cpu_attention.store_and_sketch(key, value, key_cache, value_cache, sketch, slots)
 
     # -- attention ------------------------------------------------------------------------------------------------
 

@@ -1,0 +1,191 @@
+"""One decode step's attention on a CPU, kvreuse's sparse backend against vLLM's CPU_ATTN ops, side by side.
+
+What ``sparse_qa.py`` measures in the engine, taken apart: for a model shaped like SmolLM2-135M (30 layers, 9 query
+heads on 3 KV heads, head_dim 64, block size 32, float32), one decode token per step over a context of ``L`` tokens,
+every layer writes the token's key and value and attends:
+
+- ``stock``: vLLM's own CPU ops, as its CPU_ATTN backend calls them (``cpu_attn_reshape_and_cache``, then
+  ``cpu_attention_with_kv_cache`` with the step's scheduler metadata built once per step), on vLLM's CPU cache layout
+  ``[num_blocks, kv_heads, block_size, head_dim]`` per K and V;
+- ``sparse beta=X``: ``SparseAttention.write`` and ``attend`` on the backend's padded pages (``[num_blocks,
+  block_size + sketch rows, kv_heads, K|V]``, the key sketch in the padding rows), with beta ``X`` in every layer
+  but the first (the default policy).
+
+The keys are the real ones of ``tests/data/smollm2_keys.pt`` (SmolLM2's layers 4 and 20 on a 1K-token retrieval
+prompt, alternated over the layers and repeated along the context), the query the last decode query of the same
+layer; so the pruning is the real model's, only repeated. The two sides run alternately, step after step, in one
+process; each figure is the median over steps of (sparse time / stock time), so that load from other processes
+on a shared machine falls on both sides alike. ``--profile`` prints where the sparse side's time goes.
+
+Run: ``.venv/bin/python benchmarks/sparse_cpu_step.py`` (``--lengths 1024,8192 --steps 20``); writes
+``benchmarks/results/sparse_cpu_step.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvreuse.sparse.config import SparseConfig
+from kvreuse.sparse.paged import PagedBatch, SparseAttention
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE = REPO / "tests" / "data" / "smollm2_keys.pt"
+RESULTS = REPO / "benchmarks" / "results"
+LAYERS, Q_HEADS, KV_HEADS, DIM, BLOCK = 30, 9, 3, 64, 32
+SKETCH_ROWS = 5  # token rows of one block's sketch (kvreuse.vllm.sparse.backend.sketch_rows for this shape)
+BETAS = [float("inf"), 4.0, 2.0]
+
+
+def real_kv(length: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer: keys and values ``[length + 1, kv, d]`` (the last one the decoded token's) and the query
+    ``[q_heads, d]``. Values are the keys of the other fixture layer (real magnitudes, uncorrelated with the key)."""
+    data = torch.load(FIXTURE)
+    keys, queries = data["keys"].float(), data["queries"].float()
+    n = keys.shape[1]
+    index = torch.arange(length + 1) % n
+    out_k, out_v, out_q = [], [], []
+    for layer in range(LAYERS):
+        out_k.append(keys[layer % 2][index].contiguous())
+        out_v.append(keys[(layer + 1) % 2][index].contiguous())
+        out_q.append(queries[layer % 2][-1].contiguous())
+    return out_k, out_v, out_q
+
+
+class Sparse:
+    """The sparse backend's side: per layer padded pages, their K/V views and sketch, as the adapter makes them."""
+
+    def __init__(self, keys, values, length: int, beta: float):
+        from kvreuse.vllm.sparse.backend import page_sketch
+
+        self.blocks = -(-(length + 1) // BLOCK) + 1
+        self.attention = SparseAttention(
+            Q_HEADS, KV_HEADS, DIM, BLOCK, DIM**-0.5, SparseConfig(beta=beta, min_context=0)
+        )
+        self.layers = []
+        prefill = torch.arange(length, dtype=torch.int64)
+        for k, v in zip(keys, values):
+            pages = torch.zeros(self.blocks, BLOCK + SKETCH_ROWS, KV_HEADS, 2 * DIM)
+            kv_cache = pages[:, :BLOCK].transpose(1, 2)  # vLLM's [blocks, heads, tokens, K|V] view of LBNHC pages
+            key_cache, value_cache = kv_cache.transpose(1, 2).split(DIM, dim=-1)
+            sketch = page_sketch(kv_cache, DIM)
+            self.attention.write(k[:length], v[:length], key_cache, value_cache, sketch, prefill)
+            self.layers.append((key_cache, value_cache, sketch))
+        self.block_table = torch.arange(self.blocks, dtype=torch.int32)[None]
+
+    def step(self, length: int, keys, values, queries) -> None:
+        slot = torch.tensor([length], dtype=torch.int64)
+        batch = PagedBatch(
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+            query_start_loc_cpu=torch.tensor([0, 1], dtype=torch.int32),
+            seq_lens=torch.tensor([length + 1], dtype=torch.int32),
+            seq_lens_cpu=torch.tensor([length + 1], dtype=torch.int32),
+            block_table=self.block_table,
+            slot_mapping=slot,
+            num_actual_tokens=1,
+            max_seq_len=length + 1,
+        )
+        out = torch.empty(1, Q_HEADS, DIM)
+        for layer, (key_cache, value_cache, sketch) in enumerate(self.layers):
+            k, v = keys[layer][length : length + 1], values[layer][length : length + 1]
+            self.attention.write(k, v, key_cache, value_cache, sketch, slot)
+            self.attention.attend(layer, queries[layer][None], key_cache, value_cache, sketch, batch, out)
+
+
+class Stock:
+    """vLLM's CPU_ATTN side: its cache layout and ops, called as ``CPUAttentionBackendImpl`` calls them."""
+
+    def __init__(self, keys, values, length: int):
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        self.ops = ops
+        self.isa = _get_attn_isa(torch.float32, BLOCK, DIM)
+        self.blocks = -(-(length + 1) // BLOCK) + 1
+        self.layers = []
+        prefill = torch.arange(length, dtype=torch.int64)
+        for k, v in zip(keys, values):
+            kv_cache = torch.zeros(self.blocks, KV_HEADS, 2 * BLOCK, DIM)
+            key_cache, value_cache = kv_cache.chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(k[:length], v[:length], key_cache, value_cache, prefill, self.isa)
+            self.layers.append((key_cache, value_cache))
+        self.block_table = torch.arange(self.blocks, dtype=torch.int32)[None]
+
+    def step(self, length: int, keys, values, queries) -> None:
+        ops = self.ops
+        slot = torch.tensor([length], dtype=torch.int64)
+        starts = torch.tensor([0, 1], dtype=torch.int32)
+        seq_lens = torch.tensor([length + 1], dtype=torch.int32)
+        metadata = ops.cpu_attn_get_scheduler_metadata(
+            1, Q_HEADS, KV_HEADS, DIM, seq_lens, torch.float32, starts, True, -1, self.isa, True
+        )
+        out = torch.empty(1, Q_HEADS, DIM)
+        for layer, (key_cache, value_cache) in enumerate(self.layers):
+            k, v = keys[layer][length : length + 1], values[layer][length : length + 1]
+            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slot, self.isa)
+            ops.cpu_attention_with_kv_cache(
+                queries[layer][None], key_cache, value_cache, out, starts, seq_lens, DIM**-0.5, True, None, -1,
+                self.block_table, 0.0, metadata, None,
+            )  # fmt: skip
+
+
+def measure(length: int, steps: int, profile: bool) -> dict:
+    keys, values, queries = real_kv(length)
+    stock = Stock(keys, values, length)
+    sides = {"stock": stock, **{f"beta={b:g}": Sparse(keys, values, length, b) for b in BETAS}}
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(2):  # warm-up
+        for side in sides.values():
+            side.step(length, keys, values, queries)
+    for _ in range(steps):
+        for name, side in sides.items():
+            started = time.perf_counter()
+            side.step(length, keys, values, queries)
+            times[name].append(time.perf_counter() - started)
+    row = {"length": length, "stock_ms": 1e3 * statistics.median(times["stock"])}
+    for name in sides:
+        if name != "stock":
+            row[name] = statistics.median(t / s for t, s in zip(times[name], times["stock"]))
+            row[f"{name}_ms"] = 1e3 * statistics.median(times[name])
+            sparse = sides[name]
+            rows = sparse.attention.figures.rows()
+            read = sum(r["blocks_read"] for r in rows) / max(1, sum(r["blocks_total"] for r in rows))
+            row[f"{name}_blocks"] = read
+    if profile:
+        for name in ("beta=inf", "beta=4"):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    sides[name].step(length, keys, values, queries)
+            print(f"--- {length} tokens, {name}: 3 steps")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", default="1024,8192")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--threads", type=int, help="torch threads (default: PyTorch's, as the engine's worker)")
+    parser.add_argument("--name", default="sparse_cpu_step")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = [measure(int(n), args.steps, args.profile) for n in args.lengths.split(",")]
+    names = [f"beta={b:g}" for b in BETAS]
+    print("| context | stock ms/step | " + " | ".join(f"{n} / stock (blocks read)" for n in names) + " |")
+    print("|---:|---:|" + "---:|" * len(names))
+    for r in rows:
+        cells = [f"{r[n]:.2f} ({r[n + '_blocks']:.0%})" for n in names]
+        print(f"| {r['length']:,} | {r['stock_ms']:.1f} | " + " | ".join(cells) + " |")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps({"rows": rows, "threads": torch.get_num_threads()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
