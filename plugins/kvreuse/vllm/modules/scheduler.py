@@ -31,12 +31,14 @@ entries left the store while it waited is folded again the same way.
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from kvreuse.config import TRUE_WORDS
 from kvreuse.errors import ConfigError, ModuleRegistrationError, UnsupportedPositionalEncoding
 from kvreuse.kernels.rerotate import rope_spec_from_hf_config
 from kvreuse.modules.config import ModulesConfig
@@ -46,18 +48,21 @@ from kvreuse.modules.store import ModuleKey, context_fingerprint
 from kvreuse.modules.trie import ModuleMatch, ModuleTrie
 from kvreuse.modules.writes import engine_write_keys
 from kvreuse.patches import vllm_0_32
+from kvreuse.sparse.ape import OFF, ApeSpans
 from kvreuse.vllm.modules.common import (
+    APE,
     LoadSpec,
     ModuleCacheMetadata,
     ModuleCacheWorkerMeta,
     ModuleWrite,
     SaveSpec,
+    ape_setting,
     encode_request,
     marks_encode,
     recompute_first,
     write_allowed,
 )
-from kvreuse.vllm.names import ConnectorName
+from kvreuse.vllm.names import SPARSE_CPU_SWITCH, ConnectorName
 from kvreuse.vllm.settings import kvreuse_flags
 
 if TYPE_CHECKING:
@@ -79,12 +84,14 @@ class WriteRefusal(StrEnum):
 @dataclass(frozen=True)
 class _Look:
     """What the scheduler found in a waiting request's prompt, and the entries folded into its block hashes from
-    block ``first_block`` on, with the tokens per module it recomputes (``recompute_first``, folded too)."""
+    block ``first_block`` on, with the tokens per module it recomputes (``recompute_first``, folded too) and the
+    modules its later tokens attend to with APE (its setting folded into the first block after them)."""
 
     matches: list[ModuleMatch]
     first_block: int
     folded: frozenset[ModuleKey]
     recompute_first: int = 0
+    ape: ApeSpans | None = None  # the spliced run's modules and APE's setting, where APE is on
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,14 @@ class ModuleScheduler:
         self._plans: dict[str, _Plan] = {}  # asked about, not yet allocated
         self._loads: list[LoadSpec] = []  # allocated, for the next step's metadata
         self._prompt_lens: dict[str, int] = {}  # requests of self._loads that recompute: their prompt's length
+        self._ape: dict[str, ApeSpans] = {}  # requests whose later tokens attend to their modules with APE
+        # APE is applied by kvreuse's attention backend in PyTorch; the Triton kernels (CUDA) know no APE bias.
+        self.applies_ape = applies_ape(vllm_config)
+        if self.config.ape != OFF and not self.applies_ape:
+            raise ConfigError(
+                f"modules.ape_temperature / modules.ape_scale ({self.config.ape}) need kvreuse's attention backend "
+                f"over vLLM's CPU build ({SPARSE_CPU_SWITCH}=1); this engine {NO_APE}"
+            )
         self._writes: dict[str, ModuleWrite | None] = {}  # encode requests asked about: the write, None if refused
         self._encodes: dict[str, tuple[ModuleWrite, tuple[int, ...]]] = {}  # req id -> write, prompt
         self.skipped: Counter[str] = Counter()  # modules found but not spliced, by reason (since take_stats)
@@ -156,6 +171,10 @@ class ModuleScheduler:
             self._plans.pop(rid, None)
             return 0
         look = self._looks.get(rid)
+        ape = self._ape_setting(request) if look is None else OFF
+        if ape != OFF and not self.applies_ape:
+            self._plans.pop(rid, None)
+            return 0  # refused (logged by _ape_setting): computed in full, never spliced without the asked APE
         if not self.enabled or (look is None and not self.available):
             self._plans.pop(rid, None)
             return 0
@@ -165,7 +184,16 @@ class ModuleScheduler:
         if look is None or stale or hit_block < look.first_block:
             matches = look.matches if look is not None and not stale else self._find(request, prompt)
             first_block = hit_block if look is None else min(hit_block, look.first_block)
-            look = self._looks[rid] = self._fold(request, matches, first_block, self._recompute_first(request))
+            if look is not None:
+                ape = (look.ape.temperature, look.ape.scale) if look.ape is not None else self._ape_setting(request)
+            stop = min(len(prompt), request.num_tokens) - 1
+            look = self._looks[rid] = self._fold(
+                request, matches, first_block, self._recompute_first(request), ape, stop
+            )
+            if look.ape is not None:
+                self._ape[rid] = look.ape
+            else:
+                self._ape.pop(rid, None)
             if look.folded and (
                 num_computed_tokens > first_block * self.block_size  # vLLM's hit used hashes just changed
                 or vllm_0_32.prefix_cache_hit(self.kv_cache_manager, request) > num_computed_tokens
@@ -211,6 +239,8 @@ class ModuleScheduler:
     def build_metadata(self, scheduler_output: SchedulerOutput) -> ModuleCacheMetadata:
         loads = [self._whole_or_plain(spec, scheduler_output) for spec in self._loads]
         meta = ModuleCacheMetadata(loads=loads, saves=self._saves(scheduler_output))
+        scheduled = scheduler_output.num_scheduled_tokens
+        meta.ape = {rid: spans for rid, spans in self._ape.items() if rid in scheduled}
         self._loads = []
         self._prompt_lens.clear()
         seen: set[ModuleKey] = set()
@@ -298,7 +328,7 @@ class ModuleScheduler:
         return stats
 
     def finished(self, request_id: str) -> None:
-        for state in (self._looks, self._plans, self._writes, self._encodes, self._prompt_lens):
+        for state in (self._looks, self._plans, self._writes, self._encodes, self._prompt_lens, self._ape):
             state.pop(request_id, None)
         self._counted.discard(request_id)
 
@@ -315,18 +345,64 @@ class ModuleScheduler:
             logger.error("kvreuse: request %s splices with modules.recompute_first: %s", request.request_id, why)
             return self.config.recompute_first
 
-    def _fold(self, request: Request, matches: list[ModuleMatch], first_block: int, recompute: int) -> _Look:
+    def _ape_setting(self, request: Request) -> tuple[float, float]:
+        """APE's (temperature, scale) for ``request`` (its own setting, else the engine's); ``OFF`` where its own is
+        malformed or this engine cannot apply APE (both logged)."""
+        try:
+            ape = ape_setting(request.kv_transfer_params, self.config.ape)
+        except ModuleRegistrationError as why:
+            logger.error(
+                "kvreuse: request %s splices with modules.ape_temperature / ape_scale: %s", request.request_id, why
+            )
+            ape = self.config.ape
+        if ape != OFF and not self.applies_ape:
+            logger.error(
+                "kvreuse: request %s asks for APE (%s %s) but this engine %s; its modules are not spliced (the "
+                "prompt is computed in full)",
+                request.request_id,
+                APE,
+                ape,
+                NO_APE,
+            )
+        return ape
+
+    def _fold(
+        self,
+        request: Request,
+        matches: list[ModuleMatch],
+        first_block: int,
+        recompute: int,
+        ape: tuple[float, float] = OFF,
+        stop: int = 0,
+    ) -> _Look:
         """Fold the entries of ``matches`` into the request's block hashes from ``first_block`` on (module doc),
         and ``recompute`` where it is not 0: blocks whose spliced KV was partly recomputed differ from those of
-        a plain splice, so neither may be given for the other."""
+        a plain splice, so neither may be given for the other.
+
+        With APE on, the modules it applies to are the run the request splices from ``first_block`` (vLLM's hit
+        before the fold: the computed prefix) to ``stop``, less a module at the prompt's start (nothing precedes
+        it, so its KV is a prefill's: APE's shared prefix). APE changes no module's KV, only that of the tokens
+        after the run, so APE's setting is folded into the block holding the first of them: blocks of module
+        tokens alone stay shared with plain splices, and every block from there on (its hash chains) is told
+        apart from a plain splice's and another setting's."""
+        spans = None
+        if ape != OFF:
+            run = plan_splice(matches, first_block * self.block_size, stop, self.available.__contains__)
+            ranges = tuple((p.prompt_start, p.prompt_end) for p in run if not (p.prompt_start == 0 and p.offset == 0))
+            spans = ApeSpans(ranges, *ape) if ranges else None
         manager = self.kv_cache_manager
         if manager is None or not vllm_0_32.caches_prefixes(manager):
-            return _Look(matches, first_block, frozenset(), recompute)  # nothing is cached: no block to tell apart
+            return _Look(
+                matches, first_block, frozenset(), recompute, spans
+            )  # nothing is cached: nothing to tell apart
         stored = [match for match in matches if match.name in self.available]
         num_blocks = request.num_tokens // self.block_size
         blocks = block_modules(stored, self.block_size, first_block, num_blocks)
         extra = (f"recompute_first={recompute}",) if recompute else ()
         keys = {block: tuple(key.identity for key in names) + extra for block, names in blocks.items()}
+        if spans is not None and spans.after // self.block_size < num_blocks:
+            after = spans.after // self.block_size
+            keys[after] = (*keys.get(after, ()), f"ape={spans.temperature!r},{spans.scale!r}")
         if keys and not vllm_0_32.fold_into_block_hashes(self.vllm_config, manager, request, first_block, keys):
             logger.warning(
                 "kvreuse: request %s: this engine's prefix-cache hashes cannot name module entries (hybrid "
@@ -334,7 +410,8 @@ class ModuleScheduler:
                 request.request_id,
             )
             return _Look([], first_block, frozenset(), recompute)
-        return _Look(matches, first_block, frozenset(key for names in blocks.values() for key in names), recompute)
+        folded = frozenset(key for names in blocks.values() for key in names)
+        return _Look(matches, first_block, folded, recompute, spans)
 
     def _count_skipped(
         self,
@@ -380,6 +457,17 @@ class ModuleScheduler:
             )
             return None
         return write
+
+
+NO_APE = (
+    f"runs another attention than kvreuse's backend over vLLM's CPU build ({SPARSE_CPU_SWITCH}=1), whose Triton "
+    "kernels (CUDA) and vLLM's own backends know no APE bias"
+)
+
+
+def applies_ape(vllm_config: VllmConfig) -> bool:
+    """Whether this engine's attention applies APE: kvreuse's backend in place of CPU_ATTN on vLLM's CPU build."""
+    return vllm_0_32.device_type(vllm_config) == "cpu" and os.environ.get(SPARSE_CPU_SWITCH, "").lower() in TRUE_WORDS
 
 
 def _first(pieces: list[Piece], tokens: int, rid: str) -> list[Piece]:
