@@ -43,7 +43,15 @@ from kvreuse.errors import ConfigError, ModuleRegistrationError, UnsupportedPosi
 from kvreuse.kernels.rerotate import rope_spec_from_hf_config
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.namespace import namespace_label, namespace_of
-from kvreuse.modules.splice import Piece, block_modules, first_tokens, plan_splice, skipped_modules, token_slots
+from kvreuse.modules.splice import (
+    Piece,
+    block_modules,
+    first_tokens,
+    plan_splice,
+    run_start,
+    skipped_modules,
+    token_slots,
+)
 from kvreuse.modules.store import ModuleKey, context_fingerprint
 from kvreuse.modules.trie import ModuleMatch, ModuleTrie
 from kvreuse.modules.writes import engine_write_keys
@@ -380,14 +388,17 @@ class ModuleScheduler:
         a plain splice, so neither may be given for the other.
 
         With APE on, the modules it applies to are the run the request splices from ``first_block`` (vLLM's hit
-        before the fold: the computed prefix) to ``stop``, less a module at the prompt's start (nothing precedes
-        it, so its KV is a prefill's: APE's shared prefix). APE changes no module's KV, only that of the tokens
-        after the run, so APE's setting is folded into the block holding the first of them: blocks of module
-        tokens alone stay shared with plain splices, and every block from there on (its hash chains) is told
-        apart from a plain splice's and another setting's."""
+        before the fold: the computed prefix) to ``stop``, taken back to the run's first module (``run_start``),
+        less a module at the prompt's start (nothing precedes it, so its KV is a prefill's: APE's shared prefix).
+        APE changes no module's KV, only that of the tokens after the run, so APE's setting (and the spans) is
+        folded into the block holding the first of them: blocks of module tokens alone stay shared with plain
+        splices, and every block from there on (its hash chains) is told apart from a plain splice's and another
+        setting's."""
         spans = None
         if ape != OFF:
-            run = plan_splice(matches, first_block * self.block_size, stop, self.available.__contains__)
+            available = self.available.__contains__
+            start = run_start(matches, first_block * self.block_size, available)
+            run = plan_splice(matches, start, stop, available)
             ranges = tuple((p.prompt_start, p.prompt_end) for p in run if not (p.prompt_start == 0 and p.offset == 0))
             spans = ApeSpans(ranges, *ape) if ranges else None
         manager = self.kv_cache_manager
@@ -402,7 +413,7 @@ class ModuleScheduler:
         keys = {block: tuple(key.identity for key in names) + extra for block, names in blocks.items()}
         if spans is not None and spans.after // self.block_size < num_blocks:
             after = spans.after // self.block_size
-            keys[after] = (*keys.get(after, ()), f"ape={spans.temperature!r},{spans.scale!r}")
+            keys[after] = (*keys.get(after, ()), f"ape={spans.temperature!r},{spans.scale!r},{spans.ranges!r}")
         if keys and not vllm_0_32.fold_into_block_hashes(self.vllm_config, manager, request, first_block, keys):
             logger.warning(
                 "kvreuse: request %s: this engine's prefix-cache hashes cannot name module entries (hybrid "
