@@ -12,6 +12,10 @@ The ``legolink-K`` arms are the engine's selective recompute (``modules.recomput
 ``kv_transfer_params {"kvreuse_recompute_first": K}``) over the naive encodings: the first K tokens of each spliced
 module (the header's too) computed with the whole prompt before them.
 
+The ``ape-anchored-T<T>`` arm is the engine's APE (``modules.ape_temperature``, here per request with
+``kv_transfer_params {"kvreuse_ape": {"temperature": T}}``) over the anchored encodings: the question and the
+decoded tokens attend to the module keys (not the header's, the prompt's shared prefix) with temperature T.
+
 Prints, per arm, how many answers are right, how many outputs equal the engine's own full prefill's, the share of
 prompt tokens the engine computed, and, where ``module_quality.py`` measured the same cases and arm, how many give
 the reference's tokens exactly (and, where not, the first output token that differs); writes
@@ -39,6 +43,8 @@ SETTINGS = {"kvreuse": {"sparse": {"beta": float("inf")}, "modules": {"gpu_bytes
 
 
 LEGOLINK = {"legolink-16": 16, "legolink-32": 32}  # arm -> modules.recompute_first
+APE = {"ape-anchored-T0.8": {"temperature": 0.8, "scale": 1.0}}  # arm -> kvreuse_ape (the offline study's arm)
+SPLICED = ("naive", "anchored", *APE)  # arms whose whole run of modules must come from the cache
 
 
 def _reference(set_name: str) -> dict[tuple[str, str], list[int]]:
@@ -61,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict] = {}
     # One engine per way of encoding the modules: the store refuses a module re-encoded under its name with
     # another start (kvreuse.errors.ModuleConflict), so anchored encodings cannot replace the naive ones in place.
-    for arms in (("full", "naive", *LEGOLINK), ("anchored",)):
+    for arms in (("full", "naive", *LEGOLINK), ("anchored", *APE)):
         results.update(_run_engine(args.set, args.cases, arms, reference))
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"module_quality_vllm_{args.set}.json"
@@ -111,12 +117,15 @@ def _run_engine(
             for case, tc in zip(cases, tokenized):
                 llm.reset_prefix_cache()
                 params = full if arm == "full" else sampling
-                if arm in LEGOLINK:
+                if arm in LEGOLINK or arm in APE:
+                    transfer = (
+                        {"kvreuse_recompute_first": LEGOLINK[arm]} if arm in LEGOLINK else {"kvreuse_ape": APE[arm]}
+                    )
                     params = SamplingParams(
                         max_tokens=MAX_NEW_TOKENS,
                         temperature=0.0,
                         stop_token_ids=[eos],
-                        extra_args={"kv_transfer_params": {"kvreuse_recompute_first": LEGOLINK[arm]}},
+                        extra_args={"kv_transfer_params": transfer},
                     )
                 out = llm.generate([TokensPrompt(prompt_token_ids=tc.prompt)], params, use_tqdm=False)[0]
                 tokens = list(out.outputs[0].token_ids)
@@ -138,7 +147,7 @@ def _run_engine(
                             (i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b),
                             min(len(tokens), len(expected)),
                         )
-                if arm in ("naive", "anchored") and out.num_cached_tokens < len(tc.prompt) - len(tc.question):
+                if arm in SPLICED and out.num_cached_tokens < len(tc.prompt) - len(tc.question):
                     raise SystemExit(f"{case.key}: only {out.num_cached_tokens} prompt tokens came from the cache")
             results[arm] = {
                 "cases": len(cases),

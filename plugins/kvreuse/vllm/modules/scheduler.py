@@ -26,6 +26,11 @@ computes them again: a replaced or dropped entry's blocks are never matched agai
 If the folded hashes are in the cache beyond vLLM's hit, the scheduler side answers "ask again" (``None``) once, so
 vLLM looks the request up with them: identical prompts still share their spliced blocks. A request whose folded
 entries left the store while it waited is folded again the same way.
+
+APE (``modules.ape_temperature`` / ``ape_scale``, ``kvreuse_ape`` per request) changes how the tokens after a
+request's spliced modules attend to them, not the modules' KV: the scheduler side sends the modules' spans of every
+scheduled request with APE in each step's metadata (whether its modules were loaded or found in vLLM's prefix
+cache), and folds APE's setting into the hash of the block where the modules end (``_fold``).
 """
 
 from __future__ import annotations
@@ -354,8 +359,9 @@ class ModuleScheduler:
             return self.config.recompute_first
 
     def _ape_setting(self, request: Request) -> tuple[float, float]:
-        """APE's (temperature, scale) for ``request`` (its own setting, else the engine's); ``OFF`` where its own is
-        malformed or this engine cannot apply APE (both logged)."""
+        """APE's (temperature, scale) for ``request``: its own setting, else (also where its own is malformed,
+        logged) the engine's. A setting other than ``OFF`` on an engine that cannot apply APE is logged as an error
+        (the caller then splices nothing into the request)."""
         try:
             ape = ape_setting(request.kv_transfer_params, self.config.ape)
         except ModuleRegistrationError as why:
