@@ -12,9 +12,10 @@ The ``legolink-K`` arms are the engine's selective recompute (``modules.recomput
 ``kv_transfer_params {"kvreuse_recompute_first": K}``) over the naive encodings: the first K tokens of each spliced
 module (the header's too) computed with the whole prompt before them.
 
-The ``ape-anchored-T<T>`` arm is the engine's APE (``modules.ape_temperature``, here per request with
-``kv_transfer_params {"kvreuse_ape": {"temperature": T}}``) over the anchored encodings: the question and the
-decoded tokens attend to the module keys (not the header's, the prompt's shared prefix) with temperature T.
+The ``ape-*`` arms are the engine's APE (``modules.ape_temperature``, here per request with ``kv_transfer_params
+{"kvreuse_ape": {"temperature": T}}``): the question and the decoded tokens attend to the module keys (not the
+header's, the prompt's shared prefix) with temperature T; ``ape-alone-T0.8`` over the naive encodings,
+``ape-anchored-T0.8`` over the anchored ones, ``ape+legolink-16`` with ``kvreuse_recompute_first`` 16 too.
 
 Prints, per arm, how many answers are right, how many outputs equal the engine's own full prefill's, the share of
 prompt tokens the engine computed, and, where ``module_quality.py`` measured the same cases and arm, how many give
@@ -42,9 +43,16 @@ CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_loa
 SETTINGS = {"kvreuse": {"sparse": {"beta": float("inf")}, "modules": {"gpu_bytes": 0, "cpu_bytes": 4 << 30}}}
 
 
-LEGOLINK = {"legolink-16": 16, "legolink-32": 32}  # arm -> modules.recompute_first
-APE = {"ape-anchored-T0.8": {"temperature": 0.8, "scale": 1.0}}  # arm -> kvreuse_ape (the offline study's arm)
-SPLICED = ("naive", "anchored", *APE)  # arms whose whole run of modules must come from the cache
+APE = {"kvreuse_ape": {"temperature": 0.8, "scale": 1.0}}  # the offline study's APE setting
+# arm -> its requests' kv_transfer_params (modules.recompute_first, APE), per engine (naive, anchored encodings)
+NAIVE_ARMS = {
+    "legolink-16": {"kvreuse_recompute_first": 16},
+    "legolink-32": {"kvreuse_recompute_first": 32},
+    "ape-alone-T0.8": APE,
+}
+ANCHORED_ARMS = {"ape-anchored-T0.8": APE, "ape+legolink-16": {**APE, "kvreuse_recompute_first": 16}}
+TRANSFER = {**NAIVE_ARMS, **ANCHORED_ARMS}
+SPLICED = ("naive", "anchored", "ape-alone-T0.8", "ape-anchored-T0.8")  # the whole run of modules from the cache
 
 
 def _reference(set_name: str) -> dict[tuple[str, str], list[int]]:
@@ -67,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict] = {}
     # One engine per way of encoding the modules: the store refuses a module re-encoded under its name with
     # another start (kvreuse.errors.ModuleConflict), so anchored encodings cannot replace the naive ones in place.
-    for arms in (("full", "naive", *LEGOLINK), ("anchored", *APE)):
+    for arms in (("full", "naive", *NAIVE_ARMS), ("anchored", *ANCHORED_ARMS)):
         results.update(_run_engine(args.set, args.cases, arms, reference))
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"module_quality_vllm_{args.set}.json"
@@ -117,15 +125,12 @@ def _run_engine(
             for case, tc in zip(cases, tokenized):
                 llm.reset_prefix_cache()
                 params = full if arm == "full" else sampling
-                if arm in LEGOLINK or arm in APE:
-                    transfer = (
-                        {"kvreuse_recompute_first": LEGOLINK[arm]} if arm in LEGOLINK else {"kvreuse_ape": APE[arm]}
-                    )
+                if arm in TRANSFER:
                     params = SamplingParams(
                         max_tokens=MAX_NEW_TOKENS,
                         temperature=0.0,
                         stop_token_ids=[eos],
-                        extra_args={"kv_transfer_params": transfer},
+                        extra_args={"kv_transfer_params": TRANSFER[arm]},
                     )
                 out = llm.generate([TokensPrompt(prompt_token_ids=tc.prompt)], params, use_tqdm=False)[0]
                 tokens = list(out.outputs[0].token_ids)
