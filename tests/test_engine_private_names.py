@@ -124,6 +124,7 @@ def test_the_manifests_are_read():
         # like the fields of kvreuse's PagedBatch (after vLLM's attention metadata) and kvreuse's own positions
         "block_table",
         "device",
+        "device_type",  # vLLM's DeviceConfig field (vllm_0_32.device_type), also torch's and kvreuse's word
         "free",
         "kv_cache_manager",
         "kv_transfer_params",  # an interface name the module connector also clears when it is not an object
@@ -135,6 +136,9 @@ def test_the_manifests_are_read():
         "prefix_len",
         "query_start_loc",
         "register",
+        # the wrapper's step order of requests (InputBatch), also kvreuse's own batch's fields and callbacks' names
+        "num_reqs",
+        "req_ids",
         "req_to_token_pool",
         "server_args",
         "shutdown",

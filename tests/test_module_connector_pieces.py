@@ -77,6 +77,7 @@ def module_scheduler():
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute"),
         cache_config=SimpleNamespace(block_size=4),
         model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: hf)),
+        device_config=SimpleNamespace(device_type="cpu"),
     )
     return ModuleScheduler(config)
 

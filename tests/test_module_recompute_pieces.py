@@ -146,11 +146,12 @@ def test_the_input_wrapper_moves_a_requests_scheduled_tokens_to_their_positions_
     worker = SimpleNamespace(masks_by_position=True)
     from kvreuse.vllm.modules.worker import ModuleWorker
 
-    moves = lambda meta: ModuleWorker.recompute_moves(worker, meta)  # noqa: E731
+    moves = lambda meta, req_ids: ModuleWorker.plan_step(worker, meta, req_ids)  # noqa: E731
     vllm_0_32.remap_scheduled_tokens(moves, published.append, true_positions)
     runner = SimpleNamespace(
         input_batch=SimpleNamespace(
             req_id_to_index={"d": 0, "r": 1},
+            req_ids=["d", "r"],
             num_computed_tokens_cpu=np.array([20, 6]),
             token_ids_cpu_tensor=token_ids,
             block_table=table,

@@ -14,6 +14,8 @@ from enum import StrEnum
 from typing import Any
 
 from kvreuse import config
+from kvreuse.errors import ConfigError
+from kvreuse.sparse.ape import check_ape
 
 
 class EvictionPolicy(StrEnum):
@@ -89,6 +91,31 @@ class ModulesConfig:
         low=0,
         high=1,
     )
+
+    ape_temperature: float = config.setting(
+        1.0,
+        "engine: attention temperature of the tokens after spliced modules on the modules' keys (APE: logits "
+        'divided by it); a request may set its own with kv_transfer_params {"kvreuse_ape": {"temperature": T, '
+        '"scale": S}}; needs kvreuse\'s attention backend on CPU (1 = off)',
+    )
+    ape_scale: float = config.setting(
+        1.0,
+        "engine: factor on the attention mass the tokens after spliced modules give the modules' keys (APE: "
+        "log(scale) added to their logits; 1 = off)",
+    )
+
+    def __post_init__(self) -> None:
+        try:
+            check_ape(self.ape_temperature, self.ape_scale, "modules.ape_temperature / modules.ape_scale")
+        except ValueError as why:
+            raise ConfigError(
+                f"{why} ({config.env_name('modules', 'ape_temperature')}, {config.env_name('modules', 'ape_scale')})"
+            ) from None
+
+    @property
+    def ape(self) -> tuple[float, float]:
+        """(ape_temperature, ape_scale)."""
+        return (self.ape_temperature, self.ape_scale)
 
     @classmethod
     def load(cls, flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> ModulesConfig:

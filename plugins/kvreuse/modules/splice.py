@@ -76,6 +76,25 @@ def plan_splice(
     return pieces
 
 
+def run_start(matches: Sequence[ModuleMatch], position: int, available: Callable[[Hashable], bool]) -> int:
+    """Where the unbroken run of available modules that holds ``position`` (or ends there and goes on) starts: the
+    run :func:`plan_splice` covers from ``position`` on, taken back to its first module, so that what a request's
+    modules are does not depend on where an engine's prefix hit ended inside them. ``position`` itself where no
+    such run holds it (free text)."""
+    chain: int | None = None  # start of the current run of adjacent available modules
+    end = -1
+    for match in matches:
+        if match.start > position:
+            break
+        if not available(match.name):
+            chain = None
+            continue
+        if chain is None or match.start != end:
+            chain = match.start
+        end = match.end
+    return chain if chain is not None and end >= position else position
+
+
 def first_tokens(pieces: Sequence[Piece], k: int) -> tuple[int, ...]:
     """Prompt positions of the pieces' tokens that are among the first ``k`` tokens of their module, ascending: the
     tokens LegoLink recomputes (Hu et al. 2024, "EPIC: Efficient Position-Independent Context Caching", section 4).

@@ -16,7 +16,9 @@ for the whole batch:
   attention over its cached context and its new tokens;
 - a request with one new token (decode) gets DIPR if the policy makes the layer sparse (``dense_layers`` and
   ``layer_betas``) and the sequence is at least ``min_context`` tokens long; its beta may be ``inf``, which DIPR
-  computes as exact dense attention. Otherwise it gets the dense path.
+  computes as exact dense attention. Otherwise it gets the dense path;
+- a request whose batch entry carries APE spans (modules spliced with APE, ``kvreuse.sparse.ape``) is dense in
+  every layer, prefill and decode, through ``ape_attend`` in PyTorch (the kernels know no APE bias).
 
 On CUDA, everything runs the Triton launchers: ``PagedKVWrite`` and ``KeySketchWrite`` for the write,
 ``PagedCausalAttention`` for all the batch's dense requests in one launch per layer, ``DIPRDecode`` for the DIPR
@@ -40,6 +42,7 @@ import torch
 
 from kvreuse.errors import check_kernel_argument as _check
 from kvreuse.sparse import cpu_attention
+from kvreuse.sparse.ape import ApeSpans, ape_attend
 from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.figures import AttendedFractions, sample_recovery, should_sample
 from kvreuse.sparse.policy import INF, RuleBasedPolicy
@@ -68,6 +71,9 @@ class PagedBatch:
     # Where given (module recompute moved some tokens of the step), each token's position in its sequence; dense
     # attention then masks by position instead of by order.
     query_positions: torch.Tensor | None = None
+    # Where given (modules spliced with APE), per request of the batch its module spans, None for a request
+    # without; such a request attends with APE (``kvreuse.sparse.ape``), densely, in PyTorch.
+    ape: tuple[ApeSpans | None, ...] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -92,13 +98,14 @@ class SubBatch:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """How one step's batch splits in a layer: dense requests, DIPR decodes, and the number, blocks and tokens of
-    the decodes kept dense (for the figures)."""
+    """How one step's batch splits in a layer: dense requests, DIPR decodes, requests with APE (dense, prefill and
+    decode alike), and the number, blocks and tokens of the decodes kept dense (for the figures)."""
 
     dense: SubBatch | None
     dipr: SubBatch | None
     dense_decodes: tuple[int, int, int]
     under_min_context: int = 0  # the longest context of a decode kept dense only for being under min_context
+    ape: SubBatch | None = None
 
 
 def gather(batch: PagedBatch, reqs: list[int], max_query_len: int) -> SubBatch:
@@ -122,20 +129,23 @@ def gather(batch: PagedBatch, reqs: list[int], max_query_len: int) -> SubBatch:
 def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_size: int) -> StepPlan:
     """Split ``batch`` as the policy decides for a layer: in a sparse layer (``dense_layer`` false) a request with
     one new token and at least ``min_context`` tokens in all is a DIPR decode; every other request with new tokens
-    is dense. Reads only the batch's host copies."""
+    is dense. A request with APE spans is always dense, on its own path (DIPR's selection knows no APE bias).
+    Reads only the batch's host copies."""
     starts = batch.query_start_loc_cpu.tolist()
     lens = batch.seq_lens_cpu.tolist()
     dense_reqs: list[int] = []
     dipr_reqs: list[int] = []
+    ape_reqs: list[int] = []
     dense_count = dense_blocks = dense_tokens = under_min_context = 0
     for req in range(batch.num_reqs):
         new_tokens = starts[req + 1] - starts[req]
         if new_tokens <= 0:
             continue
-        if new_tokens == 1 and not dense_layer and lens[req] >= min_context:
+        with_ape = batch.ape is not None and batch.ape[req] is not None
+        if new_tokens == 1 and not dense_layer and lens[req] >= min_context and not with_ape:
             dipr_reqs.append(req)
             continue
-        dense_reqs.append(req)
+        (ape_reqs if with_ape else dense_reqs).append(req)
         if new_tokens == 1:
             if not dense_layer:
                 under_min_context = max(under_min_context, lens[req])
@@ -148,6 +158,7 @@ def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_si
         dipr=gather(batch, dipr_reqs, 1) if dipr_reqs else None,
         dense_decodes=(dense_count, dense_blocks, dense_tokens),
         under_min_context=under_min_context,
+        ape=gather(batch, ape_reqs, max(starts[r + 1] - starts[r] for r in ape_reqs)) if ape_reqs else None,
     )
 
 
@@ -251,6 +262,9 @@ class SparseAttention:
             self._dense(query, key_cache, value_cache, plan.dense, out, batch.query_positions)
         if plan.dipr is not None:
             self._dipr_decode(layer, query, key_cache, value_cache, sketch, plan.dipr, batch.max_seq_len, out)
+        if plan.ape is not None:
+            assert batch.ape is not None
+            self._ape(query, key_cache, value_cache, plan.ape, out, batch.query_positions, batch.ape)
         return out
 
     def _plan(self, batch: PagedBatch, dense_layer: bool) -> StepPlan:
@@ -328,6 +342,31 @@ class SparseAttention:
             keys = cpu_attention.sequence_tokens(key_cache, blocks, length)
             values = cpu_attention.sequence_tokens(value_cache, blocks, length)
             result = cpu_attention.dense_at(query[first:last], keys, values, where.to(query.device), self.scale)
+            out[first:last] = result.to(out.dtype)
+
+    def _ape(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        sub: SubBatch,
+        out: torch.Tensor,
+        positions: torch.Tensor | None,
+        spans: tuple[ApeSpans | None, ...],
+    ) -> None:
+        """Attention of the requests with APE spans (prefill, chunked prefill, decode) into their rows, in
+        PyTorch on any device: each token at its position (``positions``, else in order after the cached ones)."""
+        for i, (first, last, seq_len) in enumerate(
+            zip(sub.query_starts.tolist(), sub.query_ends.tolist(), sub.seq_lens.tolist())
+        ):
+            where = positions[first:last] if positions is not None else torch.arange(seq_len - (last - first), seq_len)
+            length = max(seq_len, int(where.max()) + 1)
+            blocks = sub.block_table[i, : -(-length // self.block_size)]
+            keys = cpu_attention.sequence_tokens(key_cache, blocks, length)
+            values = cpu_attention.sequence_tokens(value_cache, blocks, length)
+            request_spans = spans[sub.reqs[i]]
+            assert request_spans is not None
+            result = ape_attend(query[first:last], keys, values, where, request_spans, self.scale)
             out[first:last] = result.to(out.dtype)
 
     def _dipr_decode(

@@ -29,6 +29,7 @@ from kvreuse.sparse.paged import SparseAttention
 if TYPE_CHECKING:
     import torch
 
+    from kvreuse.sparse.ape import ApeSpans
     from kvreuse.vllm.modules.worker import ModuleWorker
 
 
@@ -42,6 +43,9 @@ class ProcessRuntime:
     # This step's token positions when module recompute moved some (host int64, one per scheduled token), else
     # None: set by the module connector's input wrapper, read by the sparse backend's metadata builder.
     step_positions: torch.Tensor | None = None
+    # This step's APE per request in batch order (None for a request without), or None when no request of the step
+    # has APE: set by the module connector's input wrapper, read by the sparse backend's metadata builder.
+    step_ape: tuple[ApeSpans | None, ...] | None = None
 
     def sparse_attention_for(self, owner: object, build: Callable[[], SparseAttention]) -> SparseAttention:
         """The process's sparse attention for the engine configured by ``owner``, built by the engine's first

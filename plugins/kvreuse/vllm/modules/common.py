@@ -17,6 +17,7 @@ from kvreuse.modules.namespace import GLOBAL
 from kvreuse.modules.splice import Piece
 from kvreuse.modules.store import ModuleKey
 from kvreuse.modules.writes import WRITE_PROOF, check_module_name, proven
+from kvreuse.sparse.ape import ApeSpans, check_ape
 
 # The keys of an encode request's kv_transfer_params (and WRITE_PROOF, which the guard or the offline API adds).
 ENCODE_MODULE = "kvreuse_module"
@@ -25,6 +26,7 @@ ENCODE_REPLACE = "kvreuse_replace"  # an explicit replacement of the module stor
 ENCODE_PROBE = "kvreuse_probe"  # the module's tokens after a probe context: rank the stored entry's, store nothing
 RECOMPUTE_FIRST = "kvreuse_recompute_first"  # a request's own modules.recompute_first
 RECOMPUTE_SHARE = "kvreuse_recompute_share"  # a request's own modules.recompute_share
+APE = "kvreuse_ape"  # a request's own modules.ape_temperature / ape_scale: {"temperature": T, "scale": S}
 
 
 def encode_params(name: str, context_tokens: int = 0, *, replace: bool = False, probe: bool = False) -> dict[str, Any]:
@@ -78,6 +80,26 @@ def recompute_share(params: object, default: float) -> float:
             f"{RECOMPUTE_SHARE} must be a number from 0 to 1 (share of each module's tokens), got {repr(value)[:32]}"
         )
     return float(value)
+
+
+def ape_setting(params: object, default: tuple[float, float]) -> tuple[float, float]:
+    """The (temperature, scale) of APE a request's later tokens attend to its spliced modules with: its
+    ``kv_transfer_params``' :data:`APE` (either key may be left out: 1), else ``default`` (``modules.ape_temperature``,
+    ``modules.ape_scale``); ``(1.0, 1.0)`` is off.
+
+    Raises :class:`ModuleRegistrationError` for a value that is not an object of finite positive numbers.
+    """
+    if not isinstance(params, Mapping) or APE not in params:
+        return default
+    value = params[APE]
+    if not isinstance(value, Mapping) or not set(value) <= {"temperature", "scale"}:
+        raise ModuleRegistrationError(
+            f'{APE} must be an object {{"temperature": T, "scale": S}} (each > 0, 1 = off), got {repr(value)[:48]}'
+        )
+    try:
+        return check_ape(value.get("temperature", 1.0), value.get("scale", 1.0), APE)
+    except ValueError as why:
+        raise ModuleRegistrationError(str(why)) from None
 
 
 @dataclass(frozen=True)
@@ -168,6 +190,8 @@ class ModuleCacheMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     prefetch: list[ModuleKey] = field(default_factory=list)  # modules waiting requests will load, in order
+    # Scheduled requests whose later tokens attend to their spliced modules with APE (every step until they finish).
+    ape: dict[str, ApeSpans] = field(default_factory=dict)
 
 
 @dataclass

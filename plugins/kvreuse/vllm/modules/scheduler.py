@@ -26,6 +26,11 @@ computes them again: a replaced or dropped entry's blocks are never matched agai
 If the folded hashes are in the cache beyond vLLM's hit, the scheduler side answers "ask again" (``None``) once, so
 vLLM looks the request up with them: identical prompts still share their spliced blocks. A request whose folded
 entries left the store while it waited is folded again the same way.
+
+APE (``modules.ape_temperature`` / ``ape_scale``, ``kvreuse_ape`` per request) changes how the tokens after a
+request's spliced modules attend to them, not the modules' KV: the scheduler side sends the modules' spans of every
+scheduled request with APE in each step's metadata (whether its modules were loaded or found in vLLM's prefix
+cache), and folds APE's setting into the hash of the block where the modules end (``_fold``).
 """
 
 from __future__ import annotations
@@ -33,12 +38,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from kvreuse.config import TRUE_WORDS
 from kvreuse.errors import ConfigError, ModuleRegistrationError, UnsupportedPositionalEncoding
 from kvreuse.kernels.rerotate import rope_spec_from_hf_config
 from kvreuse.modules.blend import ranking
@@ -51,6 +58,7 @@ from kvreuse.modules.splice import (
     first_tokens,
     merge_positions,
     plan_splice,
+    run_start,
     skipped_modules,
     token_slots,
 )
@@ -58,19 +66,22 @@ from kvreuse.modules.store import ModuleKey, context_fingerprint
 from kvreuse.modules.trie import ModuleMatch, ModuleTrie
 from kvreuse.modules.writes import engine_write_keys
 from kvreuse.patches import vllm_0_32
+from kvreuse.sparse.ape import OFF, ApeSpans
 from kvreuse.vllm.modules.common import (
+    APE,
     LoadSpec,
     ModuleCacheMetadata,
     ModuleCacheWorkerMeta,
     ModuleWrite,
     SaveSpec,
+    ape_setting,
     encode_request,
     marks_encode,
     recompute_first,
     recompute_share,
     write_allowed,
 )
-from kvreuse.vllm.names import ConnectorName
+from kvreuse.vllm.names import SPARSE_CPU_SWITCH, ConnectorName
 from kvreuse.vllm.settings import kvreuse_flags
 
 if TYPE_CHECKING:
@@ -93,7 +104,8 @@ class WriteRefusal(StrEnum):
 class _Look:
     """What the scheduler found in a waiting request's prompt, and the entries folded into its block hashes from
     block ``first_block`` on, with the tokens per module it recomputes (``recompute_first``; ``recompute_share``
-    of each module's ``rankings``, as they were when folded; folded too)."""
+    of each module's ``rankings``, as they were when folded; folded too) and the modules its later tokens attend to
+    with APE (its setting folded into the first block after them)."""
 
     matches: list[ModuleMatch]
     first_block: int
@@ -101,6 +113,7 @@ class _Look:
     recompute_first: int = 0
     recompute_share: float = 0.0
     rankings: Mapping[Hashable, tuple[int, ...]] = field(default_factory=dict)  # by ModuleKey
+    ape: ApeSpans | None = None  # the spliced run's modules and APE's setting, where APE is on
 
     def recompute(self, pieces: Sequence[Piece]) -> tuple[int, ...]:
         """Prompt positions of ``pieces`` to recompute: LegoLink's first tokens and the encode-time choice."""
@@ -156,6 +169,14 @@ class ModuleScheduler:
         self._plans: dict[str, _Plan] = {}  # asked about, not yet allocated
         self._loads: list[LoadSpec] = []  # allocated, for the next step's metadata
         self._prompt_lens: dict[str, int] = {}  # requests of self._loads that recompute: their prompt's length
+        self._ape: dict[str, ApeSpans] = {}  # requests whose later tokens attend to their modules with APE
+        # APE is applied by kvreuse's attention backend in PyTorch; the Triton kernels (CUDA) know no APE bias.
+        self.applies_ape = applies_ape(vllm_config)
+        if self.config.ape != OFF and not self.applies_ape:
+            raise ConfigError(
+                f"modules.ape_temperature / modules.ape_scale ({self.config.ape}) need kvreuse's attention backend "
+                f"over vLLM's CPU build ({SPARSE_CPU_SWITCH}=1); this engine {NO_APE}"
+            )
         self._writes: dict[str, ModuleWrite | None] = {}  # encode requests asked about: the write, None if refused
         self._encodes: dict[str, tuple[ModuleWrite, tuple[int, ...]]] = {}  # req id -> write, prompt
         self.skipped: Counter[str] = Counter()  # modules found but not spliced, by reason (since take_stats)
@@ -182,6 +203,10 @@ class ModuleScheduler:
             self._plans.pop(rid, None)
             return 0
         look = self._looks.get(rid)
+        ape = self._ape_setting(request) if look is None else OFF
+        if ape != OFF and not self.applies_ape:
+            self._plans.pop(rid, None)
+            return 0  # refused (logged by _ape_setting): computed in full, never spliced without the asked APE
         if not self.enabled or (look is None and not self.available):
             self._plans.pop(rid, None)
             return 0
@@ -191,9 +216,16 @@ class ModuleScheduler:
         if look is None or stale or hit_block < look.first_block:
             matches = look.matches if look is not None and not stale else self._find(request, prompt)
             first_block = hit_block if look is None else min(hit_block, look.first_block)
+            if look is not None:
+                ape = (look.ape.temperature, look.ape.scale) if look.ape is not None else self._ape_setting(request)
+            stop = min(len(prompt), request.num_tokens) - 1
             look = self._looks[rid] = self._fold(
-                request, matches, first_block, self._recompute_first(request), self._recompute_share(request)
+                request, matches, first_block, self._recompute_first(request), self._recompute_share(request), ape, stop
             )
+            if look.ape is not None:
+                self._ape[rid] = look.ape
+            else:
+                self._ape.pop(rid, None)
             if look.folded and (
                 num_computed_tokens > first_block * self.block_size  # vLLM's hit used hashes just changed
                 or vllm_0_32.prefix_cache_hit(self.kv_cache_manager, request) > num_computed_tokens
@@ -239,6 +271,8 @@ class ModuleScheduler:
     def build_metadata(self, scheduler_output: SchedulerOutput) -> ModuleCacheMetadata:
         loads = [self._whole_or_plain(spec, scheduler_output) for spec in self._loads]
         meta = ModuleCacheMetadata(loads=loads, saves=self._saves(scheduler_output))
+        scheduled = scheduler_output.num_scheduled_tokens
+        meta.ape = {rid: spans for rid, spans in self._ape.items() if rid in scheduled}
         self._loads = []
         self._prompt_lens.clear()
         seen: set[ModuleKey] = set()
@@ -332,7 +366,7 @@ class ModuleScheduler:
         return stats
 
     def finished(self, request_id: str) -> None:
-        for state in (self._looks, self._plans, self._writes, self._encodes, self._prompt_lens):
+        for state in (self._looks, self._plans, self._writes, self._encodes, self._prompt_lens, self._ape):
             state.pop(request_id, None)
         self._counted.discard(request_id)
 
@@ -376,18 +410,62 @@ class ModuleScheduler:
                 )
         return found
 
+    def _ape_setting(self, request: Request) -> tuple[float, float]:
+        """APE's (temperature, scale) for ``request``: its own setting, else (also where its own is malformed,
+        logged) the engine's. A setting other than ``OFF`` on an engine that cannot apply APE is logged as an error
+        (the caller then splices nothing into the request)."""
+        try:
+            ape = ape_setting(request.kv_transfer_params, self.config.ape)
+        except ModuleRegistrationError as why:
+            logger.error(
+                "kvreuse: request %s splices with modules.ape_temperature / ape_scale: %s", request.request_id, why
+            )
+            ape = self.config.ape
+        if ape != OFF and not self.applies_ape:
+            logger.error(
+                "kvreuse: request %s asks for APE (%s %s) but this engine %s; its modules are not spliced (the "
+                "prompt is computed in full)",
+                request.request_id,
+                APE,
+                ape,
+                NO_APE,
+            )
+        return ape
+
     def _fold(
-        self, request: Request, matches: list[ModuleMatch], first_block: int, recompute: int, share: float = 0.0
+        self,
+        request: Request,
+        matches: list[ModuleMatch],
+        first_block: int,
+        recompute: int,
+        share: float = 0.0,
+        ape: tuple[float, float] = OFF,
+        stop: int = 0,
     ) -> _Look:
         """Fold the entries of ``matches`` into the request's block hashes from ``first_block`` on (module doc),
         and ``recompute`` and ``share`` where they are not 0 (with the ranking of each module in the block):
         blocks whose spliced KV was partly recomputed differ from those of a plain splice or of another choice,
-        so none may be given for another."""
+        so none may be given for another.
+
+        With APE on, the modules it applies to are the run the request splices from ``first_block`` (vLLM's hit
+        before the fold: the computed prefix) to ``stop``, taken back to the run's first module (``run_start``),
+        less a module at the prompt's start (nothing precedes it, so its KV is a prefill's: APE's shared prefix).
+        APE changes no module's KV, only that of the tokens after the run, so APE's setting (and the spans) is
+        folded into the block holding the first of them: blocks of module tokens alone stay shared with plain
+        splices, and every block from there on (its hash chains) is told apart from a plain splice's and another
+        setting's."""
         rankings = self._rankings(request, matches, share)
+        spans = None
+        if ape != OFF:
+            available = self.available.__contains__
+            start = run_start(matches, first_block * self.block_size, available)
+            run = plan_splice(matches, start, stop, available)
+            ranges = tuple((p.prompt_start, p.prompt_end) for p in run if not (p.prompt_start == 0 and p.offset == 0))
+            spans = ApeSpans(ranges, *ape) if ranges else None
         manager = self.kv_cache_manager
         if manager is None or not vllm_0_32.caches_prefixes(manager):
             # nothing is cached: no block to tell apart
-            return _Look(matches, first_block, frozenset(), recompute, share, rankings)
+            return _Look(matches, first_block, frozenset(), recompute, share, rankings, spans)
         stored = [match for match in matches if match.name in self.available]
         num_blocks = request.num_tokens // self.block_size
         blocks = block_modules(stored, self.block_size, first_block, num_blocks)
@@ -400,6 +478,9 @@ class ModuleScheduler:
             + tuple(_ranking_digest(rankings[key]) for key in names if share and key in rankings)
             for block, names in blocks.items()
         }
+        if spans is not None and spans.after // self.block_size < num_blocks:
+            after = spans.after // self.block_size
+            keys[after] = (*keys.get(after, ()), f"ape={spans.temperature!r},{spans.scale!r},{spans.ranges!r}")
         if keys and not vllm_0_32.fold_into_block_hashes(self.vllm_config, manager, request, first_block, keys):
             logger.warning(
                 "kvreuse: request %s: this engine's prefix-cache hashes cannot name module entries (hybrid "
@@ -408,7 +489,7 @@ class ModuleScheduler:
             )
             return _Look([], first_block, frozenset(), recompute, share)
         folded = frozenset(key for names in blocks.values() for key in names)
-        return _Look(matches, first_block, folded, recompute, share, rankings)
+        return _Look(matches, first_block, folded, recompute, share, rankings, spans)
 
     def _count_skipped(
         self,
@@ -459,6 +540,17 @@ class ModuleScheduler:
 def _ranking_digest(order: Sequence[int]) -> str:
     """A short name of a module's ranking (a module probed again ranks its tokens anew under the same entry)."""
     return "ranking=" + hashlib.sha256(json.dumps(list(order)).encode()).hexdigest()[:16]
+
+
+NO_APE = (
+    f"runs another attention than kvreuse's backend over vLLM's CPU build ({SPARSE_CPU_SWITCH}=1), whose Triton "
+    "kernels (CUDA) and vLLM's own backends know no APE bias"
+)
+
+
+def applies_ape(vllm_config: VllmConfig) -> bool:
+    """Whether this engine's attention applies APE: kvreuse's backend in place of CPU_ATTN on vLLM's CPU build."""
+    return vllm_0_32.device_type(vllm_config) == "cpu" and os.environ.get(SPARSE_CPU_SWITCH, "").lower() in TRUE_WORDS
 
 
 def _first(pieces: list[Piece], tokens: int, rid: str) -> list[Piece]:

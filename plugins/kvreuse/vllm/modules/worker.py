@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -125,7 +126,7 @@ class ModuleWorker:
                 )
         # kvreuse's backend names itself CUSTOM (SparseAttentionBackend.get_name), also where it replaces CPU_ATTN.
         self.masks_by_position = all(backends[name] == "CUSTOM" for name in self.layers)
-        vllm_0_32.remap_scheduled_tokens(self.recompute_moves, _publish_positions, true_positions)
+        vllm_0_32.remap_scheduled_tokens(self.plan_step, _publish_positions, true_positions)
         first = kv_caches[self.layers[0]]
         try:
             self.spec = check_rerotation(
@@ -149,11 +150,22 @@ class ModuleWorker:
             self._load_request(spec, forward_context)
         self.figures.load_s += time.perf_counter() - started
 
-    def recompute_moves(self, meta: object) -> dict[str, tuple[int, tuple[int, ...]]]:
-        """Per request of this step that recomputes tokens inside its spliced run: where vLLM's scheduled tokens
-        start and the positions they stand for (what ``vllm_0_32.remap_scheduled_tokens`` moves)."""
+    def plan_step(self, meta: object, req_ids: Sequence[str]) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Called with a step's inputs (``vllm_0_32.remap_scheduled_tokens``), its requests in batch order: hands
+        the attention backend the APE spans of those with APE (``runtime().step_ape``), and returns per request
+        that recomputes tokens inside its spliced run where vLLM's scheduled tokens start and the positions they
+        stand for (what the wrapper moves)."""
+        runtime().step_ape = None
         if not isinstance(meta, ModuleCacheMetadata) or not self.masks_by_position:
+            if isinstance(meta, ModuleCacheMetadata) and meta.ape:
+                logger.error(
+                    "kvreuse: requests %s ask for APE, which needs kvreuse's attention backend in every layer; "
+                    "they attend without it",
+                    sorted(meta.ape),
+                )
             return {}
+        if meta.ape:
+            runtime().step_ape = tuple(meta.ape.get(rid) for rid in req_ids)
         return {spec.req_id: (spec.start, spec.recompute) for spec in meta.loads if spec.recompute}
 
     def _load_request(self, spec: LoadSpec, forward_context: ForwardContext) -> None:

@@ -40,6 +40,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from kvreuse.errors import ConfigError
 from kvreuse.kernels.key_sketch import KeySketch
 from kvreuse.patches import vllm_0_32
+from kvreuse.sparse.ape import ApeSpans
 from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.paged import PagedBatch, SparseAttention
 from kvreuse.vllm.names import SPARSE_CPU_SWITCH
@@ -218,6 +219,7 @@ class SparseAttentionMetadataBuilder(AttentionMetadataBuilder[SparseAttentionMet
                 num_actual_tokens=m.num_actual_tokens,
                 max_seq_len=m.max_seq_len,
                 query_positions=step_positions(m.num_actual_tokens),
+                ape=step_ape(m.num_reqs),
             )
         )
 
@@ -228,6 +230,13 @@ def step_positions(num_tokens: int) -> torch.Tensor | None:
     another step's."""
     positions = runtime().step_positions
     return positions if positions is not None and len(positions) == num_tokens else None
+
+
+def step_ape(num_reqs: int) -> tuple[ApeSpans | None, ...] | None:
+    """The APE spans the module connector gave this step's requests (modules spliced with APE), if any; checked
+    against the step's request count, as ``step_positions`` is."""
+    spans = runtime().step_ape
+    return spans if spans is not None and len(spans) == num_reqs else None
 
 
 class SparseAttentionImpl(AttentionImpl[SparseAttentionMetadata]):
