@@ -44,8 +44,10 @@ def test_a_request_sets_its_own_recompute_first_and_bad_values_name_the_problem(
             recompute_first({"kvreuse_recompute_first": bad}, 0)
 
 
-def _splice_request(k, rid="r"):
-    scheduler = module_scheduler()  # block size 4
+def _splice_request(k, rid="r", **engine):
+    """Modules a (6 tokens) and b (4) then a 2-token question; ``k``: the request's own recompute_first (``None``:
+    none); ``engine``: the engine's modules settings."""
+    scheduler = module_scheduler(**engine)  # block size 4
     a, b = ModuleKey("a", 1), ModuleKey("b", 2)
     scheduler.trie.add(a, (1, 2, 3, 4, 5, 6))
     scheduler.trie.add(b, (7, 8, 9, 10))
@@ -77,12 +79,25 @@ def test_the_scheduler_offers_the_run_less_the_recomputed_tokens_and_loads_all_o
 
 
 def test_recompute_0_plans_exactly_todays_splice():
-    for k in (None, 0):
-        scheduler, request = _splice_request(k)
+    # A request's own 0 under the engine's default, and a request without its own under an engine set to 0.
+    for k, engine in ((0, {}), (None, {"recompute_first": 0})):
+        scheduler, request = _splice_request(k, **engine)
         assert scheduler.matched_tokens(request, 0) == 10
         scheduler.allocated(request, [5, 6, 7], 10)
         (load,) = scheduler.build_metadata(_step("r", 2)).loads
         assert load.recompute == () and load.start == 0 and sum(p.length for p in load.pieces) == 10
+
+
+def test_a_request_without_its_own_recompute_first_takes_the_engines():
+    from kvreuse.modules.config import ModulesConfig
+
+    default = ModulesConfig.load({}, {}).recompute_first
+    assert default == 16  # LegoLink's first 16 tokens: the README's best measured point
+    scheduler, request = _splice_request(None)
+    assert scheduler.matched_tokens(request, 0) == 10 - min(6, default) - min(4, default)  # 0: all recomputed
+    scheduler, request = _splice_request(None, recompute_first=2)
+    assert scheduler.matched_tokens(request, 0) == 10 - 4
+    assert scheduler._plans["r"].recompute == (0, 1, 6, 7)
 
 
 def test_a_chunked_or_shortened_recompute_falls_back_to_loading_the_runs_first_tokens():
