@@ -203,3 +203,32 @@ def test_attention_masked_by_position_is_causal_attention_in_the_tokens_order():
     order = torch.tensor([3, 0, 9, 4, 1])  # a step's tokens out of order, with gaps
     got = cpu_attention.dense_at(query[order], keys, values, order, 0.3)
     assert torch.allclose(got, causal[order], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("backend", "modules", "warned"),
+    [("FLASH_ATTN", {}, True), ("CUSTOM", {}, False), ("FLASH_ATTN", {"recompute_first": 0}, False)],
+)
+def test_the_worker_warns_at_start_when_the_default_recompute_cannot_run_on_its_backend(
+    monkeypatch, caplog, backend, modules, warned
+):
+    """``modules.recompute_first`` is on by default; under a backend that does not mask by position every splice
+    would fall back to computing its run, so the worker says so once, at start, naming the fix."""
+    from kvreuse.vllm.modules.worker import ModuleWorker
+
+    hf = {"model_type": "llama", "rope_theta": 10000.0, "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64}
+    model = SimpleNamespace(
+        model="m", revision=None, tokenizer="m", tokenizer_revision=None, hf_config=SimpleNamespace(to_dict=lambda: hf)
+    )
+    worker = ModuleWorker(SimpleNamespace(additional_config={"kvreuse": {"modules": modules}}, model_config=model))
+    monkeypatch.setattr(
+        "kvreuse.patches.vllm_0_32.attention_backend_names", lambda config, layers: dict.fromkeys(layers, backend)
+    )
+    monkeypatch.setattr("kvreuse.patches.vllm_0_32.remap_scheduled_tokens", lambda *args: None)
+    with caplog.at_level("WARNING", logger="vllm.plugins.kvreuse"):
+        worker.register({"model.layers.0.self_attn.attn": torch.zeros(2, 4, 4, 128)})
+    assert worker.masks_by_position == (backend == "CUSTOM")
+    said = [r.getMessage() for r in caplog.records if "--attention-backend CUSTOM" in r.getMessage()]
+    assert len(said) == warned
+    if warned:
+        assert "recompute_first=16" in said[0] and "FLASH_ATTN" in said[0] and "recompute_first 0" in said[0]
