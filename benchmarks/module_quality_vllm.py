@@ -53,7 +53,14 @@ from kvreuse.localmodel import local_engine_args
 
 REPO = Path(__file__).resolve().parents[1]
 CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
-SETTINGS = {"kvreuse": {"sparse": {"beta": float("inf")}, "modules": {"gpu_bytes": 0, "cpu_bytes": 4 << 30}}}
+# recompute_first 0 (the setting's default is 16): each arm recomputes only what its name says, the legolink arms
+# per request.
+SETTINGS = {
+    "kvreuse": {
+        "sparse": {"beta": float("inf")},
+        "modules": {"gpu_bytes": 0, "cpu_bytes": 4 << 30, "recompute_first": 0},
+    }
+}
 
 
 LEGOLINK = {"legolink-16": 16, "legolink-32": 32}  # arm -> modules.recompute_first

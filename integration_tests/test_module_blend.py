@@ -29,7 +29,9 @@ MAX_NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def llm(smollm2_model):
-    with module_cache_llm(smollm2_model, cpu_bytes=512 << 20) as engine:
+    # recompute_first 0, not the default 16: the reference's blend arm recomputes the chosen tokens alone (with 16,
+    # each module's first 16 would be recomputed too, the union).
+    with module_cache_llm(smollm2_model, cpu_bytes=512 << 20, recompute_first=0) as engine:
         yield engine
 
 

@@ -1,10 +1,11 @@
 """The module cache's KV connector (``KVReuseModuleCache``) in the real CPU engine, on the small model.
 
-One engine for the module: the connector on, kvreuse's attention backend over vLLM's plain layout in place of
-CPU_ATTN (``KVREUSE_SPARSE_CPU_BACKEND=1``, ``beta = inf``: dense attention, equal to the stock engine's, see
-``test_sparse_backend.py``), float32. "Connector off" for a request is vLLM's own ``skip_reading_prefix_cache``,
-which makes the scheduler ignore the connector and compute the whole prompt. The prefix cache is reset before a
-prompt whose modules must come from the connector rather than from vLLM's own prefix hits.
+One engine for the module: the connector on as a plain splice (``modules.recompute_first`` 0), kvreuse's attention
+backend over vLLM's plain layout in place of CPU_ATTN (``KVREUSE_SPARSE_CPU_BACKEND=1``, ``beta = inf``: dense
+attention, equal to the stock engine's, see ``test_sparse_backend.py``), float32. "Connector off" for a request is
+vLLM's own ``skip_reading_prefix_cache``, which makes the scheduler ignore the connector and compute the whole
+prompt. The prefix cache is reset before a prompt whose modules must come from the connector rather than from
+vLLM's own prefix hits.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def figures(llm) -> dict:
 
 @pytest.fixture(scope="module")
 def llm(small_model):
-    with module_cache_llm(small_model, cpu_bytes=64 << 20) as engine:
+    # The plain splice (recompute_first 0, not the default 16): these tests check the spliced KV against the module
+    # encoded at that position and count the tokens loaded (test_module_recompute.py covers the recompute).
+    with module_cache_llm(small_model, cpu_bytes=64 << 20, recompute_first=0) as engine:
         yield engine
 
 

@@ -4,9 +4,9 @@ mask, so recomputing every token whose spliced KV is not what a full prefill com
 answer.
 
 One engine for the module: the module connector, kvreuse's attention backend in place of CPU_ATTN (dense, ``beta =
-inf``), float32; each request picks its ``recompute_first`` with ``kv_transfer_params``. The full prefill is the same
-engine with vLLM's ``skip_reading_prefix_cache`` (the connector is not asked). The prefix cache is reset before
-every spliced request, so that its modules come from the connector.
+inf``), float32, ``modules.recompute_first`` at its default; each request picks its own with
+``kv_transfer_params``. The full prefill is the same engine with vLLM's ``skip_reading_prefix_cache`` (the connector
+is not asked). The prefix cache is reset before every spliced request, so that its modules come from the connector.
 """
 
 from __future__ import annotations
@@ -110,13 +110,26 @@ def test_a_plain_splice_of_b_is_not_the_full_prefill(llm, prompt, full):
     assert first_token_gap(full, out) > 10 * LOGPROB_TOLERANCE
 
 
-def test_recompute_first_0_is_todays_splice(llm, prompt):
-    plain = generate(llm, prompt[2])
-    zero = generate(llm, prompt[2], recompute_first=0)
-    prefix, ids, _ = prompt
-    assert plain.num_cached_tokens == zero.num_cached_tokens == len(prefix) + len(ids["A"]) + len(ids["B"])
-    assert zero.outputs[0].token_ids == plain.outputs[0].token_ids
-    assert first_token_gap(plain, zero) == 0.0
+def test_a_requests_own_recompute_first_0_is_the_plain_splice_under_the_engines_default(llm, prompt):
+    """The engine runs the setting's default (LegoLink's first 16 tokens of each module): a request without
+    kv_transfer_params recomputes them, as one that asks for the default itself does; a request's own 0 loads the
+    whole run and recomputes nothing (today's plain splice)."""
+    from kvreuse.modules.config import ModulesConfig
+
+    default = ModulesConfig.load({}, {}).recompute_first
+    assert default > 0  # else the default and the plain splice below would be the same request
+    prefix, ids, tokens = prompt
+    run = len(prefix) + len(ids["A"]) + len(ids["B"])
+    before = loaded(llm)
+    zero = generate(llm, tokens, recompute_first=0)
+    assert loaded(llm) - before == zero.num_cached_tokens == run
+    by_default = generate(llm, tokens)
+    asked = generate(llm, tokens, recompute_first=default)
+    recomputed = sum(min(len(part), default) for part in (prefix, ids["A"], ids["B"]))
+    assert by_default.num_cached_tokens == asked.num_cached_tokens == run - recomputed
+    assert by_default.outputs[0].token_ids == asked.outputs[0].token_ids
+    assert first_token_gap(by_default, asked) == 0.0
+    assert first_token_gap(zero, by_default) > 0.0  # the default's recompute changed what the question saw
 
 
 def test_recomputing_every_module_token_loads_nothing_and_is_the_full_prefill(llm, prompt, full):

@@ -28,8 +28,14 @@ SERVED = "smollm2"
 API_KEY = "client-api-key-0123"
 WRITE_KEY = "operator-module-key-0123456789"
 CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+# recompute_first 0 (not the default 16): the attacks are on spliced KV as encoded; recomputing each module's first
+# tokens would repair part of a hostile encoding, blurring the control that it changes answers, and the cached-token
+# counts below are those of the plain splice.
 ADDITIONAL = {
-    "kvreuse": {"sparse": {"beta": "inf"}, "modules": {"gpu_bytes": 0, "cpu_bytes": 16 << 20, "disk_bytes": 0}}
+    "kvreuse": {
+        "sparse": {"beta": "inf"},
+        "modules": {"gpu_bytes": 0, "cpu_bytes": 16 << 20, "disk_bytes": 0, "recompute_first": 0},
+    }
 }
 SYSTEM = (
     "<|im_start|>system\nYou are a helpful assistant for travellers. Answer questions about countries, capitals "

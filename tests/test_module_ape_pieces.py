@@ -177,7 +177,8 @@ def kvreuse_backend_on_cpu(monkeypatch):
 
 
 def _request(params, rid="r"):
-    scheduler = module_scheduler()  # block size 4, no prefix cache
+    # block size 4, no prefix cache; recompute_first 0 (its default, 16, would recompute these short modules whole)
+    scheduler = module_scheduler(recompute_first=0)
     header, a, b = ModuleKey("header", 0), ModuleKey("a", 1), ModuleKey("b", 2)
     scheduler.trie.add(header, (1, 2, 3))
     scheduler.trie.add(a, (4, 5, 6, 7, 8, 9))

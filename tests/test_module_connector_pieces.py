@@ -66,14 +66,15 @@ def test_the_special_prefix_is_what_the_tokenizer_puts_before_every_text(local_t
     assert special_prefix(PreTrainedTokenizerFast(tokenizer_object=with_bos)) == [bos]
 
 
-def module_scheduler():
+def module_scheduler(**modules):
+    """A scheduler side (block size 4) with the ``modules`` settings given (the rest at their defaults)."""
     from types import SimpleNamespace
 
     from kvreuse.vllm.modules.scheduler import ModuleScheduler
 
     hf = {"model_type": "llama", "rope_theta": 10000.0, "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64}
     config = SimpleNamespace(
-        additional_config={},
+        additional_config={"kvreuse": {"modules": modules}},
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute"),
         cache_config=SimpleNamespace(block_size=4),
         model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: hf)),
@@ -87,7 +88,7 @@ def test_modules_found_but_not_spliced_are_counted_by_reason_once_per_request(ca
 
     from kvreuse.vllm.metrics import KVReuseStats
 
-    scheduler = module_scheduler()
+    scheduler = module_scheduler(recompute_first=0)  # the plain splice: the counts below are of loaded tokens
     a, b, gone = ModuleKey("a", 1), ModuleKey("b", 2), ModuleKey("gone", 3)
     for key, ids in ((a, (1, 2, 3, 4)), (b, (5, 6, 7, 8)), (gone, (9, 9, 9, 9))):
         scheduler.trie.add(key, ids)
@@ -163,7 +164,7 @@ def test_a_proven_write_is_computed_without_reading_the_prefix_cache():
 def test_a_request_splices_global_modules_and_its_own_salts_never_another_tenants():
     from types import SimpleNamespace
 
-    scheduler = module_scheduler()
+    scheduler = module_scheduler(recompute_first=0)  # the plain splice: the counts below are of loaded tokens
     shared, mine = ModuleKey("shared", 1), ModuleKey("mine", 2, namespace="tenant-a")
     scheduler.trie.add(shared, (1, 2, 3, 4), namespace="")
     scheduler.trie.add(mine, (5, 6, 7, 8), namespace="tenant-a")

@@ -44,8 +44,10 @@ def test_a_request_sets_its_own_recompute_first_and_bad_values_name_the_problem(
             recompute_first({"kvreuse_recompute_first": bad}, 0)
 
 
-def _splice_request(k, rid="r"):
-    scheduler = module_scheduler()  # block size 4
+def _splice_request(k, rid="r", **engine):
+    """Modules a (6 tokens) and b (4) then a 2-token question; ``k``: the request's own recompute_first (``None``:
+    none); ``engine``: the engine's modules settings."""
+    scheduler = module_scheduler(**engine)  # block size 4
     a, b = ModuleKey("a", 1), ModuleKey("b", 2)
     scheduler.trie.add(a, (1, 2, 3, 4, 5, 6))
     scheduler.trie.add(b, (7, 8, 9, 10))
@@ -77,12 +79,25 @@ def test_the_scheduler_offers_the_run_less_the_recomputed_tokens_and_loads_all_o
 
 
 def test_recompute_0_plans_exactly_todays_splice():
-    for k in (None, 0):
-        scheduler, request = _splice_request(k)
+    # A request's own 0 under the engine's default, and a request without its own under an engine set to 0.
+    for k, engine in ((0, {}), (None, {"recompute_first": 0})):
+        scheduler, request = _splice_request(k, **engine)
         assert scheduler.matched_tokens(request, 0) == 10
         scheduler.allocated(request, [5, 6, 7], 10)
         (load,) = scheduler.build_metadata(_step("r", 2)).loads
         assert load.recompute == () and load.start == 0 and sum(p.length for p in load.pieces) == 10
+
+
+def test_a_request_without_its_own_recompute_first_takes_the_engines():
+    from kvreuse.modules.config import ModulesConfig
+
+    default = ModulesConfig.load({}, {}).recompute_first
+    assert default == 16  # LegoLink's first 16 tokens: the README's best measured point
+    scheduler, request = _splice_request(None)
+    assert scheduler.matched_tokens(request, 0) == 10 - min(6, default) - min(4, default)  # 0: all recomputed
+    scheduler, request = _splice_request(None, recompute_first=2)
+    assert scheduler.matched_tokens(request, 0) == 10 - 4
+    assert scheduler._plans["r"].recompute == (0, 1, 6, 7)
 
 
 def test_a_chunked_or_shortened_recompute_falls_back_to_loading_the_runs_first_tokens():
@@ -189,3 +204,32 @@ def test_attention_masked_by_position_is_causal_attention_in_the_tokens_order():
     order = torch.tensor([3, 0, 9, 4, 1])  # a step's tokens out of order, with gaps
     got = cpu_attention.dense_at(query[order], keys, values, order, 0.3)
     assert torch.allclose(got, causal[order], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("backend", "modules", "warned"),
+    [("FLASH_ATTN", {}, True), ("CUSTOM", {}, False), ("FLASH_ATTN", {"recompute_first": 0}, False)],
+)
+def test_the_worker_warns_at_start_when_the_default_recompute_cannot_run_on_its_backend(
+    monkeypatch, caplog, backend, modules, warned
+):
+    """``modules.recompute_first`` is on by default; under a backend that does not mask by position every splice
+    would fall back to computing its run, so the worker says so once, at start, naming the fix."""
+    from kvreuse.vllm.modules.worker import ModuleWorker
+
+    hf = {"model_type": "llama", "rope_theta": 10000.0, "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64}
+    model = SimpleNamespace(
+        model="m", revision=None, tokenizer="m", tokenizer_revision=None, hf_config=SimpleNamespace(to_dict=lambda: hf)
+    )
+    worker = ModuleWorker(SimpleNamespace(additional_config={"kvreuse": {"modules": modules}}, model_config=model))
+    monkeypatch.setattr(
+        "kvreuse.patches.vllm_0_32.attention_backend_names", lambda config, layers: dict.fromkeys(layers, backend)
+    )
+    monkeypatch.setattr("kvreuse.patches.vllm_0_32.remap_scheduled_tokens", lambda *args: None)
+    with caplog.at_level("WARNING", logger="vllm.plugins.kvreuse"):
+        worker.register({"model.layers.0.self_attn.attn": torch.zeros(2, 4, 4, 128)})
+    assert worker.masks_by_position == (backend == "CUSTOM")
+    said = [r.getMessage() for r in caplog.records if "--attention-backend CUSTOM" in r.getMessage()]
+    assert len(said) == warned
+    if warned:
+        assert "recompute_first=16" in said[0] and "FLASH_ATTN" in said[0] and "recompute_first 0" in said[0]

@@ -104,7 +104,7 @@ def test_tensor_parallel_scores_add_up():
 
 
 def _blend_request(params, ranked=True, rid="r"):
-    scheduler = module_scheduler()  # block size 4
+    scheduler = module_scheduler(recompute_first=0)  # block size 4; the share alone unless a request asks for both
     a, b = ModuleKey("a", 1), ModuleKey("b", 2)
     scheduler.worker_reported(ModuleCacheWorkerMeta(stored={a: (1, 2, 3, 4, 5, 6), b: (7, 8, 9, 10)}))
     if ranked:  # a's token 4 deviates most, then 2; b's token 3

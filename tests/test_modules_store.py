@@ -399,5 +399,7 @@ def test_every_modules_setting_is_documented():
         "modules.index_bytes",
         "modules.recompute_first",
         "modules.recompute_share",
+        "modules.ape_temperature",
+        "modules.ape_scale",
     ]
     assert all(doc for *_, doc in rows)

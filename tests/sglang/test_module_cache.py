@@ -182,6 +182,13 @@ def test_the_factory_builds_the_cache_from_sglangs_build_context(tmp_path, monke
     assert cache.rope.head_dim == 64 and cache.store.tiers == ("cpu",)
 
 
+def test_the_factory_says_once_that_selective_recompute_does_not_apply(caplog):
+    with caplog.at_level("INFO", logger="sglang.plugins.kvreuse.module_cache"):
+        create_module_radix_cache(build_context())
+    said = [r.getMessage() for r in caplog.records if "do not apply in SGLang" in r.getMessage()]
+    assert len(said) == 1 and "recompute_first (16)" in said[0]
+
+
 def test_the_factory_refuses_the_sparse_attention_backend():
     ctx = build_context()
     ctx.server_args.attention_backend = "kvreuse_sparse"

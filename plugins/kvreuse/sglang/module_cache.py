@@ -22,7 +22,9 @@ the KV to the attention backend (the slots are written directly, so the module c
 ``--attention-backend kvreuse_sparse``, whose key sketch would miss them), or splice from HiCache's storage tier
 (its look-ups are chained page hashes that stop at the first gap, so only prefixes are found).
 
-Settings: ``KVREUSE_MODULES_*`` (``ModulesConfig``, the store's tiers) and ``KVREUSE_SGLANG_MODULES_FILE``.
+Settings: ``KVREUSE_MODULES_*`` (``ModulesConfig``, the store's tiers) and ``KVREUSE_SGLANG_MODULES_FILE``. The
+selective-recompute settings (``modules.recompute_first``, on by default, and ``modules.recompute_share``) are
+vLLM's alone: SGLang's module cache recomputes no spliced token, and says so once in its log.
 """
 
 from __future__ import annotations
@@ -191,8 +193,17 @@ def create_module_radix_cache(ctx: Any) -> ModuleRadixCache:
     rope = check_rerotation(rope_spec_from_hf_config(hf_config.to_dict()))
     settings = SGLangConfig.load()
     modules = read_modules_file(settings.modules_file) if settings.modules_file else []
+    modules_config = ModulesConfig.load()
+    if modules_config.recompute_first or modules_config.recompute_share:
+        # The settings are shared with vLLM, where they are on by default; here nothing can recompute a spliced token.
+        logger.info(
+            "kvreuse module cache: modules.recompute_first (%d) and modules.recompute_share (%s) do not apply in "
+            "SGLang; spliced modules keep their KV as learnt (selective recompute runs in vLLM only)",
+            modules_config.recompute_first,
+            modules_config.recompute_share,
+        )
     store = ModuleStore(
-        ModulesConfig.load(),
+        modules_config,
         model_id=str(args.model_path),
         tokenizer_id=str(getattr(args, "tokenizer_path", None) or args.model_path),
     )
