@@ -290,7 +290,7 @@ def plot(rows: list[dict], path: Path) -> None:
         pts = [next(r for r in rows if r["length"] == n and r["arm"] == arm) for n in lengths]
         axes[0].plot(lengths, [p["accuracy"] for p in pts], marker="o", label=arm)
         axes[1].plot(lengths, [p["blocks_all"] for p in pts], marker="o", label=f"{arm} blocks")
-        axes[2].plot(lengths, [p["decode_ratio"] for p in pts], marker="o", label=arm)
+        axes[2].plot(lengths, [p.get("decode_ratio", float("nan")) for p in pts], marker="o", label=arm)
     stock = [next(r for r in rows if r["length"] == n and r["arm"] == "stock") for n in lengths]
     axes[0].plot(lengths, [p["accuracy"] for p in stock], "k--", label="stock")
     axes[0].set_ylabel("accuracy")
