@@ -40,10 +40,10 @@ import json
 import logging
 import os
 from collections import Counter
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from kvreuse.config import TRUE_WORDS
 from kvreuse.errors import ConfigError, ModuleRegistrationError, UnsupportedPositionalEncoding
@@ -91,6 +91,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm.plugins.kvreuse")
+T = TypeVar("T")  # an engine setting's value, as _own_setting reads it per request
 
 
 class WriteRefusal(StrEnum):
@@ -375,21 +376,23 @@ class ModuleScheduler:
         """The modules of the global namespace and of the request's in its prompt."""
         return self.trie.find(prompt, namespace=namespace_of(request.cache_salt))
 
+    @staticmethod
+    def _own_setting(request: Request, read: Callable[[object, T], T], default: T, setting: str) -> T:
+        """``request``'s own value of an engine setting, read from its ``kv_transfer_params`` by ``read``, else
+        ``default`` (the engine's): also where its own is malformed, which is logged under ``setting``'s name."""
+        try:
+            return read(request.kv_transfer_params, default)
+        except ModuleRegistrationError as why:
+            logger.error("kvreuse: request %s splices with %s: %s", request.request_id, setting, why)
+            return default
+
     def _recompute_first(self, request: Request) -> int:
         """The tokens per spliced module ``request`` recomputes (its own setting, else the engine's)."""
-        try:
-            return recompute_first(request.kv_transfer_params, self.config.recompute_first)
-        except ModuleRegistrationError as why:
-            logger.error("kvreuse: request %s splices with modules.recompute_first: %s", request.request_id, why)
-            return self.config.recompute_first
+        return self._own_setting(request, recompute_first, self.config.recompute_first, "modules.recompute_first")
 
     def _recompute_share(self, request: Request) -> float:
         """The share of each spliced module's ranked tokens ``request`` recomputes (its own, else the engine's)."""
-        try:
-            return recompute_share(request.kv_transfer_params, self.config.recompute_share)
-        except ModuleRegistrationError as why:
-            logger.error("kvreuse: request %s splices with modules.recompute_share: %s", request.request_id, why)
-            return self.config.recompute_share
+        return self._own_setting(request, recompute_share, self.config.recompute_share, "modules.recompute_share")
 
     def _rankings(self, request: Request, matches: list[ModuleMatch], share: float) -> dict[Hashable, tuple[int, ...]]:
         """The encode-time rankings of the modules of ``matches`` (none when ``share`` is 0); a module without one
@@ -414,13 +417,7 @@ class ModuleScheduler:
         """APE's (temperature, scale) for ``request``: its own setting, else (also where its own is malformed,
         logged) the engine's. A setting other than ``OFF`` on an engine that cannot apply APE is logged as an error
         (the caller then splices nothing into the request)."""
-        try:
-            ape = ape_setting(request.kv_transfer_params, self.config.ape)
-        except ModuleRegistrationError as why:
-            logger.error(
-                "kvreuse: request %s splices with modules.ape_temperature / ape_scale: %s", request.request_id, why
-            )
-            ape = self.config.ape
+        ape = self._own_setting(request, ape_setting, self.config.ape, "modules.ape_temperature / ape_scale")
         if ape != OFF and not self.applies_ape:
             logger.error(
                 "kvreuse: request %s asks for APE (%s %s) but this engine %s; its modules are not spliced (the "
