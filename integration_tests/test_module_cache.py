@@ -55,7 +55,7 @@ def figures(llm) -> dict:
 @pytest.fixture(scope="module")
 def llm(small_model):
     # The plain splice (recompute_first 0, not the default 16): these tests check the spliced KV against the module
-    # encoded at that position and count the tokens loaded (test_module_recompute.py covers the recompute).
+    # encoded at that position and count the tokens loaded (test_module_splice_quality.py covers the recompute).
     with module_cache_llm(small_model, cpu_bytes=64 << 20, recompute_first=0) as engine:
         yield engine
 

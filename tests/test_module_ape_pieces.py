@@ -1,7 +1,7 @@
 """APE over spliced modules (``modules.ape_temperature`` / ``ape_scale``, ``kvreuse_ape``) without an engine: the
 settings and the request parameter, the attention math against a small reference of this file's own, the sparse
 backend's routing of a batch that mixes requests with and without APE, what the scheduler side sends the worker
-and the worker the backend. The real engine: ``integration_tests/test_module_ape.py``."""
+and the worker the backend. The real engine: ``integration_tests/test_module_splice_quality.py``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Selective recompute of spliced module tokens (``modules.recompute_first``) without an engine: which tokens, what the
 scheduler side offers vLLM and plans to load, how the worker's input wrapper moves a step's scheduled tokens
 (``vllm_0_32.remap_scheduled_tokens``, on a fake model runner and block table), and attention masked by position.
-The real engine: ``integration_tests/test_module_recompute.py``."""
+The real engine: ``integration_tests/test_module_splice_quality.py``."""
 
 from __future__ import annotations
 

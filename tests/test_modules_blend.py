@@ -1,7 +1,7 @@
 """The encode-time token choice for selective recompute (``modules.recompute_share``, ``kvreuse.modules.blend``)
 without an engine: how a module's tokens are ranked, which prompt positions a piece recomputes, what the
 scheduler side plans with a ranking from the workers' report. The real engine:
-``integration_tests/test_module_blend.py``."""
+``integration_tests/test_module_splice_quality.py``."""
 
 from __future__ import annotations
 
