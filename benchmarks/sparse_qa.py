@@ -24,8 +24,9 @@ Run: ``KVREUSE_DATASETS=/work/shared/datasets .venv/bin/python benchmarks/sparse
 ``--lengths 1024,2048``); writes ``benchmarks/results/sparse_qa.json`` and ``.png`` and prints the table. On a
 2-core shared CPU the full run takes hours, most of it prefills: ``--stock-cases N`` runs the stock engine on the
 first N cases of each length only (``agree`` is then over those, the ``cases`` column says how many), and
-``--combine A.json B.tmp ...`` summarises several runs (or the partial file of one) into one table. Timings are
-ratios taken side by side, but still noisy.
+``--combine A.json B.tmp ...`` summarises several runs (or the partial file of one) into one table, and
+``--start-at 4096:28,8000:12`` goes on from those case indices (case ``i`` of a length is the same in every run) so
+that a run cut short can be completed by another. Timings are ratios taken side by side, but still noisy.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def run(
     partial: Path,
     stock_cases: int | None,
     timed: int = TIMED,
+    start_at: dict[int, int] | None = None,
 ) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -105,30 +107,35 @@ def run(
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc sends the closures above
     args = local_engine_args(MODEL, max_model_len=8192, kv_cache_memory_bytes=KV_CACHE_BYTES)
-    stock = LLM(**args)
+    stock = LLM(**args) if stock_cases != 0 else None
     os.environ["KVREUSE_SPARSE_CPU_BACKEND"] = "1"  # read by the sparse engine's processes when they start
     sparse = LLM(**args)
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    tokenizer = stock.get_tokenizer()
+    tokenizer = sparse.get_tokenizer()
     warm = make_cases(1024, 100, tokenizer)[-1].prompt  # not one of the measured cases (no prefix-cache hit)
-    stock.generate([warm], sampling, use_tqdm=False)
-    sparse.generate([warm], sampling, use_tqdm=False)
+    for engine in (stock, sparse):
+        if engine is not None:
+            engine.generate([warm], sampling, use_tqdm=False)
     result: dict = {"cases": [], "groups": []}
     try:
         for length in lengths:
+            first = (start_at or {}).get(length, 0)
             cases = make_cases(length, cases_per_length[length], tokenizer)
             started = time.time()
             size = max(1, min(MAX_GROUP, GROUP_TOKENS // length))
-            starts = [*range(min(timed, len(cases))), *range(timed, len(cases), size)]
+            timed_here = max(0, min(timed, len(cases)) - first)
+            starts = [*range(first, first + timed_here), *range(first + timed_here, len(cases), size)]
             for start in starts:
-                group = cases[start : start + (1 if start < timed else size)]
+                alone = start < first + timed_here
+                group = cases[start : start + (1 if alone else size)]
                 with_stock = stock_cases is None or start < stock_cases
-                run_group(group, stock if with_stock else None, sparse, sampling, settings, result, start < timed)
+                run_group(group, stock if with_stock else None, sparse, sampling, settings, result, alone)
                 partial.write_text(json.dumps(result, indent=1))  # a long run can be read while it goes
             print(f"{length} tokens: {len(cases)} cases in {time.time() - started:.0f} s", flush=True)
     finally:
-        stock.llm_engine.engine_core.shutdown()
-        sparse.llm_engine.engine_core.shutdown()
+        for engine in (stock, sparse):
+            if engine is not None:
+                engine.llm_engine.engine_core.shutdown()
     return result
 
 
@@ -322,6 +329,9 @@ def main() -> None:
         "--timed", type=int, default=TIMED, help=f"cases per length run alone for the speed ratios (default {TIMED})"
     )
     parser.add_argument(
+        "--start-at", default="", help="LENGTH:INDEX,... the first case index to run per length (default 0)"
+    )
+    parser.add_argument(
         "--combine", nargs="+", type=Path, help="summarise these runs' JSON (or .tmp) files together; runs nothing"
     )
     args = parser.parse_args()
@@ -336,7 +346,8 @@ def main() -> None:
         lengths = [int(x) for x in args.lengths.split(",")]
         per_length = {n: args.cases or CASES.get(n, 50) for n in lengths}
         partial = RESULTS / f"{args.name}.tmp"
-        records = run(lengths, per_length, json.loads(args.sparse), partial, args.stock_cases, args.timed)
+        start_at = {int(n): int(i) for n, i in (item.split(":") for item in args.start_at.split(",") if item)}
+        records = run(lengths, per_length, json.loads(args.sparse), partial, args.stock_cases, args.timed, start_at)
     rows = summarise(records)
     print(format_table(rows))
     (RESULTS / f"{args.name}.json").write_text(json.dumps({"rows": rows, **records}, indent=1))
