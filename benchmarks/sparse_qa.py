@@ -26,7 +26,11 @@ Run: ``KVREUSE_DATASETS=/work/shared/datasets .venv/bin/python benchmarks/sparse
 first N cases of each length only (``agree`` is then over those, the ``cases`` column says how many), and
 ``--combine A.json B.tmp ...`` summarises several runs (or the partial file of one) into one table, and
 ``--start-at 4096:28,8000:12`` goes on from those case indices (case ``i`` of a length is the same in every run) so
-that a run cut short can be completed by another. Timings are ratios taken side by side, but still noisy.
+that a run cut short can be completed by another. ``--stock-only`` runs the stock engine alone on such cases, so
+that runs with ``--stock-cases`` get their agreement with stock afterwards: ``--combine`` joins the records of one
+case (length and index) from several runs, and where the stock engine and the sparse arms ran in different runs,
+agreement is that of the completion texts (16 tokens that decode to the same text; within one run the token ids are
+compared). Timings are ratios taken side by side, but still noisy.
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ def run(
     stock_cases: int | None,
     timed: int = TIMED,
     start_at: dict[int, int] | None = None,
+    stock_only: bool = False,
 ) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -109,9 +114,9 @@ def run(
     args = local_engine_args(MODEL, max_model_len=8192, kv_cache_memory_bytes=KV_CACHE_BYTES)
     stock = LLM(**args) if stock_cases != 0 else None
     os.environ["KVREUSE_SPARSE_CPU_BACKEND"] = "1"  # read by the sparse engine's processes when they start
-    sparse = LLM(**args)
+    sparse = LLM(**args) if not stock_only else None
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    tokenizer = sparse.get_tokenizer()
+    tokenizer = (stock or sparse).get_tokenizer()
     warm = make_cases(1024, 100, tokenizer)[-1].prompt  # not one of the measured cases (no prefix-cache hit)
     for engine in (stock, sparse):
         if engine is not None:
@@ -140,9 +145,9 @@ def run(
 
 
 def run_group(cases: list[RetrievalCase], stock, sparse, sampling, settings: dict, result: dict, timed: bool) -> None:
-    """The cases through the stock engine (unless ``stock`` is None), then through the sparse one once per beta,
-    each engine given them all at once. A case alone is timed; for a group, only answers and figures count (the
-    requests share the steps)."""
+    """The cases through the stock engine (unless ``stock`` is None), then through the sparse one once per beta
+    (unless ``sparse`` is None), each engine given them all at once. A case alone is timed; for a group, only
+    answers and figures count (the requests share the steps)."""
     records = [
         {
             "kind": case.kind,
@@ -161,13 +166,14 @@ def run_group(cases: list[RetrievalCase], stock, sparse, sampling, settings: dic
         ):
             prefill, decode = _timing(out) if timed else (None, None)
             record["stock_tokens"] = list(out.outputs[0].token_ids)
+            record["prompt_tokens"] = len(out.prompt_token_ids)
             record["arms"]["stock"] = {
                 "text": out.outputs[0].text,
                 "correct": case.correct(out.outputs[0].text),
                 "prefill_s": prefill,
                 "decode_s": decode,
             }
-    for i, beta in enumerate(BETAS):
+    for i, beta in enumerate(BETAS if sparse is not None else []):
         arm = f"beta={beta:g}"
         sparse.collective_rpc(_configure(beta, settings))
         outs = sparse.generate([c.prompt for c in cases], sampling, use_tqdm=False)
@@ -194,6 +200,28 @@ def run_group(cases: list[RetrievalCase], stock, sparse, sampling, settings: dic
     result["cases"] += records
 
 
+def join_runs(runs: list[dict]) -> dict:
+    """Several runs' records as one: a case (length and index) run in more than one keeps the union of its arms,
+    and where its stock completion came from another run than a sparse arm's, that arm's agreement with stock is
+    the equality of their completion texts."""
+    cases: dict[tuple[int, int], dict] = {}
+    for record in (r for run_ in runs for r in run_["cases"]):
+        key = (record["length"], record["index"])
+        if key not in cases:
+            cases[key] = {**record, "arms": dict(record["arms"])}
+            continue
+        joined = cases[key]
+        joined["arms"].update(record["arms"])
+        joined["stock_tokens"] = joined["stock_tokens"] or record["stock_tokens"]
+        joined["timed"] = joined["timed"] or record["timed"]
+    for record in cases.values():
+        stock = record["arms"].get("stock")
+        for arm, entry in record["arms"].items():
+            if arm != "stock" and entry["agree"] is None and stock is not None:
+                entry["agree"] = entry["text"] == stock["text"]
+    return {"cases": list(cases.values()), "groups": [g for run_ in runs for g in run_["groups"]]}
+
+
 def summarise(result: dict) -> list[dict]:
     """Per length and arm: accuracy over the cases the arm ran, agreement with the stock engine over the cases it
     ran too, agreement with beta = inf (the same backend's exact dense attention: the same completion text) over
@@ -201,12 +229,14 @@ def summarise(result: dict) -> list[dict]:
     records, groups = result["cases"], result["groups"]
     rows = []
     arms = list(dict.fromkeys(arm for r in records for arm in r["arms"]))
-    dense = next(arm for arm in arms if arm != "stock")
+    dense = next((arm for arm in arms if arm != "stock"), None)
     for length in sorted({r["length"] for r in records}):
         cases = [r for r in records if r["length"] == length]
         timed = [c for c in cases if c["timed"]]
         for arm in arms:
             ran = [c for c in cases if arm in c["arms"]]
+            if not ran:
+                continue
             entries = [c["arms"][arm] for c in ran]
             row = {
                 "length": length,
@@ -329,25 +359,31 @@ def main() -> None:
         "--timed", type=int, default=TIMED, help=f"cases per length run alone for the speed ratios (default {TIMED})"
     )
     parser.add_argument(
+        "--stock-only", action="store_true", help="run the stock engine alone (its arm for another run's cases)"
+    )
+    parser.add_argument(
         "--start-at", default="", help="LENGTH:INDEX,... the first case index to run per length (default 0)"
     )
     parser.add_argument(
         "--combine", nargs="+", type=Path, help="summarise these runs' JSON (or .tmp) files together; runs nothing"
     )
     args = parser.parse_args()
+    if args.stock_only and args.timed:
+        parser.error("--stock-only needs --timed 0: speed is a ratio to the sparse engine in the same run")
     if args.stock_cases is not None and args.stock_cases < args.timed:
         parser.error(f"--stock-cases must be at least --timed ({args.timed}): the timed cases need the stock engine")
     started = time.time()
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.combine:
         runs = [json.loads(path.read_text()) for path in args.combine]
-        records = {key: [x for run_ in runs for x in run_[key]] for key in ("cases", "groups")}
+        records = join_runs(runs)
     else:
         lengths = [int(x) for x in args.lengths.split(",")]
         per_length = {n: args.cases or CASES.get(n, 50) for n in lengths}
         partial = RESULTS / f"{args.name}.tmp"
         start_at = {int(n): int(i) for n, i in (item.split(":") for item in args.start_at.split(",") if item)}
-        records = run(lengths, per_length, json.loads(args.sparse), partial, args.stock_cases, args.timed, start_at)
+        settings = json.loads(args.sparse)
+        records = run(lengths, per_length, settings, partial, args.stock_cases, args.timed, start_at, args.stock_only)
     rows = summarise(records)
     print(format_table(rows))
     (RESULTS / f"{args.name}.json").write_text(json.dumps({"rows": rows, **records}, indent=1))
