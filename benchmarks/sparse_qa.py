@@ -323,13 +323,17 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     lengths = sorted({r["length"] for r in rows})
-    for arm in [a for a in dict.fromkeys(r["arm"] for r in rows) if a != "stock"]:
-        pts = [next(r for r in rows if r["length"] == n and r["arm"] == arm) for n in lengths]
-        axes[0].plot(lengths, [p["accuracy"] for p in pts], marker="o", label=arm)
-        axes[1].plot(lengths, [p["blocks_all"] for p in pts], marker="o", label=f"{arm} blocks")
-        axes[2].plot(lengths, [p.get("decode_ratio", float("nan")) for p in pts], marker="o", label=arm)
-    stock = [next(r for r in rows if r["length"] == n and r["arm"] == "stock") for n in lengths]
-    axes[0].plot(lengths, [p["accuracy"] for p in stock], "k--", label="stock")
+    for arm in dict.fromkeys(r["arm"] for r in rows):  # each arm over the lengths it ran (runs can omit stock)
+        pts = sorted((r for r in rows if r["arm"] == arm), key=lambda r: r["length"])
+        at = [p["length"] for p in pts]
+        if arm == "stock":
+            axes[0].plot(at, [p["accuracy"] for p in pts], "k--", label="stock")
+            continue
+        axes[0].plot(at, [p["accuracy"] for p in pts], marker="o", label=arm)
+        axes[1].plot(at, [p["blocks_all"] for p in pts], marker="o", label=f"{arm} blocks")
+        timed = [p for p in pts if "decode_ratio" in p]
+        if timed:
+            axes[2].plot([p["length"] for p in timed], [p["decode_ratio"] for p in timed], marker="o", label=arm)
     axes[0].set_ylabel("accuracy")
     axes[1].set_ylabel("KV blocks read (all layers)")
     axes[2].set_ylabel("decode time / stock")
