@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -227,13 +226,15 @@ def test_an_unknown_pin_ends_with_a_message_before_any_engine_starts(capsys, tab
 class ScriptedServer(ThreadingHTTPServer):
     """An OpenAI-compatible stand-in that answers each prompt with its last line, refuses prompts containing
     TOO LONG (HTTP 400, vLLM's JSON error body), and after ``die_after`` answers either stops listening or sends
-    this process Ctrl-C (``then="sigint"``)."""
+    this process Ctrl-C (``then="sigint"``) while the request waits for an answer; it closes that connection only
+    when stopped, so no connection error races the Ctrl-C."""
 
     def __init__(self, die_after: int | None = None, then: str = "stop") -> None:
         super().__init__(("127.0.0.1", 0), ScriptedHandler)
         self.die_after, self.then = die_after, then
         self.answered: list[str] = []
         self.lock = threading.Lock()
+        self.stopped = threading.Event()
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
         self.thread.start()
 
@@ -242,6 +243,7 @@ class ScriptedServer(ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
     def stop(self) -> None:
+        self.stopped.set()
         threading.Thread(target=self.shutdown, daemon=True).start()
 
 
@@ -252,18 +254,25 @@ class ScriptedHandler(EchoHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         prompt = body["prompt"]
         with self.server.lock:
-            if self.server.die_after is not None and len(self.server.answered) >= self.server.die_after:
-                if self.server.then == "sigint":
-                    os.kill(os.getpid(), signal.SIGINT)
-                else:
-                    self.server.stop()
-                self.close_connection = True
-                return  # no answer: the connection just closes
-            if "TOO LONG" in prompt:
-                self._status(400, {"error": {"message": "prompt is longer than the maximum context length"}})
-                return
-            self.server.answered.append(prompt)
-        self._reply({"choices": [{"text": prompt.splitlines()[-1]}], "usage": {"prompt_tokens": 10}})
+            dying = self.server.die_after is not None and len(self.server.answered) >= self.server.die_after
+            if not dying and "TOO LONG" not in prompt:
+                self.server.answered.append(prompt)
+        if dying:
+            self._die()
+        elif "TOO LONG" in prompt:
+            self._status(400, {"error": {"message": "prompt is longer than the maximum context length"}})
+        else:
+            self._reply({"choices": [{"text": prompt.splitlines()[-1]}], "usage": {"prompt_tokens": 10}})
+
+    def _die(self) -> None:
+        """No answer: stop listening, or send Ctrl-C to the main thread (where Python handles signals; a signal
+        that lands on another thread waits until the main thread runs again) and hold the request until stopped."""
+        if self.server.then == "sigint":
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            self.server.stopped.wait(30)
+        else:
+            self.server.stop()
+        self.close_connection = True
 
     def _status(self, status: int, payload: dict) -> None:
         data = json.dumps(payload).encode()
