@@ -347,6 +347,17 @@ def test_a_dead_server_stops_the_job_with_the_rows_done_kept_and_resume_finishes
     assert done["answer"].tolist() == [f"text: value {i}" for i in range(12)]
 
 
+@pytest.fixture
+def ctrl_c_raises() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt, as in a terminal. Python installs that handler only where SIGINT was not
+    ignored when the process started, and a background job of a non-interactive shell (as CI may start pytest)
+    starts with it ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
 def test_ctrl_c_exits_130_with_the_rows_done_kept(capsys, twelve, tmp_path):
     out = tmp_path / "a.jsonl"
     server = ScriptedServer(die_after=4, then="sigint")
