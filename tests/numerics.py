@@ -47,6 +47,11 @@ ORDERINGS = 8
 ORDER_FACTOR = 4.0
 FLOOR_ULPS = 4.0
 
+# Where the kernel tests put their tensors: a CUDA GPU when there is one (the compiled kernels), else the CPU, where
+# conftest.py has Triton interpret the kernels. References run on the CPU in float64 whatever the device, so the
+# comparisons below move what they compare to the CPU first.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 def unit_roundoff(dtype: torch.dtype) -> float:
     """``u``: the largest relative error of one rounding to ``dtype`` (round to nearest)."""
@@ -73,8 +78,8 @@ def assert_within(actual: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor
     assert actual.shape == exact.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(exact.shape)}"
     if actual.numel() == 0:
         return
-    error = (actual.double() - exact.double()).abs()
-    bound = torch.as_tensor(bound, dtype=torch.float64, device=error.device).expand_as(error)
+    error = (actual.detach().cpu().double() - exact.detach().cpu().double()).abs()
+    bound = torch.as_tensor(bound, dtype=torch.float64).cpu().expand_as(error)
     ratio = torch.where(error <= bound, error / bound.clamp_min(1e-300), torch.inf)  # NaN error: not <= bound
     worst = int(ratio.flatten().argmax())
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), error.shape))
@@ -109,11 +114,12 @@ def assert_close_to_exact(
     if exact.numel() == 0:
         assert actual.numel() == 0, f"{what}: {actual.numel()} elements where none were expected"
         return
-    reference_error = max(float((reference.double() - exact).abs().max()) for reference in references)
+    exact = exact.detach().cpu()
+    reference_error = max(float((reference.detach().cpu().double() - exact).abs().max()) for reference in references)
     assert reference_error == reference_error, f"{what}: the reference itself is NaN"
     if magnitude is None:
         magnitude = float(exact.abs().max())
-    magnitude = torch.as_tensor(magnitude, dtype=torch.float64, device=exact.device)
+    magnitude = torch.as_tensor(magnitude, dtype=torch.float64).cpu()
     bound = ORDER_FACTOR * reference_error + FLOOR_ULPS * torch.finfo(actual.dtype).eps * magnitude
     assert_within(
         actual, exact, bound, f"{what} (reference's own largest error {reference_error:.3g}, output {actual.dtype})"

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from numerics import assert_close_to_exact, summation_orders
+from numerics import DEVICE, assert_close_to_exact, summation_orders
 
 from kvreuse.errors import KernelArgumentError
 from kvreuse.kernels import paged_causal
 from kvreuse.kernels.dipr_decode import dense_decode_reference
 from kvreuse.kernels.paged_causal import PagedCausalAttention, causal_attention_reference, paged_causal_reference
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (new tokens, total tokens) per request
 REQUESTS = [(45, 45), (20, 57), (1, 150), (3, 70)]
 SHAPES = {"gqa2": (4, 2, 64, 16), "gqa3-d48-b24": (6, 2, 48, 24), "mha-b32": (4, 4, 64, 32)}
@@ -138,7 +137,7 @@ def test_one_new_token_is_decode_attention():
 
 def test_the_reference_takes_long_prompts_in_query_chunks_with_the_same_result(monkeypatch):
     _, keys, values, _, _, _, table = batch(SHAPES["gqa2"], torch.float32)
-    query = torch.randn(45, 4, 64)
+    query = torch.randn(45, 4, 64).to(DEVICE)
     whole = [
         causal_attention_reference(query[..., order], keys[..., order], values, table[0], 45, 0.125)
         for order in summation_orders(64)

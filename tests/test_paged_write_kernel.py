@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from numerics import DEVICE
 
 from kvreuse.errors import KernelArgumentError
 from kvreuse.kernels.paged_write import PagedKVWrite, store_kv_reference
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KV_HEADS, DIM, BLOCK, POOL = 3, 48, 24, 7
 
 
@@ -26,10 +26,10 @@ def step(source_dtype, seed=0):
     slots = torch.randperm(POOL * BLOCK, generator=g)[:29]
     slots[[3, 17]] = -1
     slots = torch.cat([slots, torch.tensor([5, 6])])  # entries past the tokens are not used
-    qkv = torch.randn(29, 4 * KV_HEADS * DIM, generator=g).to(source_dtype)
+    qkv = torch.randn(29, 4 * KV_HEADS * DIM, generator=g).to(source_dtype).to(DEVICE)
     key = qkv[:, 2 * KV_HEADS * DIM : 3 * KV_HEADS * DIM].view(29, KV_HEADS, DIM)
     value = qkv[:, 3 * KV_HEADS * DIM :].reshape(29, KV_HEADS, DIM).contiguous()
-    return key.to(DEVICE), value.to(DEVICE), slots.to(DEVICE)
+    return key, value, slots.to(DEVICE)
 
 
 def nan_caches(dtype):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from numerics import assert_within, rotation_bound
+from numerics import DEVICE, assert_within, rotation_bound
 
 from kvreuse.errors import KernelArgumentError, KVReuseError
 from kvreuse.kernels.rerotate import (
@@ -33,7 +33,8 @@ SPECS = {
 
 
 def _keys(n, heads, dim, dtype=torch.float32, seed=0):
-    return torch.randn(n, heads, dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    """Random keys on the kernel tests' device (the references take them from any device)."""
+    return torch.randn(n, heads, dim, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
 
 
 @pytest.mark.parametrize("name", SPECS)
@@ -53,7 +54,7 @@ def test_kernel_matches_reference_on_awkward_sizes(name, dtype):
 def test_key_at_zero_moved_by_delta_equals_key_encoded_at_delta(name):
     spec = SPECS[name]
     raw = _keys(6, 2, spec.head_dim, seed=1)
-    at_zero = apply_rope_reference(raw, torch.zeros(6, dtype=torch.long), spec).float()
+    at_zero = apply_rope_reference(raw, torch.zeros(6, dtype=torch.long), spec).float().to(DEVICE)
     deltas = torch.tensor([3, 50, 1000, 8191, 20000, 131071])
     moved = rerotate_keys(at_zero, deltas, spec).double()
     # Two roundings: the key at 0 to fp32, then the move.
@@ -63,7 +64,7 @@ def test_key_at_zero_moved_by_delta_equals_key_encoded_at_delta(name):
 @pytest.mark.parametrize("name", SPECS)
 def test_moving_to_p1_then_p2_equals_moving_to_p2(name):
     spec = SPECS[name]
-    keys = apply_rope_reference(_keys(5, 4, spec.head_dim, seed=2), torch.arange(5), spec).float()
+    keys = apply_rope_reference(_keys(5, 4, spec.head_dim, seed=2), torch.arange(5), spec).float().to(DEVICE)
     p1, p2 = torch.tensor([10, 200, 3000, 40, 5]), torch.tensor([7, 9000, 12, 40000, 5])
     twice = rerotate_keys(rerotate_keys(keys, p1, spec), p2 - p1, spec)
     once = rerotate_keys(keys, p2, spec)
@@ -76,7 +77,7 @@ def test_in_place_move_of_a_strided_cache_slice_leaves_values_and_other_slots_al
     before = cache.clone()
     keys = cache[2:7, 0]  # token stride 2 * 3 * head_dim
     rotation = KeyRerotation(spec)
-    rotation.plan(torch.full((5,), 11))
+    rotation.plan(torch.full((5,), 11), device=DEVICE)
     rotation.run(keys, out=keys)
     want = rerotate_keys_reference(before[2:7, 0], torch.full((5,), 11), spec)
     assert_within(cache[2:7, 0], want, rotation_bound(before[2:7, 0]), "in place")
@@ -198,7 +199,7 @@ def test_startup_check_passes_for_the_local_model_config(dtype):
         if built.exists()
         else {"model_type": "llama", "head_dim": 64, "hidden_size": 256, "num_attention_heads": 4}
     )
-    assert check_rerotation(config, dtype=dtype) == RopeSpec(head_dim=64, rotary_dim=64)
+    assert check_rerotation(config, dtype=dtype, device=DEVICE) == RopeSpec(head_dim=64, rotary_dim=64)
 
 
 def test_bad_arguments_name_the_tensor():

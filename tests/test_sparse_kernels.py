@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from numerics import assert_close_to_exact, gamma, settled_dipr_selection, summation_orders
+from numerics import DEVICE, assert_close_to_exact, gamma, settled_dipr_selection, summation_orders
 
 from kvreuse.errors import KernelArgumentError
 from kvreuse.kernels.dipr_decode import (
@@ -29,7 +29,6 @@ from kvreuse.kernels.key_sketch import (
 )
 from kvreuse.sparse.figures import recovery_ratio, sample_recovery
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK, KV_HEADS, Q_HEADS, DIM = 16, 2, 4, 64
 LENS = [1, 37, 150]
 SINK, LOCAL = 4, 8

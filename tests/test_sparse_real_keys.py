@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from numerics import DEVICE
 from test_sparse_cpu_attention import estimates_against_reference
 
 from kvreuse.kernels.dipr_decode import DIPRDecode, dipr_selection_reference, masked_decode_reference
@@ -82,8 +83,14 @@ def test_the_cpu_path_attends_the_references_set_on_real_keys(real, beta):
 def test_the_kernel_reads_and_attends_what_the_reference_does_on_real_keys(real, beta):
     query, key_cache, value_cache, sketch, table, lens = step(real, 1, 1)
     kernel = DIPRDecode(9, 3, 64, BLOCK, scale=real["scale"], sink=SINK, local=LOCAL)
-    kernel.plan(lens.to(torch.int32), table, num_splits=3)
-    out, counters = kernel.run(query, key_cache, value_cache, sketch, beta, return_counters=True)
+    kernel.plan(lens.to(torch.int32).to(DEVICE), table.to(DEVICE), num_splits=3)
+    out, counters = kernel.run(
+        *(x.to(DEVICE) for x in (query, key_cache, value_cache)),
+        KeySketch(sketch.codes.to(DEVICE), sketch.scales.to(DEVICE)),
+        beta,
+        return_counters=True,
+    )
+    out = out.cpu()
     sel = dipr_selection_reference(query, key_cache, sketch, table, lens, beta, real["scale"], SINK, LOCAL)
     assert counters.blocks_read[0].tolist() == sel.blocks_read[0].sum(1).tolist()
     assert counters.tokens_attended[0].tolist() == sel.attended[0].sum(1).tolist()

@@ -284,11 +284,12 @@ def dipr_selection_reference(
     local: int,
 ) -> DIPRSelection:
     """The blocks and tokens the kernels read and attend, and the exact DIPR set, computed plainly in fp32 (float64
-    for float64 inputs)."""
+    for float64 inputs), on the inputs' device."""
     num_q_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     group, block_size = num_q_heads // num_kv_heads, key_cache.shape[1]
     betas = torch.as_tensor(beta, dtype=torch.float32).expand(len(seq_lens)).tolist()
     out = DIPRSelection([], [], [], [])
+    device = query.device
     for seq, seq_len in enumerate(seq_lens.tolist()):
         q = query[seq].to(_working(query.dtype)) * scale  # [heads, dim]
         keys = _sequence_kv(key_cache, block_table, seq, seq_len).repeat_interleave(group, dim=0)
@@ -297,15 +298,15 @@ def dipr_selection_reference(
             for part, rows in zip(out.__dict__.values(), (num_q_heads, num_kv_heads, num_q_heads, num_q_heads)):
                 part.append(logits.new_zeros(rows, 0, dtype=logits.dtype if part is out.logits else torch.bool))
             continue
-        pos = torch.arange(seq_len)
+        pos = torch.arange(seq_len, device=device)
         window = (pos < sink) | (pos >= seq_len - local)
         n_blocks = -(-seq_len // block_size)
         block_of = pos // block_size
-        read = torch.zeros(num_kv_heads, n_blocks, dtype=torch.bool)
+        read = torch.zeros(num_kv_heads, n_blocks, dtype=torch.bool, device=device)
         read[:, block_of[window].unique()] = True
         if betas[seq] == float("inf"):
             read[:] = True
-            tau = torch.full((num_q_heads, 1), float("-inf"))
+            tau = torch.full((num_q_heads, 1), float("-inf"), device=device)
         else:
             codes = _sequence_kv(sketch.codes, block_table, seq, seq_len)  # [kv, n, d] (as floats)
             scales = _sequence_kv(sketch.scales[..., None], block_table, seq, seq_len)[..., 0]  # [kv, n]
@@ -317,7 +318,7 @@ def dipr_selection_reference(
             )
             upper, lower = torch.cat(upper), torch.cat(lower)  # [heads, n]
             tau = lower.amax(dim=1, keepdim=True) - betas[seq]
-            padded = torch.full((num_q_heads, n_blocks * block_size), float("-inf"), dtype=upper.dtype)
+            padded = torch.full((num_q_heads, n_blocks * block_size), float("-inf"), dtype=upper.dtype, device=device)
             padded[:, :seq_len] = upper
             hit = padded.view(num_q_heads, n_blocks, block_size).amax(-1) >= tau
             read |= hit.view(num_kv_heads, group, n_blocks).any(dim=1)
@@ -346,7 +347,7 @@ def masked_decode_reference(
         values = _sequence_kv(value_cache, block_table, seq, seq_len).repeat_interleave(group, dim=0)
         weights = torch.softmax(logits[seq].masked_fill(~masks[seq], float("-inf")), dim=1).nan_to_num(0.0)
         outs.append(torch.einsum("hj,hjd->hd", weights, values))
-    return torch.stack(outs) if outs else torch.zeros(0, num_q_heads, value_cache.shape[3])
+    return torch.stack(outs) if outs else torch.zeros(0, num_q_heads, value_cache.shape[3], device=value_cache.device)
 
 
 def dense_decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale) -> torch.Tensor:
