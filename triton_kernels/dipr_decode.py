@@ -49,6 +49,16 @@ from kvreuse.kernels.key_sketch import CODE_SLACK, KeySketch, logit_bounds_refer
 from kvreuse.kernels.paged_layout import check_paged_kv
 from kvreuse.kernels.tile_math import dot_fp32, interpreter_upcast, online_softmax_step
 
+# Lanes (token slots) per tile: a tile gathers LANES // block_size KV blocks through the block table (one block when
+# blocks are that large), so a loop iteration issues that many blocks' loads at once. One 16-token block per
+# iteration left the kernels latency-bound on an H200 (2-8% of its copy bandwidth). Measured there (16-token blocks):
+# the sketch scan ran fastest with 128 lanes, the split kernel, which holds a tile of keys and one of values, with 64.
+SCAN_LANES = 128
+SPLIT_LANES = 64
+# Programs per SM the split-K layout aims at when ``plan`` chooses the splits: several resident programs per SM keep
+# enough gathered loads in flight to approach the memory bandwidth.
+PROGRAMS_PER_SM = 4
+
 
 @triton.jit
 def _sketch_scan_kernel(
@@ -74,19 +84,22 @@ def _sketch_scan_kernel(
     stride_sh,
     stride_bt,
     GROUP: tl.constexpr,  # query heads per KV head
-    BLOCK_G: tl.constexpr,  # >= max(GROUP, 16): tl.dot needs 16 rows on tensor cores
+    BLOCK_G: tl.constexpr,  # next power of two >= max(GROUP, 2) (no tl.dot here)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM: one tile holds a whole code row
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
-    BLOCK_T: tl.constexpr,  # next power of two >= BLOCK_SIZE: one tile is one KV block
+    BLOCK_T: tl.constexpr,  # next power of two >= BLOCK_SIZE: a block's lanes in a tile
+    PAGES: tl.constexpr,  # KV blocks per tile (SCAN_LANES // BLOCK_T; see DIPRDecode.run)
     HALF: tl.constexpr,  # 1/2 + CODE_SLACK: the bound's half-step
 ):
     # One program per (sequence, KV head, split): per block, the largest upper bound U_j of each query head of the
     # group (-inf past the sequence); per split, the largest lower bound L_j. A dense sequence (beta = inf) needs
-    # neither and reads nothing.
+    # neither and reads nothing. Blocks are taken PAGES at a time, gathered through the block table into one tile.
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.where(tl.load(beta_ptr + seq) < float("inf"), tl.load(seq_lens_ptr + seq), 0)
-    g, d, t = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_T)
+    g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
+    lane = tl.arange(0, PAGES * BLOCK_T)
+    page_of, t = lane // BLOCK_T, lane % BLOCK_T  # a lane's block in the tile and its token in the block
     heads = kv_head * GROUP + g
     num_q_heads = GROUP * tl.num_programs(1)
     q = tl.load(
@@ -98,21 +111,35 @@ def _sketch_scan_kernel(
     half_width = tl.sum(tl.abs(q), axis=1) * HALF  # [BLOCK_G]: ||q||_1 (1/2 + CODE_SLACK), times s_j below
     best_lower = tl.full([BLOCK_G], float("-inf"), tl.float32)
     first = split * blocks_per_split
-    for b in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))):
-        block = tl.load(block_table_ptr + seq * stride_bt + b).to(tl.int64)
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
+    for b0 in range(first, last, PAGES):
+        b = b0 + page_of
         pos = b * BLOCK_SIZE + t
-        valid = (t < BLOCK_SIZE) & (pos < seq_len)
+        valid = (t < BLOCK_SIZE) & (b < last) & (pos < seq_len)
+        block = tl.load(block_table_ptr + seq * stride_bt + b, mask=b < last, other=0).to(tl.int64)
         codes = tl.load(
-            codes_ptr + block * stride_cb + t[:, None] * stride_ct + kv_head * stride_ch + d[None, :],
+            codes_ptr + block[:, None] * stride_cb + t[:, None] * stride_ct + kv_head * stride_ch + d[None, :],
             mask=valid[:, None] & (d < HEAD_DIM)[None, :],
             other=0,
         ).to(tl.float32)
         scales = tl.load(scales_ptr + block * stride_sb + t * stride_st + kv_head * stride_sh, mask=valid, other=0.0)
-        approx = dot_fp32(q, tl.trans(codes), False) * scales[None, :]  # [BLOCK_G, BLOCK_T]
+        # q . u per query head of the group as fp32 products summed over head_dim (CUDA cores): exact products, as
+        # the bound's CODE_SLACK assumes. tl.dot in fp32 ("ieee") computed the same 25-35x slower on an H200.
+        approx = tl.zeros([BLOCK_G, PAGES * BLOCK_T], tl.float32)
+        for h in tl.static_range(GROUP):
+            q_h = tl.sum(tl.where(g[:, None] == h, q, 0.0), axis=0)  # row h of q (adding zeros is exact)
+            approx = tl.where(g[:, None] == h, tl.sum(codes * q_h[None, :], axis=1)[None, :], approx)
+        approx = approx * scales[None, :]  # [BLOCK_G, PAGES * BLOCK_T]
         width = half_width[:, None] * scales[None, :]
-        upper = tl.max(tl.where(valid[None, :], approx + width, float("-inf")), axis=1)
+        upper = tl.where(valid[None, :], approx + width, float("-inf"))
+        upper = tl.max(tl.reshape(upper, [BLOCK_G, PAGES, BLOCK_T]), axis=2)  # [BLOCK_G, PAGES]
         best_lower = tl.maximum(best_lower, tl.max(tl.where(valid[None, :], approx - width, float("-inf")), axis=1))
-        tl.store(upper_ptr + (seq * num_q_heads + heads) * max_blocks + b, upper, mask=g < GROUP)
+        pages = b0 + tl.arange(0, PAGES)
+        tl.store(
+            upper_ptr + (seq * num_q_heads + heads)[:, None] * max_blocks + pages[None, :],
+            upper,
+            mask=(g < GROUP)[:, None] & (pages < last)[None, :],
+        )
     tl.store(lower_ptr + (seq * num_q_heads + heads) * num_splits + split, best_lower, mask=g < GROUP)
 
 
@@ -151,15 +178,20 @@ def _dipr_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr,  # next power of two >= BLOCK_SIZE: one tile is one KV block, the unit of pruning
+    BLOCK_T: tl.constexpr,  # next power of two >= BLOCK_SIZE: a block's lanes in a tile
+    PAGES: tl.constexpr,  # KV blocks per tile, as in _sketch_scan_kernel; the KV block stays the unit of pruning
     UPCAST: tl.constexpr,  # see dot_fp32
 ):
-    # One program per (sequence, KV head, split); the split covers blocks [split, split + 1) * blocks_per_split.
+    # One program per (sequence, KV head, split); the split covers blocks [split, split + 1) * blocks_per_split,
+    # taken PAGES at a time: the tile's blocks that are read are gathered into one tile of keys and values (the
+    # lanes of pruned blocks are masked, so their memory is never loaded).
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     beta = tl.load(beta_ptr + seq)
     prune = beta < float("inf")
-    g, d, t = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_T)
+    g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
+    lane = tl.arange(0, PAGES * BLOCK_T)
+    page_of, t = lane // BLOCK_T, lane % BLOCK_T
     heads = kv_head * GROUP + g
     num_q_heads = GROUP * tl.num_programs(1)
     q = tl.load(
@@ -178,31 +210,43 @@ def _dipr_split_kernel(
     first_local_block = tl.where(local > 0, tl.maximum(seq_len - local, 0) // BLOCK_SIZE, 1 << 30)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
-    for b in range(first, last):
-        block = tl.load(block_table_ptr + seq * stride_bt + b).to(tl.int64)
-        read = (b < sink_blocks) | (b >= first_local_block) | (prune == 0)
-        if read == 0:  # outside the window and pruning: the block's largest sketch bound per query head decides
-            upper = tl.load(upper_ptr + (seq * num_q_heads + heads) * max_blocks + b, mask=g < GROUP, other=0.0)
-            read = tl.max((upper >= tau).to(tl.int32), axis=0) > 0
-        if read:
+    for b0 in range(first, last, PAGES):
+        # Which of the tile's blocks are read: window blocks always (every block when not pruning); others when
+        # the block's largest sketch bound reaches tau for at least one query head of the group.
+        pages = b0 + tl.arange(0, PAGES)
+        in_split = pages < last
+        window_page = (pages < sink_blocks) | (pages >= first_local_block) | (prune == 0)
+        upper = tl.load(
+            upper_ptr + (seq * num_q_heads + heads)[:, None] * max_blocks + pages[None, :],
+            mask=(g < GROUP)[:, None] & (in_split & (window_page == 0))[None, :],
+            other=float("-inf"),
+        )  # [BLOCK_G, PAGES]
+        hit = tl.max((upper >= tau[:, None]).to(tl.int32), axis=0) > 0
+        read_page = in_split & (window_page | hit)
+        n_read = tl.sum(read_page.to(tl.int32), axis=0)
+        if n_read > 0:
+            read = tl.reshape(tl.broadcast_to(read_page.to(tl.int32)[:, None], [PAGES, BLOCK_T]), [PAGES * BLOCK_T]) > 0
+            b = b0 + page_of
             pos = b * BLOCK_SIZE + t
-            kv_mask = (t < BLOCK_SIZE)[:, None] & (d < HEAD_DIM)[None, :]
+            live = read & (t < BLOCK_SIZE) & (pos < seq_len)  # the lanes loaded
+            block = tl.load(block_table_ptr + seq * stride_bt + b, mask=read, other=0).to(tl.int64)
+            kv_mask = live[:, None] & (d < HEAD_DIM)[None, :]
             k = tl.load(
-                k_ptr + block * stride_kb + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+                k_ptr + block[:, None] * stride_kb + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
                 mask=kv_mask,
                 other=0.0,
             )
             v = tl.load(
-                v_ptr + block * stride_vb + t[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
+                v_ptr + block[:, None] * stride_vb + t[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
                 mask=kv_mask,
                 other=0.0,
             )
-            logits = dot_fp32(q, tl.trans(k), UPCAST) * scale  # [BLOCK_G, BLOCK_T]
+            logits = dot_fp32(q, tl.trans(k), UPCAST) * scale  # [BLOCK_G, PAGES * BLOCK_T]
             window = (pos < sink) | (pos >= seq_len - local)
-            keep = ((t < BLOCK_SIZE) & (pos < seq_len))[None, :] & (window[None, :] | (logits >= tau[:, None]))
+            keep = live[None, :] & (window[None, :] | (logits >= tau[:, None]))
             logits = tl.where(keep, logits, float("-inf"))
             m_i, l_i, acc = online_softmax_step(logits, v, m_i, l_i, acc, UPCAST)
-            n_blocks_read += 1
+            n_blocks_read += n_read
             n_tokens += tl.sum(keep.to(tl.int32), axis=1)
     part = (seq * num_q_heads + heads) * num_splits + split
     tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=(g < GROUP)[:, None])
@@ -396,7 +440,7 @@ class DIPRDecode:
         scale: float | None = None,
         sink: int = 16,
         local: int = 64,
-        max_splits: int = 32,
+        max_splits: int = 128,
     ):
         _check(
             num_kv_heads >= 1 and num_q_heads % num_kv_heads == 0,
@@ -417,6 +461,9 @@ class DIPRDecode:
         self.group = num_q_heads // num_kv_heads
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         self.sink, self.local, self.max_splits = sink, local, max_splits
+        # KV blocks per tile of the split kernel and of the sketch scan (see SPLIT_LANES, SCAN_LANES).
+        self.pages = max(1, SPLIT_LANES // triton.next_power_of_2(block_size))
+        self.scan_pages = max(1, SCAN_LANES // triton.next_power_of_2(block_size))
         self._plan: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
 
     def plan(
@@ -448,11 +495,11 @@ class DIPRDecode:
         max_blocks = block_table.shape[1] if max_seq_len is None else -(-max_seq_len // self.block_size)
         max_blocks = max(1, min(max_blocks, block_table.shape[1]))
         if num_splits is None:
-            # Enough programs to fill the GPU (two per SM), never more splits than blocks.
+            # Enough programs to keep every SM busy (PROGRAMS_PER_SM each), never more splits than tiles.
             sms = torch.cuda.get_device_properties(seq_lens.device).multi_processor_count if seq_lens.is_cuda else 1
-            num_splits = -(-2 * sms // max(1, len(seq_lens) * self.num_kv_heads))
+            num_splits = -(-PROGRAMS_PER_SM * sms // max(1, len(seq_lens) * self.num_kv_heads))
         _check(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
-        num_splits = min(num_splits, self.max_splits, max_blocks)
+        num_splits = min(num_splits, self.max_splits, -(-max_blocks // self.pages))
         self._plan = (seq_lens, block_table, num_splits, -(-max_blocks // num_splits))
 
     def run(
@@ -518,8 +565,9 @@ class DIPRDecode:
                 block_table.stride(0),
                 BLOCK_SIZE=self.block_size,
                 BLOCK_T=block_t,
+                PAGES=self.scan_pages,
                 HALF=0.5 + CODE_SLACK,
-                **shape,
+                **dict(shape, BLOCK_G=max(2, triton.next_power_of_2(self.group))),
             )
             tau = lower.amax(-1) - betas[:, None]  # on the device: the host never waits
         _dipr_split_kernel[grid](
@@ -549,6 +597,7 @@ class DIPRDecode:
             block_table.stride(0),
             BLOCK_SIZE=self.block_size,
             BLOCK_T=block_t,
+            PAGES=self.pages,
             UPCAST=interpreter_upcast(query.dtype),
             **shape,
         )
