@@ -259,7 +259,7 @@ class SparseAttention:
         if count:
             self.figures.add_dense(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads, count)
         if plan.dense is not None:
-            self._dense(query, key_cache, value_cache, plan.dense, out, batch.query_positions)
+            self._dense(query, key_cache, value_cache, sketch, plan.dense, out, batch.query_positions)
         if plan.dipr is not None:
             self._dipr_decode(layer, query, key_cache, value_cache, sketch, plan.dipr, batch.max_seq_len, out)
         if plan.ape is not None:
@@ -291,14 +291,29 @@ class SparseAttention:
         query: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
+        sketch: KeySketch,
         sub: SubBatch,
         out: torch.Tensor,
         positions: torch.Tensor | None = None,
     ) -> None:
         """Dense causal attention of a sub-batch (prefill, chunked prefill, dense decode) into its rows; with
-        ``positions`` (host, one per token of the batch), masked by position, in PyTorch."""
+        ``positions`` (host, one per token of the batch), masked by position, in PyTorch.
+
+        With the kernels, a sub-batch of decodes only (``max_query_len`` 1, every step once prefills are done) runs
+        ``DIPRDecode`` at beta = inf, its dense case: split-K over the context, where ``PagedCausalAttention`` gives
+        each sequence and head one program that walks the whole context (on an H200, 0.6x FlashAttention's decode
+        time against 0.01x at 64K-128K tokens, ``benchmarks/sparse_decode_gpu.py``)."""
         if positions is not None:
             self._dense_at(query, key_cache, value_cache, sub, out, positions)
+            return
+        if self._use_kernels(query) and sub.max_query_len == 1:
+            from kvreuse.kernels.dipr_decode import DIPRDecode
+
+            rows = sub.query_starts.long()
+            decode = DIPRDecode(self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size, scale=self.scale)
+            decode.plan(sub.seq_lens, sub.block_table)
+            result = decode.run(query.index_select(0, rows), key_cache, value_cache, sketch, float("inf"))
+            out.index_copy_(0, rows, result.to(out.dtype))
             return
         if self._use_kernels(query):
             from kvreuse.kernels.paged_causal import PagedCausalAttention
