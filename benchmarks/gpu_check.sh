@@ -21,7 +21,7 @@ export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' || exit 1
 KERNEL_TESTS="tests/test_sparse_kernels.py tests/test_paged_causal_kernel.py tests/test_paged_write_kernel.py
   tests/test_rerotate.py tests/test_sparse_real_keys.py tests/test_numerics.py tests/test_sparse_cpu_attention.py
-  tests/test_splice_reference.py"
+  tests/test_splice_reference.py tests/test_sparse_backend_pieces.py"
 # -P: the repository root stays off sys.path (its triton_kernels/ folder is not the package).
 # shellcheck disable=SC2086
 python3 -P -m pytest -p no:cacheprovider -q $KERNEL_TESTS 2>&1 | tee "$out/kernel_tests.log"

@@ -11,7 +11,7 @@ from functools import partial
 
 import pytest
 import torch
-from numerics import assert_close_to_exact, settled_dipr_selection, summation_orders
+from numerics import DEVICE, assert_close_to_exact, settled_dipr_selection, summation_orders
 
 from kvreuse.kernels.dipr_decode import dense_decode_reference, dipr_selection_reference, masked_decode_reference
 from kvreuse.kernels.key_sketch import KeySketch, sketch_reference
@@ -35,19 +35,21 @@ class Engine:
         kernels: bool | None = None,
         dtype: torch.dtype = torch.float32,
         coordinates: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
     ):
         """``dtype`` float64 (with ``kernels`` off) gives the exact result of what a float32 engine of the same seed
         computes: the same data, drawn in float32 and widened, through the same PyTorch path. ``coordinates`` (one of
         ``numerics.summation_orders``) stores queries and keys with their head_dim coordinates in that order: the
-        same attention, its dot products summed in another order."""
+        same attention, its dot products summed in another order. ``device``: where the caches, the step's tensors and
+        the batch's device metadata live (its host copies stay on the CPU), as in a model runner on that device."""
         self.g = torch.Generator().manual_seed(seed)
-        self.dtype = dtype
+        self.dtype, self.device = dtype, device
         self.coordinates = torch.arange(DIM) if coordinates is None else coordinates
         self.attention = SparseAttention(Q_HEADS, KV_HEADS, DIM, BLOCK, SCALE, config, kernels=kernels)
         # One tensor like vLLM's LBNHC layer view: [blocks, tokens, heads, K|V].
-        kv = torch.zeros(POOL, BLOCK, KV_HEADS, 2 * DIM, dtype=dtype)
+        kv = torch.zeros(POOL, BLOCK, KV_HEADS, 2 * DIM, dtype=dtype, device=device)
         self.key_cache, self.value_cache = kv.split(DIM, dim=-1)
-        self.sketch = self.attention.allocate_sketch(POOL, "cpu")
+        self.sketch = self.attention.allocate_sketch(POOL, device)
         self.order = torch.randperm(POOL, generator=self.g).to(torch.int32)
         self.table = torch.zeros(len(PROMPTS), 16, dtype=torch.int32)
         self.lens = [0] * len(PROMPTS)
@@ -86,16 +88,16 @@ class Engine:
         if self.peaked:
             query = 4 * self.direction.repeat_interleave(Q_HEADS // KV_HEADS, 0)[None] + 0.1 * query
         key, query = key[..., self.coordinates], query[..., self.coordinates]
-        key, value, query = (t.to(self.dtype) for t in (key, value, query))
+        key, value, query = (t.to(self.dtype).to(self.device) for t in (key, value, query))
         starts = torch.tensor([0] + new_tokens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         lens = torch.tensor(self.lens, dtype=torch.int32)
         batch = PagedBatch(
+            starts.to(self.device),
             starts,
-            starts,
+            lens.to(self.device),
             lens,
-            lens,
-            self.table.clone(),
-            torch.tensor(slots, dtype=torch.int64),
+            self.table.to(self.device),
+            torch.tensor(slots, dtype=torch.int64, device=self.device),
             total,
             max(self.lens),
         )
@@ -240,16 +242,14 @@ def test_finite_beta_attends_a_superset_of_the_exact_dipr_set_and_reads_fewer_bl
 
 
 def test_the_triton_path_computes_what_the_pytorch_path_computes_step_by_step():
-    """What the backend runs on a GPU (the Triton kernels, here in Triton's interpreter) against what it runs on CPU:
-    a prefill, then steps mixing DIPR decodes (request 0, 300+ tokens), dense decodes (request 1, under
-    ``min_context``) and a 20-token chunk of request 0. Both against the same steps in float64: the Triton path
-    lands as close to the exact outputs as the PyTorch path does; its selections, counted in the figures, are the
-    same, every DIPR decision having a margin."""
+    """What the backend runs on a GPU (the Triton kernels, on CUDA tensors where there is a GPU, else in Triton's
+    interpreter) against what it runs on CPU: a prefill, then steps mixing DIPR decodes (request 0, 300+ tokens),
+    dense decodes (request 1, under ``min_context``) and a 20-token chunk of request 0. Both against the same steps
+    in float64: the Triton path lands as close to the exact outputs as the PyTorch path does; its selections,
+    counted in the figures, are the same, every DIPR decision having a margin."""
     config = sparse(4.0, sink=4, local=8, min_context=100)
-    triton, exact = (
-        Engine(config, peaked=True, kernels=kernels, dtype=dtype)
-        for kernels, dtype in ((True, torch.float32), (False, torch.float64))
-    )
+    triton = Engine(config, peaked=True, kernels=True, device=DEVICE)
+    exact = Engine(config, peaked=True, kernels=False, dtype=torch.float64)
     pytorch = [Engine(config, peaked=True, kernels=False, coordinates=o) for o in summation_orders(DIM)]
     for new_tokens in (PROMPTS, [1, 1], [20, 1], [1, 1]):
         steps = [engine.step(new_tokens) for engine in (triton, exact, *pytorch)]
@@ -262,8 +262,8 @@ def test_the_triton_path_computes_what_the_pytorch_path_computes_step_by_step():
             assert_close_to_exact(kernels, references, want, what=f"Triton path, layer {layer}, step {new_tokens}")
         # The same keys (pytorch[0] keeps the coordinates in order), each sketched by a maximum, one correctly rounded
         # division and a floor: bitwise.
-        assert torch.equal(triton.sketch.codes, pytorch[0].sketch.codes)
-        assert torch.equal(triton.sketch.scales, pytorch[0].sketch.scales)
+        assert torch.equal(triton.sketch.codes.cpu(), pytorch[0].sketch.codes)
+        assert torch.equal(triton.sketch.scales.cpu(), pytorch[0].sketch.scales)
     # Counts of blocks and tokens; their decisions are settled, so they are equal in every implementation.
     rows = triton.attention.figures.rows()
     assert all(rows == engine.attention.figures.rows() for engine in (exact, *pytorch))

@@ -104,8 +104,10 @@ def _sketch_written_keys_kernel(
         k = tl.load(
             key_ptr + block * stride_kb + offset * stride_kt + head * stride_kh + d, mask=d < HEAD_DIM, other=0.0
         ).to(tl.float32)
-        scale = tl.max(tl.abs(k), axis=0) / 127.0
-        codes = tl.where(scale > 0, tl.floor(k / tl.where(scale > 0, scale, 1.0) + 0.5), 0.0)
+        # Correctly rounded divisions (div_rn), as PyTorch's: a GPU's fp32 `/` is approximate (within 2 ulp), which
+        # left scales a unit in the last place off the reference on an H200.
+        scale = tl.div_rn(tl.max(tl.abs(k), axis=0), 127.0)
+        codes = tl.where(scale > 0, tl.floor(tl.div_rn(k, tl.where(scale > 0, scale, 1.0)) + 0.5), 0.0)
         codes = tl.minimum(tl.maximum(codes, -127.0), 127.0)
         tl.store(
             codes_ptr + block * stride_cb + offset * stride_ct + head * stride_ch + d,
@@ -122,7 +124,9 @@ def _sketch_written_keys_kernel(
 def sketch_reference(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (int8, ``keys``' shape) and scales (fp32, ``keys.shape[:-1]``) of ``keys[..., head_dim]``."""
     k = keys.float()
-    scales = k.abs().amax(-1) / CODE_MAX
+    # In float64, rounded once to fp32: the correctly rounded quotient on any device (PyTorch's CUDA division by a
+    # scalar multiplies by its reciprocal, a unit in the last place off at times).
+    scales = (k.abs().amax(-1).double() / CODE_MAX).float()
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     codes = torch.where(scales[..., None] > 0, torch.floor(k / safe[..., None] + 0.5), torch.zeros_like(k))
     return codes.clamp(-CODE_MAX, CODE_MAX).to(torch.int8), scales
