@@ -62,13 +62,14 @@ CONTEXTS = [256] if SMOKE else [4096, 16384, 32768, 65536, 131072]
 BATCHES = [1, 2] if SMOKE else [1, 8, 64]
 BETAS = [4.0] if SMOKE else [2.0, 4.0, 6.0]
 PREFILLS = [64] if SMOKE else [4096, 16384, 32768]
+WARMUPS = 1 if SMOKE else 3
 MAX_TOKENS = 1 << 20 if SMOKE else 8 << 20  # K/V of at most this many tokens in memory (8M tokens ~ 16 GiB fp16)
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after 3 warm-ups (CUDA events on a GPU), as called from
-    Python: the host's launch work is in the time whenever it outlasts the GPU's."""
-    for _ in range(3):
+    """Median seconds of ``fn()`` over ``repeats`` runs after ``WARMUPS`` warm-ups (CUDA events on a GPU), as called
+    from Python: the host's launch work is in the time whenever it outlasts the GPU's."""
+    for _ in range(WARMUPS):
         fn()
     samples = []
     for _ in range(repeats):
@@ -94,7 +95,7 @@ def graph_timed(fn, device: torch.device, repeats: int) -> float:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):  # warm-up off the capture: compilation and the allocator's first blocks
+        for _ in range(WARMUPS):  # warm-up off the capture: compilation and the allocator's first blocks
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
@@ -216,7 +217,7 @@ def main() -> None:
         sys.exit("no GPU: run with --smoke to check the script in Triton's interpreter")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     bandwidth = copy_bandwidth(device)
-    repeats = 2 if SMOKE else 20
+    repeats = 1 if SMOKE else 20
     rows = []
     for label, *batch in real_batches(device, dtype):
         rows += decode_rows(label, *batch, device, dtype, repeats, bandwidth, SINK, LOCAL)
