@@ -212,7 +212,7 @@ def real_batches(device: torch.device, dtype: torch.dtype):
 
 
 def main() -> None:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() and not SMOKE else "cpu")  # --smoke: the CPU, always
     if device.type != "cuda" and not SMOKE:
         sys.exit("no GPU: run with --smoke to check the script in Triton's interpreter")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
