@@ -48,8 +48,9 @@ ORDER_FACTOR = 4.0
 FLOOR_ULPS = 4.0
 
 # Where the kernel tests put their tensors: a CUDA GPU when there is one (the compiled kernels), else the CPU, where
-# conftest.py has Triton interpret the kernels. References run on the CPU in float64 whatever the device, so the
-# comparisons below move what they compare to the CPU first.
+# conftest.py has Triton interpret the kernels. References run on their inputs' device, and some return CPU tensors
+# whatever it is (the rotation references, in float64 on the host), so the comparisons below move what they compare
+# to the CPU first.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

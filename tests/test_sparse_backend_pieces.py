@@ -96,7 +96,7 @@ class Engine:
             starts,
             lens.to(self.device),
             lens,
-            self.table.to(self.device),
+            self.table.clone().to(self.device),  # a copy: later steps fill the engine's own table
             torch.tensor(slots, dtype=torch.int64, device=self.device),
             total,
             max(self.lens),

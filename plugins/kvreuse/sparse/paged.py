@@ -48,7 +48,7 @@ from kvreuse.sparse.figures import AttendedFractions, sample_recovery, should_sa
 from kvreuse.sparse.policy import INF, RuleBasedPolicy
 
 if TYPE_CHECKING:  # the kernels' modules import Triton, which the CPU path needs only at call time
-    from kvreuse.kernels.dipr_decode import DIPRCounters
+    from kvreuse.kernels.dipr_decode import DIPRCounters, DIPRDecode
     from kvreuse.kernels.key_sketch import KeySketch
 
 
@@ -259,7 +259,10 @@ class SparseAttention:
         if count:
             self.figures.add_dense(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads, count)
         if plan.dense is not None:
-            self._dense(query, key_cache, value_cache, sketch, plan.dense, out, batch.query_positions)
+            if self._dense_decodes_only(query, plan.dense, batch):
+                self._dense_decode_kernels(query, key_cache, value_cache, sketch, plan.dense, batch.max_seq_len, out)
+            else:
+                self._dense(query, key_cache, value_cache, plan.dense, out, batch.query_positions)
         if plan.dipr is not None:
             self._dipr_decode(layer, query, key_cache, value_cache, sketch, plan.dipr, batch.max_seq_len, out)
         if plan.ape is not None:
@@ -291,29 +294,14 @@ class SparseAttention:
         query: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-        sketch: KeySketch,
         sub: SubBatch,
         out: torch.Tensor,
         positions: torch.Tensor | None = None,
     ) -> None:
         """Dense causal attention of a sub-batch (prefill, chunked prefill, dense decode) into its rows; with
-        ``positions`` (host, one per token of the batch), masked by position, in PyTorch.
-
-        With the kernels, a sub-batch of decodes only (``max_query_len`` 1, every step once prefills are done) runs
-        ``DIPRDecode`` at beta = inf, its dense case: split-K over the context, where ``PagedCausalAttention`` gives
-        each sequence and head one program that walks the whole context (on an H200, 0.6x FlashAttention's decode
-        time against 0.01x at 64K-128K tokens, ``benchmarks/sparse_decode_gpu.py``)."""
+        ``positions`` (host, one per token of the batch), masked by position, in PyTorch."""
         if positions is not None:
             self._dense_at(query, key_cache, value_cache, sub, out, positions)
-            return
-        if self._use_kernels(query) and sub.max_query_len == 1:
-            from kvreuse.kernels.dipr_decode import DIPRDecode
-
-            rows = sub.query_starts.long()
-            decode = DIPRDecode(self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size, scale=self.scale)
-            decode.plan(sub.seq_lens, sub.block_table)
-            result = decode.run(query.index_select(0, rows), key_cache, value_cache, sketch, float("inf"))
-            out.index_copy_(0, rows, result.to(out.dtype))
             return
         if self._use_kernels(query):
             from kvreuse.kernels.paged_causal import PagedCausalAttention
@@ -335,6 +323,45 @@ class SparseAttention:
                 values = cpu_attention.sequence_tokens(value_cache, blocks, seq_len)
                 result = cpu_attention.dense_causal(query[first:last], keys, values, self.scale)
             out[first:last] = result.to(out.dtype)
+
+    def _dense_decodes_only(self, query: torch.Tensor, sub: SubBatch, batch: PagedBatch) -> bool:
+        """Whether a dense sub-batch is decodes only (every step once prefills are done), in order, on the kernels:
+        then ``DIPRDecode`` at beta = inf, its dense case, serves it with split-K over the context, where
+        ``PagedCausalAttention`` gives each sequence and head one program that walks the whole context (on an H200,
+        0.6x FlashAttention's decode time against 0.01x at 64K-128K tokens, ``benchmarks/sparse_decode_gpu.py``)."""
+        return sub.max_query_len == 1 and batch.query_positions is None and self._use_kernels(query)
+
+    def _dense_decode_kernels(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        sketch: KeySketch,
+        sub: SubBatch,
+        max_seq_len: int,
+        out: torch.Tensor,
+    ) -> None:
+        """Dense decode attention of a decodes-only sub-batch through ``DIPRDecode`` at beta = inf (no sketch read)."""
+        rows = sub.query_starts.long()
+        launcher = self._dipr_launcher(sub, max_seq_len)
+        result = launcher.run(query.index_select(0, rows), key_cache, value_cache, sketch, float("inf"))
+        out.index_copy_(0, rows, result.to(out.dtype))
+
+    def _dipr_launcher(self, sub: SubBatch, max_seq_len: int) -> DIPRDecode:
+        """The DIPR kernels' launcher for this model's shape and settings, planned for ``sub``'s decodes."""
+        from kvreuse.kernels.dipr_decode import DIPRDecode
+
+        launcher = DIPRDecode(
+            self.num_q_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+            scale=self.scale,
+            sink=self.config.sink,
+            local=self.config.local,
+        )
+        launcher.plan(sub.seq_lens, sub.block_table, max_seq_len=max_seq_len)
+        return launcher
 
     def _dense_at(
         self,
@@ -403,18 +430,7 @@ class SparseAttention:
         self._dipr_steps[layer] = step + 1
         sampled = should_sample(step, self.config.sample_recovery)
         if self._use_kernels(query):
-            from kvreuse.kernels.dipr_decode import DIPRDecode
-
-            launcher = DIPRDecode(
-                self.num_q_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                self.block_size,
-                scale=self.scale,
-                sink=sink,
-                local=local,
-            )
-            launcher.plan(seq_lens, block_table, max_seq_len=max_seq_len)
+            launcher = self._dipr_launcher(sub, max_seq_len)
             result, counters = launcher.run(q.contiguous(), key_cache, value_cache, sketch, betas, return_counters=True)
         else:
             result, counters = self._dipr_decode_cpu(q, key_cache, value_cache, sketch, sub, betas)
