@@ -235,3 +235,31 @@ def test_the_triton_path_in_the_engine_gives_the_pytorch_paths_tokens_and_figure
     for ours, theirs in zip(rows, results[False][1]):
         assert ours["block_fraction"] == pytest.approx(theirs["block_fraction"])
         assert ours["token_fraction"] == pytest.approx(theirs["token_fraction"], abs=1e-3)
+
+
+def _poison_kv_cache(worker):
+    """Fill every layer's whole KV cache, key sketches included, with NaN: what a request whose arithmetic
+    overflowed leaves in the blocks it frees (issue 26), everywhere at once."""
+    import torch
+
+    for module in worker.model_runner.compilation_config.static_forward_context.values():
+        kv_cache = getattr(module, "kv_cache", None)
+        if isinstance(kv_cache, torch.Tensor) and kv_cache.is_floating_point():
+            kv_cache.fill_(float("nan"))
+
+
+@pytest.mark.parametrize("flags", [EXACT, {**EXACT, "beta": 2.0}], ids=["beta-inf", "beta-2"])
+def test_nan_left_in_freed_blocks_changes_no_later_requests_answer(sparse_llm, flags):
+    """The cross-tenant corruption of issue 26: a block keeps what its last request wrote, and a new request
+    overwrites only the slots it fills, so the slots after its last token hold the old NaN. Every request's greedy
+    tokens after the whole cache was poisoned are those it gets on a clean cache (on the code before the fix, a
+    zero softmax weight times a stale NaN value made every decode NaN)."""
+    sparse_llm.collective_rpc(_configure(flags))
+    sparse_llm.reset_prefix_cache()
+    clean, _ = greedy(sparse_llm, PROMPTS)
+    sparse_llm.reset_prefix_cache()
+    sparse_llm.collective_rpc(_poison_kv_cache)
+    poisoned, _ = greedy(sparse_llm, PROMPTS)
+    sparse_llm.collective_rpc(_configure(EXACT))
+    for i, (reference, ours) in enumerate(zip(clean, poisoned)):
+        assert ours.token_ids == reference.token_ids, f"prompt {i}"

@@ -119,6 +119,41 @@ def shield_llvmlite_from_kernel_scan() -> None:
         table.setdefault("__dict__", {})
 
 
+@MANIFEST.touches(
+    call("vllm.v1.engine.input_processor:InputProcessor._validate_params", "self", "params", "supported_tasks"),
+    value("vllm.exceptions:VLLMValidationError"),
+)
+def validate_transfer_params(check: Callable[[object], tuple[str, str] | None]) -> None:
+    """Have vLLM's front end refuse a request whose ``kv_transfer_params`` ``check`` finds wrong, before it reaches
+    the engine: ``check`` returns ``(field, message)`` or ``None``, and a refusal is vLLM's own
+    ``VLLMValidationError`` naming the field (HTTP 400 on every endpoint; ``ValueError`` in ``LLM.generate``).
+
+    vLLM has no hook for validating ``kv_transfer_params`` (a KV connector sees a request only in the engine core,
+    where an exception ends the engine), so the input processor's parameter check, which every request of every
+    front end passes, is wrapped once per process. Tested: vLLM 0.32.0.
+    """
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    original = InputProcessor._validate_params
+    if getattr(original, "kvreuse_check", None) is check:
+        return
+
+    @functools.wraps(original)
+    def validate(self: Any, params: Any, supported_tasks: Any) -> Any:
+        resolved = original(self, params, supported_tasks)
+        if isinstance(params, SamplingParams) and params.extra_args:
+            refusal = check(params.extra_args.get("kv_transfer_params"))
+            if refusal is not None:
+                field, message = refusal
+                raise VLLMValidationError(message, parameter=field)
+        return resolved
+
+    validate.kvreuse_check = check  # type: ignore[attr-defined]
+    InputProcessor._validate_params = validate  # type: ignore[method-assign]
+
+
 @MANIFEST.touches(attribute("vllm.distributed.kv_transfer.kv_connector.v1.metrics:KVConnectorPromMetrics._counter_cls"))
 def prometheus_counter_class(metrics: KVConnectorPromMetrics) -> Any:
     """The counter class vLLM hands a connector's Prometheus metrics (a multiprocess-aware ``Counter``).

@@ -13,11 +13,11 @@ import torch
 from numerics import gamma
 from test_module_connector_pieces import module_scheduler
 
-from kvreuse.errors import ConfigError, ModuleRegistrationError
+from kvreuse.errors import ConfigError, RequestParameterError
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.store import ModuleKey
 from kvreuse.sparse import cpu_attention
-from kvreuse.sparse.ape import ApeSpans, ape_attend
+from kvreuse.sparse.ape import OFF, ApeSpans, ape_attend
 from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.paged import PagedBatch, SparseAttention
 from kvreuse.vllm.modules.common import ModuleCacheMetadata, ape_setting
@@ -28,8 +28,8 @@ def test_ape_settings_default_to_off_and_bad_values_name_the_setting():
     assert ModulesConfig.load({}, environ={}).ape == (1.0, 1.0)
     assert ModulesConfig.load({"ape_temperature": 0.8, "ape_scale": 2}, environ={}).ape == (0.8, 2.0)
     assert ModulesConfig.load({}, environ={"KVREUSE_MODULES_APE_TEMPERATURE": "0.5"}).ape == (0.5, 1.0)
-    for bad in ({"ape_temperature": 0}, {"ape_scale": -1.0}, {"ape_temperature": float("inf")}):
-        with pytest.raises(ConfigError, match="must be a finite number > 0.*KVREUSE_MODULES_APE_TEMPERATURE"):
+    for bad in ({"ape_temperature": 0}, {"ape_scale": -1.0}, {"ape_temperature": float("inf")}, {"ape_scale": 1e300}):
+        with pytest.raises(ConfigError, match="ape_"):
             ModulesConfig.load(bad, environ={})
 
 
@@ -39,8 +39,44 @@ def test_a_request_sets_its_own_ape_and_bad_values_name_the_parameter():
     assert ape_setting({"kvreuse_ape": {"scale": 0.5}}, (0.8, 1.0)) == (1.0, 0.5)  # a key left out is 1
     assert ape_setting({"kvreuse_ape": {}}, (0.8, 1.0)) == (1.0, 1.0)  # a request turns the engine's APE off
     for bad in (0.8, {"temp": 0.8}, {"temperature": 0}, {"scale": "2"}, {"temperature": True}):
-        with pytest.raises(ModuleRegistrationError, match="kvreuse_ape"):
+        with pytest.raises(RequestParameterError, match="kvreuse_ape"):
             ape_setting({"kvreuse_ape": bad}, (1.0, 1.0))
+
+
+@pytest.mark.parametrize(
+    "ape, field",
+    [
+        ({"temperature": 1e-300}, "temperature"),  # issue 26: 1 / T overflowed a float and ended the engine
+        ({"temperature": 5e-324}, "temperature"),  # issue 26: finite as a setting, NaN KV as arithmetic
+        ({"temperature": 1e-38, "scale": 1e308}, "temperature"),
+        ({"scale": 1e308}, "scale"),
+        ({"scale": 5e-324}, "scale"),
+        ({"temperature": 2.0**-8 * 0.99}, "temperature"),
+        ({"temperature": 2.0**8 * 1.01}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"scale": float("inf")}, "scale"),
+    ],
+)
+def test_ape_factors_past_what_fp32_attention_holds_are_refused_naming_the_field(ape, field):
+    with pytest.raises(RequestParameterError, match=f"kvreuse_ape: {field} must be a number from") as refused:
+        ape_setting({"kvreuse_ape": ape}, (1.0, 1.0))
+    assert refused.value.field == f"kv_transfer_params.kvreuse_ape.{field}"
+
+
+def test_ape_factors_at_their_bounds_keep_attention_finite_in_every_dtype():
+    """At the bounds (T = 2**-8 and 2**8, S = 2**-126 and 2**126) APE's late queries attend in fp32 and give a
+    finite output for bf16 and fp16 caches, with keys as large as fp16 holds."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for temperature, scale in ((2.0**-8, 2.0**126), (2.0**8, 2.0**-126)):
+            spans = ApeSpans(
+                ((2, 10),), *ape_setting({"kvreuse_ape": {"temperature": temperature, "scale": scale}}, OFF)
+            )
+            g = torch.Generator().manual_seed(0)
+            keys = (torch.randn(12, 1, 8, generator=g) * 60000).clamp(-65504, 65504).to(dtype)
+            values = torch.randn(12, 1, 8, generator=g).to(dtype)
+            query = (torch.randn(2, 2, 8, generator=g) * 100).to(dtype)
+            out = ape_attend(query, keys, values, torch.tensor([10, 11]), spans, 8**-0.5)
+            assert out.dtype == dtype and bool(torch.isfinite(out).all())
 
 
 # -- the attention ------------------------------------------------------------------------------------------------

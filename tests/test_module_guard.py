@@ -116,8 +116,9 @@ def test_an_allowed_write_reaches_the_server_with_a_proof_and_without_the_key_he
         ({"kvreuse_module": "a\nb"}, "letters, digits"),
         ({"kvreuse_module": ""}, "1-128 characters"),
         ({"kvreuse_module": ["a"]}, "must be a string"),
-        ({"kvreuse_module": "a", "kvreuse_context": -1}, "integer >= 0"),
-        ({"kvreuse_module": "a", "kvreuse_context": True}, "integer >= 0"),
+        ({"kvreuse_module": "a", "kvreuse_context": -1}, "integer from 0 to 2147483647"),
+        ({"kvreuse_module": "a", "kvreuse_context": True}, "integer from 0 to 2147483647"),
+        ({"kvreuse_module": "a", "kvreuse_context": 2**31}, "integer from 0 to 2147483647"),
         ({"kvreuse_module": "a", "kvreuse_replace": "yes"}, "true or false"),
     ],
 )
@@ -125,6 +126,26 @@ def test_a_write_with_the_key_but_a_bad_name_or_context_is_a_400_naming_the_prob
     response = call("POST", "/v1/completions", body={"prompt": [1], "kv_transfer_params": params}, headers=WITH_KEY)
     assert response.status_code == 400 and says in response.json()["error"]["message"]
     assert response.json()["error"]["type"] == "BadRequestError"
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"kvreuse_ape": {"temperature": 1e-300}}, "kvreuse_ape.temperature"),  # issue 26: ended the engine
+        ({"kvreuse_ape": {"temperature": 1e-38, "scale": 1e308}}, "kvreuse_ape.temperature"),
+        ({"kvreuse_ape": {"scale": 1e308}}, "kvreuse_ape.scale"),
+        ({"kvreuse_recompute_first": 10**30}, "kvreuse_recompute_first"),
+        ({"kvreuse_recompute_share": 2}, "kvreuse_recompute_share"),
+        ({"kvreuse_recompute_frist": 8}, "kvreuse_recompute_frist"),  # misspelt: never silently ignored
+    ],
+)
+def test_a_per_request_setting_out_of_its_range_is_a_400_naming_the_field_without_any_key(params, field):
+    """Not a write, so no key is needed to send it, and none makes it pass: the guard answers 400 and the request
+    never reaches the server behind it."""
+    for headers in ({}, WITH_KEY):
+        response = call("POST", "/v1/completions", body={"prompt": [1], "kv_transfer_params": params}, headers=headers)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == f"kv_transfer_params.{field}"
 
 
 def test_a_megabyte_name_is_refused_before_it_reaches_the_engine_or_a_log():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_module_connector_pieces import module_scheduler
 
-from kvreuse.errors import ModuleRegistrationError
+from kvreuse.errors import RequestParameterError
 from kvreuse.modules.splice import Piece, first_tokens, true_positions
 from kvreuse.modules.store import ModuleKey
 from kvreuse.sparse import cpu_attention
@@ -39,8 +39,9 @@ def test_a_request_sets_its_own_recompute_first_and_bad_values_name_the_problem(
     assert recompute_first(None, 4) == 4 and recompute_first({"other": 1}, 4) == 4
     assert recompute_first({"kvreuse_recompute_first": 0}, 4) == 0
     assert recompute_first({"kvreuse_recompute_first": 32}, 0) == 32
-    for bad in (-1, True, "8", 1.5):
-        with pytest.raises(ModuleRegistrationError, match="kvreuse_recompute_first must be a non-negative integer"):
+    assert recompute_first({"kvreuse_recompute_first": 2**31 - 1}, 0) == 2**31 - 1
+    for bad in (-1, True, "8", 1.5, 2**31, 10**4000):  # past int32: vLLM's position tensors
+        with pytest.raises(RequestParameterError, match="kvreuse_recompute_first must be a non-negative integer"):
             recompute_first({"kvreuse_recompute_first": bad}, 0)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_module_connector_pieces import module_scheduler
 
-from kvreuse.errors import ModuleRegistrationError
+from kvreuse.errors import ModuleRegistrationError, RequestParameterError
 from kvreuse.kernels.rerotate import RopeSpec
 from kvreuse.modules.blend import encode_deviation, ranking, token_scores
 from kvreuse.modules.splice import Piece, chosen_tokens, merge_positions, piece_kv
@@ -81,8 +81,8 @@ def test_a_request_sets_its_own_share_and_bad_values_name_the_problem():
     assert recompute_share(None, 0.1) == 0.1 and recompute_share({"other": 1}, 0.1) == 0.1
     assert recompute_share({"kvreuse_recompute_share": 0}, 0.1) == 0.0
     assert recompute_share({"kvreuse_recompute_share": 1}, 0.0) == 1.0
-    for bad in (-0.1, 1.5, True, "0.1"):
-        with pytest.raises(ModuleRegistrationError, match="kvreuse_recompute_share must be a number from 0 to 1"):
+    for bad in (-0.1, 1.5, True, "0.1", float("nan"), float("inf")):
+        with pytest.raises(RequestParameterError, match="kvreuse_recompute_share must be a number from 0 to 1"):
             recompute_share({"kvreuse_recompute_share": bad}, 0.0)
 
 

@@ -204,3 +204,34 @@ def test_store_and_sketch_writes_what_the_references_write(dtype):
     for got, want in ((got_k, want_k), (got_v, want_v), (got_sketch.codes, want_sketch.codes)):
         assert torch.equal(got.nan_to_num(), want.nan_to_num())
     assert torch.equal(got_sketch.scales, want_sketch.scales)
+
+
+def stale_tail(n: int, consecutive: bool, garbage: float):
+    """A sequence of ``n`` tokens whose last block's slots past ``n`` hold ``garbage`` (what a freed block keeps of
+    the request that used it before: NaN or inf where that request's arithmetic overflowed), and the same sequence
+    with those slots clean."""
+    clean_k, clean_v, g = caches()
+    blocks = table(n, consecutive, g)
+    query = torch.randn(Q_HEADS, DIM, generator=g)
+    stale_k, stale_v = clean_k.clone(), clean_v.clone()
+    last = int(blocks[(n - 1) // BLOCK])
+    stale_k[last, n % BLOCK :] = garbage
+    stale_v[last, n % BLOCK :] = garbage
+    return query, blocks, (clean_k, clean_v), (stale_k, stale_v)
+
+
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("beta", [float("inf"), 2.0])
+@pytest.mark.parametrize("n", [1, 45, 300])
+def test_a_decode_never_reads_the_stale_slots_of_its_last_block(garbage, beta, n):
+    """The cross-request corruption of issue 26: a request whose arithmetic overflowed left NaN/inf K/V in its
+    blocks; freed, a block goes to another request, which overwrites only the slots it fills. Its decode must give
+    what it gives over a clean block: a zero softmax weight times a NaN value is NaN, so the stale slots must never
+    enter the value product."""
+    query, blocks, (clean_k, clean_v), (stale_k, stale_v) = stale_tail(n, consecutive=False, garbage=garbage)
+    want = cpu_attention.dipr_decode(
+        query, clean_k, clean_v, sketch_of(clean_k), blocks, n, beta, SCALE, SINK, LOCAL
+    ).out
+    got = cpu_attention.dipr_decode(query, stale_k, stale_v, sketch_of(stale_k), blocks, n, beta, SCALE, SINK, LOCAL)
+    assert bool(torch.isfinite(got.out).all())
+    assert torch.equal(got.out, want)

@@ -79,3 +79,12 @@ class ModuleMismatch(ModuleRegistrationError):
 
 class ModuleTooLarge(KVReuseError, ValueError):
     """A module is larger than the capacity of every tier of the store."""
+
+
+class RequestParameterError(KVReuseError, ValueError):
+    """A request's own kvreuse parameter (in its ``kv_transfer_params``) is malformed or out of its range; ``field``
+    names it (``kv_transfer_params.kvreuse_ape.temperature``)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field

@@ -34,6 +34,9 @@ class ApeSpans:
     temperature: float
     scale: float
 
+    def __post_init__(self) -> None:
+        check_ape(self.temperature, self.scale, "APE spans")  # no factor past the bounds reaches the attention
+
     @property
     def after(self) -> int:
         """The first position whose queries attend with APE (the end of the last module)."""
@@ -47,13 +50,32 @@ class ApeSpans:
         return mask
 
 
+# The settings' bounds come from the arithmetic they feed (issue 26: a request's T = 1e-300 made ``1 / T`` overflow
+# and killed the engine; T = 5e-324 left NaN KV behind). APE's late queries attend in fp32 (``ape_attend``):
+# - T: the module logits are multiplied by 1 / T <= 2**8, which uses 8 of fp32's 127 binary orders of magnitude
+#   above the plain logits; a trained model's logits lie far below fp32's limit (SmolLM2-135M's real keys and
+#   queries, tests/data/smollm2_keys.pt: |logit| < 26), so the scaled logits stay finite. Past 2**8 either way
+#   fp32's softmax is saturated anyway: at T = 2**-8 a logit gap of 0.41 already gives a weight ratio of e**-104,
+#   below fp32's smallest number, and at T = 2**8 every module logit within 26 of another weighs the same to 10%.
+# - S: log(S) is added to the module logits; S and 1 / S are normal fp32 numbers (|log S| < 88: the module keys'
+#   attention mass changes by a factor fp32 can hold), and the bias is exact in every logit dtype (fp16: 65504).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 2.0**-8, 2.0**8
+MIN_SCALE, MAX_SCALE = 2.0**-126, 2.0**126
+
+
 def check_ape(temperature: object, scale: object, where: str) -> tuple[float, float]:
-    """``(temperature, scale)`` as floats if both are finite and positive; else a ``ValueError`` whose message
-    names ``where`` (the setting or parameter the values came from)."""
+    """``(temperature, scale)`` as floats if each is a number within its bounds (``MIN_TEMPERATURE`` ..
+    ``MAX_TEMPERATURE``, ``MIN_SCALE`` .. ``MAX_SCALE``); else a ``ValueError`` whose message names ``where`` (the
+    setting or parameter the values came from), the field and its range."""
     values = []
-    for name, value in (("temperature", temperature), ("scale", scale)):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-            raise ValueError(f"{where}: {name} must be a finite number > 0 (1 = off), got {repr(value)[:32]}")
+    for name, value, low, high in (
+        ("temperature", temperature, MIN_TEMPERATURE, MAX_TEMPERATURE),
+        ("scale", scale, MIN_SCALE, MAX_SCALE),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+            raise ValueError(
+                f"{where}: {name} must be a number from {low:.3g} to {high:.3g} (1 = off), got {repr(value)[:32]}"
+            )
         values.append(float(value))
     return values[0], values[1]
 
@@ -74,17 +96,18 @@ def ape_attend(
     positions = positions.to(device)
     visible = torch.arange(seq_len, device=device)[None, :] <= positions[:, None]
     late = positions >= spans.after
-    keys, values = keys.to(query.dtype), values.to(query.dtype)
     out = torch.empty_like(query)
     if not bool(late.all()):
-        out[~late] = _attend(query[~late], keys, values, visible[~late], scale)
+        out[~late] = _attend(query[~late], keys.to(query.dtype), values.to(query.dtype), visible[~late], scale)
     if bool(late.any()):
+        # In fp32 whatever the model's dtype: 1 / T on a key stored in fp16 or bf16 could leave the key's dtype.
         module = spans.module_keys(seq_len, device)
-        factor = torch.where(module, 1.0 / spans.temperature, 1.0).to(keys.dtype)
-        bias = torch.zeros(visible[late].shape, dtype=query.dtype, device=device)
+        factor = torch.where(module, 1.0 / spans.temperature, 1.0).float()
+        bias = torch.zeros(visible[late].shape, dtype=torch.float32, device=device)
         bias[:, module] = math.log(spans.scale)
         bias.masked_fill_(~visible[late], float("-inf"))
-        out[late] = _attend(query[late], keys * factor[:, None, None], values, bias, scale)
+        attended = _attend(query[late].float(), keys.float() * factor[:, None, None], values.float(), bias, scale)
+        out[late] = attended.to(out.dtype)
     return out
 
 

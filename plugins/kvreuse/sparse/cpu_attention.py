@@ -96,21 +96,40 @@ def head_logits(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return logits.view(block_size, kv, group, blocks).permute(1, 2, 3, 0).reshape(kv, group, blocks * block_size)
 
 
-def head_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def head_values(weights: torch.Tensor, values: torch.Tensor, last_block_tokens: int | None = None) -> torch.Tensor:
     """``sum_j weights[kv, g, j] v_j`` for the values of ``values[blocks, block_size, kv, d]``: ``[kv, g, d]``, one
-    batched product over (token slot, KV head) as in ``head_logits``, then a sum over the slots."""
+    batched product over (token slot, KV head) as in ``head_logits``, then a sum over the slots.
+
+    ``last_block_tokens``: only that many slots of the last block hold the sequence's tokens. The slots after them
+    are never read, not even with a zero weight: a freed block keeps what its last request wrote there, NaN or inf
+    where that request's arithmetic overflowed, and ``0 * nan`` is NaN (issue 26: one request's overflow corrupted
+    other tenants' decodes through the blocks it left behind)."""
     blocks, block_size, kv, dim = values.shape
     group = weights.shape[1]
-    w = weights.view(kv, group, blocks, block_size).permute(3, 0, 1, 2).reshape(block_size * kv, group, blocks)
-    by_slot = values.permute(1, 2, 0, 3).reshape(block_size * kv, blocks, dim)
-    return torch.bmm(w, by_slot.to(w.dtype)).view(block_size, kv, group, dim).sum(0)
+    w = weights.reshape(kv, group, blocks, block_size).permute(3, 0, 1, 2)  # [block_size, kv, g, blocks]
+    by_slot = values.permute(1, 2, 0, 3)  # [block_size, kv, blocks, d]: a view when tokens hold all heads
+    live = block_size if last_block_tokens is None else last_block_tokens
+    out = _slot_products(w[:live], by_slot[:live])
+    if live < block_size and blocks > 1:  # the later slots: every block but the last
+        out = out + _slot_products(w[live:, ..., :-1], by_slot[live:, :, :-1])
+    return out
 
 
-def softmax_attend(logits: torch.Tensor, keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def _slot_products(w: torch.Tensor, by_slot: torch.Tensor) -> torch.Tensor:
+    """``w[slots, kv, g, blocks] @ by_slot[slots, kv, blocks, d]`` summed over the slots: ``[kv, g, d]``."""
+    slots, kv, group, blocks = w.shape
+    dim = by_slot.shape[-1]
+    products = torch.bmm(w.reshape(slots * kv, group, blocks), by_slot.reshape(slots * kv, blocks, dim).to(w.dtype))
+    return products.view(slots, kv, group, dim).sum(0)
+
+
+def softmax_attend(
+    logits: torch.Tensor, keep: torch.Tensor, values: torch.Tensor, last_block_tokens: int | None = None
+) -> torch.Tensor:
     """Softmax of ``logits[kv, g, m]`` over the tokens where ``keep`` (broadcast to it), applied to ``values``
-    (``head_values``). Every row keeps a token (a decode's window is never empty)."""
+    (``head_values``, with ``last_block_tokens``). Every row keeps a token (a decode's window is never empty)."""
     weights = torch.softmax(logits.masked_fill(~keep, NEG_INF), dim=-1)
-    return head_values(weights, values)
+    return head_values(weights, values, last_block_tokens)
 
 
 def store_and_sketch(
@@ -207,7 +226,8 @@ def dense_decode(
     keys, values = gather_kv(key_cache, value_cache, blocks[:n_blocks])
     logits = head_logits(q, keys)
     logits[..., seq_len:] = NEG_INF  # the last block's slots past the sequence
-    return head_values(torch.softmax(logits, dim=-1), values).flatten(0, 1)
+    tail = seq_len - (n_blocks - 1) * block_size
+    return head_values(torch.softmax(logits, dim=-1), values, tail).flatten(0, 1)
 
 
 def window_positions(seq_len: int, sink: int, local: int) -> torch.Tensor:
@@ -328,6 +348,7 @@ def dipr_decode(
         )
     upper, lower, width = sketch_estimates(q, sketch, blocks)  # [kv, g, n]
     upper[..., seq_len:] = lower[..., seq_len:] = NEG_INF  # the last block's slots past the sequence: anything
+    width[..., seq_len:] = 0.0  # (their sketch may be a NaN a freed block kept)
     width = width.amax(-1, keepdim=True)  # [kv, g, 1]: the widest bracket, which settles as much as each token's
     # tau: the largest lower bound, attained among the tokens whose estimated lower bound may be the largest
     near = lower >= lower.amax(-1, keepdim=True) - width
@@ -353,5 +374,6 @@ def dipr_decode(
     is_window = (pos < sink) | (pos >= seq_len - local)
     reads = read[:, needed].repeat_interleave(block_size, dim=1)[:, None, :]  # [kv, 1, m]
     keep = reads & (pos < seq_len) & (is_window | (logits >= tau))
-    out = softmax_attend(logits, keep, values)
+    tail = seq_len - (n_blocks - 1) * block_size if int(needed[-1]) == n_blocks - 1 else block_size
+    out = softmax_attend(logits, keep, values, tail)
     return DecodeResult(out.flatten(0, 1), read.sum(1), keep.sum(-1).flatten())

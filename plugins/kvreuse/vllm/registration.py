@@ -7,7 +7,9 @@ boundary with vLLM (``kvreuse.patches.vllm_0_32``), which refuses a vLLM version
 engine process starts. It must stay cheap: it only adds names to vLLM's registries (the sparse attention backend, the
 module-cache KV connector ``KVReuseModuleCache`` and the sparse figures' connector ``KVReuseSparseFigures``) and
 makes sure the process tree has the local secret the offline module API signs its writes with
-(``kvreuse.config.share_local_secret``); choosing a plugin is left to the user's own engine flags.
+(``kvreuse.config.share_local_secret``), and has vLLM's front end check every request's ``kvreuse_*`` parameters
+(``transfer_params_refusal``: a 400 naming the field, before the engine sees the request); choosing a plugin is left
+to the user's own engine flags.
 
 The sparse attention backend (``kvreuse.vllm.sparse.backend``) is registered as ``AttentionBackendEnum.CUSTOM``,
 which ``--attention-backend CUSTOM`` selects on a GPU. vLLM's CPU platform ignores ``--attention-backend`` and always
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 
 from kvreuse.config import TRUE_WORDS, check_environment, share_local_secret
 from kvreuse.vllm.names import SPARSE_BACKEND, SPARSE_CPU_SWITCH, ConnectorName
@@ -47,10 +50,25 @@ def register() -> None:
     # Before any engine process starts, so they inherit it: the key the offline module API signs writes with.
     share_local_secret()
     _register_sparse_backend()
+    # Every request's kvreuse parameters are checked in vLLM's front end (a 400 naming the field), before the engine.
+    vllm_0_32.validate_transfer_params(transfer_params_refusal)
     for name in ConnectorName:
         vllm_0_32.register_kv_connector(name, name.module, name)
     _REGISTERED_PIDS.add(os.getpid())
     logger.info("kvreuse plugin registered in pid %d", os.getpid())
+
+
+def transfer_params_refusal(params: object) -> tuple[str, str] | None:
+    """Why a request's ``kv_transfer_params`` are refused (``(field, message)``), or ``None``; the module-cache
+    adapter's check (``kvreuse.vllm.modules.common.check_transfer_params``) is imported only for a request that
+    carries a ``kvreuse_`` key, so registering stays cheap and imports none of the module cache."""
+    if not isinstance(params, Mapping) or not any(
+        isinstance(key, str) and key.startswith("kvreuse_") for key in params
+    ):
+        return None
+    from kvreuse.vllm.modules.common import transfer_params_refusal as refusal
+
+    return refusal(params)
 
 
 def registered_pids() -> frozenset[int]:

@@ -6,18 +6,19 @@ Both sides import this module, never each other (nor the connector facade), as i
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvreuse.errors import ModuleRegistrationError
+from kvreuse.errors import ModuleRegistrationError, RequestParameterError
 from kvreuse.modules.namespace import GLOBAL
 from kvreuse.modules.splice import Piece
 from kvreuse.modules.store import ModuleKey
 from kvreuse.modules.writes import WRITE_PROOF, check_module_name, proven
-from kvreuse.sparse.ape import ApeSpans, check_ape
+from kvreuse.sparse.ape import OFF, ApeSpans, check_ape
 
 # The keys of an encode request's kv_transfer_params (and WRITE_PROOF, which the guard or the offline API adds).
 ENCODE_MODULE = "kvreuse_module"
@@ -48,19 +49,35 @@ def marks_encode(params: object) -> bool:
     return isinstance(params, Mapping) and ENCODE_MODULE in params
 
 
+# Token counts and positions feed vLLM's int32 position and slot tensors.
+MAX_TOKENS = 2**31 - 1
+KNOWN = (
+    ENCODE_MODULE,
+    ENCODE_CONTEXT,
+    ENCODE_REPLACE,
+    ENCODE_PROBE,
+    RECOMPUTE_FIRST,
+    RECOMPUTE_SHARE,
+    APE,
+    WRITE_PROOF,
+)
+FIELD = "kv_transfer_params"
+
+
 def recompute_first(params: object, default: int) -> int:
     """The tokens per spliced module a request recomputes: its ``kv_transfer_params``' :data:`RECOMPUTE_FIRST`,
     else ``default`` (``modules.recompute_first``).
 
-    Raises :class:`ModuleRegistrationError` for a value that is not a non-negative integer (the request then
-    splices with ``default``).
+    Raises :class:`RequestParameterError` for a value that is not an integer from 0 to :data:`MAX_TOKENS`.
     """
     if not isinstance(params, Mapping) or RECOMPUTE_FIRST not in params:
         return default
     value = params[RECOMPUTE_FIRST]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ModuleRegistrationError(
-            f"{RECOMPUTE_FIRST} must be a non-negative integer (tokens per module), got {repr(value)[:32]}"
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKENS:
+        raise RequestParameterError(
+            f"{FIELD}.{RECOMPUTE_FIRST}",
+            f"{RECOMPUTE_FIRST} must be a non-negative integer up to {MAX_TOKENS} (tokens per module), "
+            f"got {_shown(value)}",
         )
     return value
 
@@ -69,15 +86,15 @@ def recompute_share(params: object, default: float) -> float:
     """The share of each spliced module's tokens, by the ranking chosen when it was encoded, that a request
     recomputes: its ``kv_transfer_params``' :data:`RECOMPUTE_SHARE`, else ``default`` (``modules.recompute_share``).
 
-    Raises :class:`ModuleRegistrationError` for a value that is not a number from 0 to 1 (the request then splices
-    with ``default``).
+    Raises :class:`RequestParameterError` for a value that is not a number from 0 to 1.
     """
     if not isinstance(params, Mapping) or RECOMPUTE_SHARE not in params:
         return default
     value = params[RECOMPUTE_SHARE]
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-        raise ModuleRegistrationError(
-            f"{RECOMPUTE_SHARE} must be a number from 0 to 1 (share of each module's tokens), got {repr(value)[:32]}"
+        raise RequestParameterError(
+            f"{FIELD}.{RECOMPUTE_SHARE}",
+            f"{RECOMPUTE_SHARE} must be a number from 0 to 1 (share of each module's tokens), got {_shown(value)}",
         )
     return float(value)
 
@@ -87,19 +104,77 @@ def ape_setting(params: object, default: tuple[float, float]) -> tuple[float, fl
     ``kv_transfer_params``' :data:`APE` (either key may be left out: 1), else ``default`` (``modules.ape_temperature``,
     ``modules.ape_scale``); ``(1.0, 1.0)`` is off.
 
-    Raises :class:`ModuleRegistrationError` for a value that is not an object of finite positive numbers.
+    Raises :class:`RequestParameterError` for a value that is not an object of numbers within APE's bounds
+    (``kvreuse.sparse.ape.check_ape``: they come from the arithmetic the values feed).
     """
     if not isinstance(params, Mapping) or APE not in params:
         return default
     value = params[APE]
     if not isinstance(value, Mapping) or not set(value) <= {"temperature", "scale"}:
-        raise ModuleRegistrationError(
-            f'{APE} must be an object {{"temperature": T, "scale": S}} (each > 0, 1 = off), got {repr(value)[:48]}'
+        raise RequestParameterError(
+            f"{FIELD}.{APE}",
+            f'{APE} must be an object {{"temperature": T, "scale": S}} (either left out: 1 = off), got {_shown(value)}',
         )
     try:
         return check_ape(value.get("temperature", 1.0), value.get("scale", 1.0), APE)
     except ValueError as why:
-        raise ModuleRegistrationError(str(why)) from None
+        field = "temperature" if ": temperature " in str(why) else "scale"
+        raise RequestParameterError(f"{FIELD}.{APE}.{field}", str(why)) from None
+
+
+def check_transfer_params(params: object) -> None:
+    """Every kvreuse key of a request's ``kv_transfer_params`` well formed and within its bounds, so that nothing a
+    request carries reaches the engine's arithmetic unchecked (issue 26): vLLM's front end refuses the request with
+    a 400 naming the field (``patches.vllm_0_32.validate_transfer_params``), and the scheduler side reads the
+    values with the same functions. Bounds that depend on the prompt (an encode's context) are the scheduler's.
+
+    Raises :class:`RequestParameterError`; a key starting with ``kvreuse_`` that kvreuse does not know is one too
+    (a misspelt setting must not be ignored).
+    """
+    if not isinstance(params, Mapping):
+        return
+    for key in params:
+        if isinstance(key, str) and key.startswith("kvreuse_") and key not in KNOWN:
+            raise RequestParameterError(
+                f"{FIELD}.{key[:64]}", f"unknown kvreuse parameter {key[:64]!r}; known: {', '.join(KNOWN)}"
+            )
+    recompute_first(params, 0)
+    recompute_share(params, 0.0)
+    ape_setting(params, OFF)
+    if not marks_encode(params):
+        return
+    try:
+        check_module_name(params[ENCODE_MODULE])
+    except ModuleRegistrationError as why:
+        raise RequestParameterError(f"{FIELD}.{ENCODE_MODULE}", f"{ENCODE_MODULE}: {why}") from None
+    context = params.get(ENCODE_CONTEXT, 0)
+    if isinstance(context, bool) or not isinstance(context, int) or not 0 <= context <= MAX_TOKENS:
+        raise RequestParameterError(
+            f"{FIELD}.{ENCODE_CONTEXT}",
+            f"{ENCODE_CONTEXT} must be an integer from 0 to {MAX_TOKENS} (tokens before the module), got "
+            f"{_shown(context)}",
+        )
+    for flag in (ENCODE_REPLACE, ENCODE_PROBE):
+        if not isinstance(params.get(flag, False), bool):
+            raise RequestParameterError(f"{FIELD}.{flag}", f"{flag} must be true or false, got {_shown(params[flag])}")
+
+
+def transfer_params_refusal(params: object) -> tuple[str, str] | None:
+    """:func:`check_transfer_params` as ``(field, message)``, or ``None`` if the parameters pass."""
+    try:
+        check_transfer_params(params)
+    except RequestParameterError as why:
+        return why.field, str(why)
+    return None
+
+
+def _shown(value: object) -> str:
+    """A value for an error message, cut short (a request may send a huge string or number)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        text = f"an integer of over {sys.get_int_max_str_digits()} digits"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True)

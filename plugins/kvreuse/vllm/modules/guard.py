@@ -9,9 +9,9 @@ A module write is a request whose JSON body has ``kv_transfer_params`` (at any d
 forwards them is covered: completions, chat completions, responses, ...) holding ``kvreuse_module``, or any
 non-``GET`` request to a kvreuse module endpoint (:data:`MODULE_ENDPOINTS`). It is refused with 403 unless it
 carries the header ``X-KVReuse-Module-Key`` equal to the key (compared in constant time); with no key configured,
-every write is refused. An allowed write must name its module validly (``check_module_name``) and give a context
-length that is an integer >= 0, else 400. The guard then removes the header and adds
-``kvreuse_write_proof`` (an HMAC of the write under the key) to the write's ``kv_transfer_params``, so that the
+every write is refused. Every ``kv_transfer_params`` must pass ``check_transfer_params`` (a module name, context,
+flags and per-request settings within their bounds), else 400 naming the field. The guard then removes the header
+and adds ``kvreuse_write_proof`` (an HMAC of the write under the key) to the write's ``kv_transfer_params``, so that the
 engine can tell the writes the guard allowed (a client-sent proof, or ``kv_transfer_params`` that are not an
 object, are refused with 400). Errors are JSON in vLLM's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
@@ -31,17 +31,10 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvreuse.errors import ModuleRegistrationError
+from kvreuse.errors import RequestParameterError
 from kvreuse.modules.namespace import GLOBAL
-from kvreuse.modules.writes import (
-    WRITE_KEY_HEADER,
-    WRITE_PROOF,
-    check_module_name,
-    key_matches,
-    load_write_key,
-    write_proof,
-)
-from kvreuse.vllm.modules.common import ENCODE_CONTEXT, ENCODE_MODULE, ENCODE_REPLACE
+from kvreuse.modules.writes import WRITE_KEY_HEADER, WRITE_PROOF, key_matches, load_write_key, write_proof
+from kvreuse.vllm.modules.common import ENCODE_CONTEXT, ENCODE_MODULE, ENCODE_REPLACE, check_transfer_params
 
 logger = logging.getLogger("vllm.plugins.kvreuse")
 
@@ -52,12 +45,12 @@ _FROM_ENVIRONMENT = object()
 
 
 class GuardRefusal(Exception):
-    def __init__(self, status: int, kind: str, message: str):
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None):
         super().__init__(message)
-        self.status, self.kind, self.message = status, kind, message
+        self.status, self.kind, self.message, self.param = status, kind, message, param
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.status}}
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
         return JSONResponse(body, status_code=self.status)
 
 
@@ -123,6 +116,10 @@ class ModuleWriteGuard:
                 raise GuardRefusal(400, "BadRequestError", f"{TRANSFER_PARAMS} must be a JSON object")
             if WRITE_PROOF in params:
                 raise GuardRefusal(400, "BadRequestError", f"{WRITE_PROOF} is set by the server, never by a client")
+            try:  # every kvreuse parameter, not only a write's: vLLM's front end checks them again
+                check_transfer_params(params)
+            except RequestParameterError as why:
+                raise GuardRefusal(400, "BadRequestError", str(why), why.field) from None
             if ENCODE_MODULE in params:
                 writes.append(params)
         if not writes:
@@ -131,16 +128,11 @@ class ModuleWriteGuard:
         salt = document.get("cache_salt") if isinstance(document, dict) else None
         namespace = salt if isinstance(salt, str) and salt else GLOBAL
         for params in writes:
-            try:
-                name = check_module_name(params[ENCODE_MODULE])
-            except ModuleRegistrationError as why:
-                raise GuardRefusal(400, "BadRequestError", f"{ENCODE_MODULE}: {why}") from None
-            context = params.get(ENCODE_CONTEXT, 0)
-            if isinstance(context, bool) or not isinstance(context, int) or context < 0:
-                raise GuardRefusal(400, "BadRequestError", f"{ENCODE_CONTEXT} must be an integer >= 0")
-            replace = params.get(ENCODE_REPLACE, False)
-            if not isinstance(replace, bool):
-                raise GuardRefusal(400, "BadRequestError", f"{ENCODE_REPLACE} must be true or false")
+            name, context, replace = (
+                params[ENCODE_MODULE],
+                params.get(ENCODE_CONTEXT, 0),
+                params.get(ENCODE_REPLACE, False),
+            )
             assert self.key is not None  # _authorise passed
             params[WRITE_PROOF] = write_proof(self.key, name, context, namespace, replace)
         return json.dumps(document).encode()

@@ -46,7 +46,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, TypeVar
 
 from kvreuse.config import TRUE_WORDS
-from kvreuse.errors import ConfigError, ModuleRegistrationError, UnsupportedPositionalEncoding
+from kvreuse.errors import ConfigError, ModuleRegistrationError, RequestParameterError, UnsupportedPositionalEncoding
 from kvreuse.kernels.rerotate import rope_spec_from_hf_config
 from kvreuse.modules.blend import ranking
 from kvreuse.modules.config import ModulesConfig
@@ -379,10 +379,12 @@ class ModuleScheduler:
     @staticmethod
     def _own_setting(request: Request, read: Callable[[object, T], T], default: T, setting: str) -> T:
         """``request``'s own value of an engine setting, read from its ``kv_transfer_params`` by ``read``, else
-        ``default`` (the engine's): also where its own is malformed, which is logged under ``setting``'s name."""
+        ``default`` (the engine's): also where its own is malformed, which is logged under ``setting``'s name.
+        (vLLM's front end refuses such a request with a 400 before it gets here, ``check_transfer_params``; this
+        is for a request that reached the engine another way.)"""
         try:
             return read(request.kv_transfer_params, default)
-        except ModuleRegistrationError as why:
+        except RequestParameterError as why:
             logger.error("kvreuse: request %s splices with %s: %s", request.request_id, setting, why)
             return default
 
