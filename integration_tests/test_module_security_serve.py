@@ -1,4 +1,5 @@
-"""Issue 19's attacks on the module cache, against a real ``vllm serve`` on the real model (SmolLM2-135M-Instruct).
+"""Issue 19's and issue 26's attacks on the module cache, against a real ``vllm serve`` on the real model
+(SmolLM2-135M-Instruct).
 
 One server for the module: the module-cache connector (kvreuse's attention backend at beta = inf, dense, in
 CPU_ATTN's place), vLLM's prefix cache on (its default), ``--api-key``, the write guard with a module-write key, and
@@ -13,30 +14,27 @@ whose cache salt no other request uses, before any module with those tokens exis
 from __future__ import annotations
 
 import json
-import os
 import re
+import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 from served import vllm_serve
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import request_fuzz  # noqa: E402
+
 pytestmark = pytest.mark.engine
 
-SERVED = "smollm2"
-API_KEY = "client-api-key-0123"
-WRITE_KEY = "operator-module-key-0123456789"
-CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
-# recompute_first 0 (not the default 16): the attacks are on spliced KV as encoded; recomputing each module's first
-# tokens would repair part of a hostile encoding, blurring the control that it changes answers, and the cached-token
-# counts below are those of the plain splice.
-ADDITIONAL = {
-    "kvreuse": {
-        "sparse": {"beta": "inf"},
-        "modules": {"gpu_bytes": 0, "cpu_bytes": 16 << 20, "disk_bytes": 0, "recompute_first": 0},
-    }
-}
+# The attacked server of issue 26's fuzz campaign is this module's server: one definition, in the benchmark.
+# recompute_first 0 there (not the default 16): the attacks are on spliced KV as encoded; recomputing each module's
+# first tokens would repair part of a hostile encoding, blurring the control that it changes answers, and the
+# cached-token counts below are those of the plain splice.
+SERVED, API_KEY, WRITE_KEY = request_fuzz.SERVED, request_fuzz.API_KEY, request_fuzz.WRITE_KEY
 SYSTEM = (
     "<|im_start|>system\nYou are a helpful assistant for travellers. Answer questions about countries, capitals "
     "and cities in a few words, with well-known facts only.<|im_end|>\n"
@@ -65,16 +63,16 @@ def ids(tokenizer, text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(smollm2_model, tmp_path_factory) -> Iterator[str]:
-    arguments = [
-        *("--model", str(smollm2_model), "--served-model-name", SERVED),
-        *("--block-size", "32", "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20), "--dtype", "float32"),
-        *("--max-model-len", "1024", "--seed", "0", "--disable-uvicorn-access-log", "--api-key", API_KEY),
-        *("--middleware", "kvreuse.vllm.modules.guard.ModuleWriteGuard", "--enable-prompt-tokens-details"),
-        *("--kv-transfer-config", json.dumps(CONNECTOR), "--additional-config", json.dumps(ADDITIONAL)),
-    ]
-    env = {**os.environ, "KVREUSE_SPARSE_CPU_BACKEND": "1", "KVREUSE_MODULES_WRITE_KEY": WRITE_KEY}
-    with vllm_serve(arguments, tmp_path_factory.mktemp("vllm_serve_security"), env) as (url, _):
+    arguments = request_fuzz.serve_arguments(smollm2_model)
+    with vllm_serve(arguments, tmp_path_factory.mktemp("vllm_serve_security"), request_fuzz.serve_environment()) as (
+        url,
+        process,
+    ):
+        SERVER_PROCESS.append(process)
         yield url
+
+
+SERVER_PROCESS: list = []  # the server's process, for the fuzz campaign's "still alive" check
 
 
 def complete(url: str, prompt: list[int], *, salt: str | None = None, max_tokens: int = 8, **extra) -> dict:
@@ -222,3 +220,60 @@ def test_a_module_the_store_dropped_leaves_the_index(server, tokenizer):
     _, cached = answer(server, first + question, salt="fill")
     print(f"\n{cached} of {len(first) + len(question)} prompt tokens cached; {dropped} modules dropped")
     assert dropped >= 1 and cached >= len(first) // 32 * 32
+
+
+# -- issue 26: per-request settings that feed arithmetic ------------------------------------------------------------
+
+ATTACKS = [
+    ({"temperature": 1e-300}, "temperature"),  # 1 / T did not fit a float: the engine raised, the server exited
+    ({"temperature": 5e-324}, "temperature"),  # finite 1 / T as a setting, NaN KV as arithmetic
+    ({"temperature": 1e-38, "scale": 1e308}, "temperature"),
+    ({"scale": 1e308}, "scale"),
+]
+
+
+def test_ape_factors_past_fp32_are_a_400_naming_the_field_and_no_victim_answer_changes(server):
+    """Issue 26's two attacks, by a client with the API key and no module-write key: APE factors splicing the
+    operator's module after 32 tokens of the attacker's own text, sent concurrently with victims' questions. Each is
+    a 400 naming the field (before: a 500 and a dead server, or later victims answering empty tokens); the server
+    stays healthy, a factor at the bounds runs, and the victims' answers are those from before the attacks."""
+    request_fuzz.register_module(server)
+    baseline = request_fuzz.victim_baseline(server)
+    attacker = request_fuzz.ATTACKER_PREFIX + request_fuzz.MODULE + request_fuzz.QUESTION
+
+    def attack(ape: dict) -> httpx.Response:
+        body = {
+            "prompt": attacker,
+            "max_tokens": 4,
+            "cache_salt": "mallory",
+            "kv_transfer_params": {"kvreuse_ape": ape},
+        }
+        return request_fuzz.completion(server, body)
+
+    with ThreadPoolExecutor(4) as pool:
+        victims = pool.submit(lambda: [request_fuzz.victim_baseline(server) for _ in range(2)])
+        refused = list(pool.map(attack, [ape for ape, _ in ATTACKS]))
+        edge = attack({"temperature": 2.0**-8, "scale": 2.0**126})
+        during = victims.result()
+    for response, (_, field) in zip(refused, ATTACKS):
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == f"kv_transfer_params.kvreuse_ape.{field}"
+    assert edge.status_code == 200, edge.text
+    assert request_fuzz.healthy(server)
+    assert during == [baseline, baseline] and request_fuzz.victim_baseline(server) == baseline
+
+
+def test_a_fuzz_campaign_of_transfer_params_kills_nothing_and_changes_no_victim_answer(server):
+    """A short run of ``benchmarks/request_fuzz.py``'s campaign (the README has the long one): hypothesis-drawn
+    ``kv_transfer_params`` at and past every edge, against the live server, victims asking all along."""
+    request_fuzz.register_module(server)
+    baseline = request_fuzz.victim_baseline(server)
+    process = SERVER_PROCESS[-1]
+    figures = request_fuzz.run_campaign(
+        server, baseline, requests=120, seconds=150, alive=lambda: process.poll() is None
+    )
+    print(f"\n{figures.table()}\n{figures.examples}")
+    assert figures.requests >= 40 and figures.victim_checks >= 3
+    assert figures.server_errors == figures.transport_errors == figures.server_deaths == 0, figures.examples
+    assert figures.victim_changed == 0
+    assert {"200", "400"} <= set(figures.statuses)  # the campaign reached the engine and was refused at the edges

@@ -173,6 +173,27 @@ def test_a_plain_splice_of_b_is_not_the_full_prefill(llm, prompt, full):
     assert gap(full, out) > 10 * LOGPROB_TOLERANCE
 
 
+@pytest.mark.parametrize(
+    ("own", "field"),
+    [
+        ({"ape": {"temperature": 1e-300}}, "kvreuse_ape.temperature"),  # issue 26: ended the engine
+        ({"ape": {"scale": 1e308}}, "kvreuse_ape.scale"),
+        ({"recompute_first": 2**31}, "kvreuse_recompute_first"),
+        ({"share": float("nan")}, "kvreuse_recompute_share"),
+    ],
+)
+def test_a_setting_past_its_bounds_is_refused_before_the_engine_naming_the_field(llm, prompt, full, own, field):
+    """vLLM's own request check, which kvreuse extends (``patches.vllm_0_32.validate_transfer_params``), refuses
+    the request before it reaches the engine: in ``LLM.generate`` as vLLM's ``VLLMValidationError`` (over HTTP a
+    400), naming the field; the engine then answers as before."""
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError) as refused:
+        generate(llm, prompt[2], **own)
+    assert refused.value.parameter == f"kv_transfer_params.{field}"
+    assert generate(llm, prompt[2], full=True).outputs[0].token_ids == full.outputs[0].token_ids
+
+
 def test_a_requests_own_recompute_first_0_is_the_plain_splice_under_the_engines_default(llm, prompt):
     """The engine runs the setting's default (LegoLink's first 16 tokens of each module): a request without
     kv_transfer_params recomputes them, as one that asks for the default itself does; a request's own 0 loads the

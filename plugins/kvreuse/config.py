@@ -56,6 +56,8 @@ OTHER_VARIABLES = {
     "KVREUSE_MODULES_LOCAL_SECRET": "set by kvreuse for the engine's processes: the offline API's write proofs",
 }
 LOCAL_SECRET_VARIABLE = "KVREUSE_MODULES_LOCAL_SECRET"
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # an integer setting's range where it declares none
+MAX_TOKENS = 2**31 - 1  # a setting that counts tokens (or steps) feeds vLLM's and PyTorch's int32 tensors
 
 
 def setting(
@@ -280,7 +282,8 @@ def _field_type(kind: Any, f: dataclasses.Field[Any]) -> Any:
     bounds = pydantic.Field(ge=low, le=high)
     if kind is bool:
         return Annotated[bool, pydantic.BeforeValidator(_only(bool, str))]
-    if kind is int:
+    if kind is int:  # at most int64 where no tighter bound is declared: the widest integer tensors hold
+        bounds = pydantic.Field(ge=INT64_MIN if low is None else low, le=INT64_MAX if high is None else high)
         return Annotated[int, pydantic.BeforeValidator(_only(int, str)), bounds]
     if kind is float:
         return Annotated[

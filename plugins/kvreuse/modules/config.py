@@ -15,7 +15,7 @@ from typing import Any
 
 from kvreuse import config
 from kvreuse.errors import ConfigError
-from kvreuse.sparse.ape import check_ape
+from kvreuse.sparse.ape import MAX_SCALE, MAX_TEMPERATURE, MIN_SCALE, MIN_TEMPERATURE, check_ape
 
 
 class EvictionPolicy(StrEnum):
@@ -58,7 +58,10 @@ class ModulesConfig:
         True, "store: pin the host tier's tensors (only when CUDA is available) for faster copies to the GPU"
     )
     prefetch_depth: int = config.setting(
-        8, "store: most modules one prefetch call promotes, in the order given (0 = prefetch off)", low=0
+        8,
+        "store: most modules one prefetch call promotes, in the order given (0 = prefetch off)",
+        low=0,
+        high=config.MAX_TOKENS,
     )
     gpu_device: str = config.setting(
         "cuda", "store: torch device of the device tier; a cuda device without CUDA means no device tier"
@@ -83,6 +86,7 @@ class ModulesConfig:
         '(LegoLink); a request may set its own with kv_transfer_params {"kvreuse_recompute_first": K} '
         "(0 = none: spliced KV as encoded; vLLM only, SGLang's module cache ignores it)",
         low=0,
+        high=config.MAX_TOKENS,
     )
     recompute_share: float = config.setting(
         0.0,
@@ -98,12 +102,17 @@ class ModulesConfig:
         1.0,
         "engine: attention temperature of the tokens after spliced modules on the modules' keys (APE: logits "
         'divided by it); a request may set its own with kv_transfer_params {"kvreuse_ape": {"temperature": T, '
-        '"scale": S}}; needs kvreuse\'s attention backend on CPU (1 = off)',
+        '"scale": S}}; needs kvreuse\'s attention backend on CPU (1 = off; bounds from the fp32 arithmetic it feeds, '
+        "kvreuse/sparse/ape.py)",
+        low=MIN_TEMPERATURE,
+        high=MAX_TEMPERATURE,
     )
     ape_scale: float = config.setting(
         1.0,
         "engine: factor on the attention mass the tokens after spliced modules give the modules' keys (APE: "
         "log(scale) added to their logits; 1 = off)",
+        low=MIN_SCALE,
+        high=MAX_SCALE,
     )
 
     def __post_init__(self) -> None:

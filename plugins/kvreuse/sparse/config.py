@@ -75,7 +75,10 @@ class SparseConfig:
         high=1_000_000,
     )
     min_context: int = config.setting(
-        512, "sequences shorter than this many tokens use dense attention (logged once when it happens)", low=0
+        512,
+        "sequences shorter than this many tokens use dense attention (logged once when it happens)",
+        low=0,
+        high=config.MAX_TOKENS,
     )
     sink: int = config.setting(
         16, "always-kept first tokens; their scores give DIPR's lower bound on the largest score", low=0, high=1_000_000
@@ -84,7 +87,10 @@ class SparseConfig:
         64, "always-kept last tokens (with sink; at least one window token in all)", low=0, high=1_000_000
     )
     sample_recovery: int = config.setting(
-        0, "every this many decode steps, measure the share of dense attention mass kept (0 = never)", low=0
+        0,
+        "every this many decode steps, measure the share of dense attention mass kept (0 = never)",
+        low=0,
+        high=config.MAX_TOKENS,
     )
 
     def __post_init__(self) -> None:

@@ -1,0 +1,414 @@
+"""A fuzz campaign through a real ``vllm serve`` with the module cache (issue 26): hypothesis-generated
+``kv_transfer_params`` from a client with an API key but no module-write key, while victim clients check their
+answers.
+
+The server (``serve_arguments``): SmolLM2-135M-Instruct on vLLM's CPU engine, the module-cache connector, kvreuse's
+attention backend in CPU_ATTN's place (so APE applies), ``--api-key`` and the module-write guard. The operator
+registers one global module (with the write key) before the campaign. Each fuzz request splices that module after
+32 tokens of the attacker's own text under the attacker's own ``cache_salt`` (the position APE and recompute act
+on), with ``kv_transfer_params`` drawn by :func:`transfer_params`: every key kvreuse reads, and made-up
+``kvreuse_*`` ones; numbers at and beyond the representable edges (NaN, inf, subnormals, the bounds of APE's
+factors and a step past them, 2**31, 10**300), wrong types, huge strings and lists, nested objects.
+
+Victims (other salts, no modules, no kvreuse parameters) ask greedy questions the whole time from another
+thread; a victim answer that differs from the same question's answer before the campaign is a changed answer.
+Before the campaign each victim question is also asked of the stock engine (another server with no kvreuse
+plugin switched on), and the baseline's agreement with it is reported.
+
+Figures: requests sent, status counts, 5xx (goal 0), server deaths (health checked after every request; goal 0),
+victim answers checked and changed (goal 0). ``python benchmarks/request_fuzz.py [--requests N] [--seconds S]``
+prints a table, writes ``results/request_fuzz.json`` and draws ``results/request_fuzz.png``; the integration test
+``integration_tests/test_module_security_serve.py`` runs a short campaign with the same functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SERVED = "smollm2"
+API_KEY = "client-api-key-0123"
+WRITE_KEY = "operator-module-key-0123456789"
+CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+ADDITIONAL = {
+    "kvreuse": {
+        "sparse": {"beta": "inf"},
+        "modules": {"gpu_bytes": 0, "cpu_bytes": 16 << 20, "disk_bytes": 0, "recompute_first": 0},
+    }
+}
+KEYS = (
+    "kvreuse_module",
+    "kvreuse_context",
+    "kvreuse_replace",
+    "kvreuse_probe",
+    "kvreuse_recompute_first",
+    "kvreuse_recompute_share",
+    "kvreuse_ape",
+    "kvreuse_write_proof",
+)
+EDGE_FLOATS = (
+    0.0,
+    -0.0,
+    5e-324,  # issue 26: the smallest subnormal, T that left NaN KV behind
+    1.7e-308,
+    2.2250738585072014e-308,
+    2.9e-39,
+    1e-38,
+    1e-300,  # issue 26: T that ended the engine
+    2.0**-8,
+    2.0**-8 * (1 - 2**-20),
+    2.0**8,
+    2.0**8 * (1 + 2**-20),
+    2.0**-126,
+    2.0**126,
+    2.0**127,
+    1e308,
+    1.7976931348623157e308,
+    0.5,
+    0.8,
+    1.0,
+    math.nan,
+    math.inf,
+    -math.inf,
+)
+EDGE_INTS = (0, 1, 16, -1, 2**31 - 1, 2**31, 2**63, -(2**63), 10**300)
+VICTIMS = (
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nName a large animal that lives in the sea.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nWhat colour is the sky on a clear day?<|im_end|>\n<|im_start|>assistant\n",
+)
+MODULE = (
+    "<|im_start|>system\nYou are a helpful assistant for travellers. Answer questions about countries, capitals and "
+    "cities in a few words, with well-known facts only.<|im_end|>\n"
+)
+ATTACKER_PREFIX = "The attacker writes thirty-two tokens of its own text here, and caches them first under its salt:"
+QUESTION = "<|im_start|>user\nWhat is the capital of Italy?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def serve_arguments(model: Path | str) -> list[str]:
+    """``vllm serve`` arguments of the attacked server (the environment: :func:`serve_environment`)."""
+    return [
+        *("--model", str(model), "--served-model-name", SERVED),
+        *("--block-size", "32", "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20), "--dtype", "float32"),
+        *("--max-model-len", "1024", "--seed", "0", "--disable-uvicorn-access-log", "--api-key", API_KEY),
+        *("--middleware", "kvreuse.vllm.modules.guard.ModuleWriteGuard", "--enable-prompt-tokens-details"),
+        *("--kv-transfer-config", json.dumps(CONNECTOR), "--additional-config", json.dumps(ADDITIONAL)),
+    ]
+
+
+def serve_environment() -> dict[str, str]:
+    return {**os.environ, "KVREUSE_SPARSE_CPU_BACKEND": "1", "KVREUSE_MODULES_WRITE_KEY": WRITE_KEY}
+
+
+# -- what a fuzz request carries ----------------------------------------------------------------------------------
+
+_scalars = st.one_of(
+    st.sampled_from(EDGE_FLOATS),
+    st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True),
+    st.sampled_from(EDGE_INTS),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=40),
+    st.sampled_from(("x" * 100_000, "system", "0.8", "NaN", "1e-300")),
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.dictionaries(st.sampled_from(("temperature", "scale", "kvreuse_ape", "x")) | st.text(max_size=8), inner),
+        st.just([0] * 20_000),
+    ),
+    max_leaves=8,
+)
+_ape = st.fixed_dictionaries(
+    {},
+    optional={
+        "temperature": st.sampled_from(EDGE_FLOATS) | _scalars,
+        "scale": st.sampled_from(EDGE_FLOATS) | _scalars,
+    },
+)
+
+
+def transfer_params() -> st.SearchStrategy[dict[str, Any]]:
+    """``kv_transfer_params`` of a fuzz request: some of the keys kvreuse reads (APE mostly as an object of edge
+    numbers), made-up ``kvreuse_*`` keys, and values of any JSON shape."""
+    key = st.sampled_from(KEYS) | st.text(max_size=12).map(lambda text: "kvreuse_" + text)
+    return st.one_of(
+        st.fixed_dictionaries({"kvreuse_ape": _ape}),
+        st.fixed_dictionaries({"kvreuse_ape": _ape}, optional={"kvreuse_recompute_first": _scalars}),
+        st.dictionaries(key, st.one_of(_ape, _values), max_size=4),
+    )
+
+
+# -- the campaign -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CampaignFigures:
+    """What a campaign saw."""
+
+    requests: int = 0
+    statuses: Counter[str] = field(default_factory=Counter)
+    server_errors: int = 0  # 5xx
+    transport_errors: int = 0  # no answer at all
+    server_deaths: int = 0  # /health failing after a request
+    victim_checks: int = 0
+    victim_changed: int = 0
+    victim_agree_with_stock: int | None = None  # of len(VICTIMS), before the campaign (None: not asked)
+    seconds: float = 0.0
+    examples: list[dict[str, Any]] = field(default_factory=list)  # the first request of each 5xx / death
+
+    def table(self) -> str:
+        rows = [
+            ("requests sent", self.requests),
+            ("status counts", dict(sorted(self.statuses.items()))),
+            ("5xx (goal 0)", self.server_errors),
+            ("no answer (goal 0)", self.transport_errors),
+            ("server deaths (goal 0)", self.server_deaths),
+            ("victim answers checked", self.victim_checks),
+            ("victim answers changed (goal 0)", self.victim_changed),
+            (
+                "victim baseline = stock engine",
+                "not asked"
+                if self.victim_agree_with_stock is None
+                else f"{self.victim_agree_with_stock}/{len(VICTIMS)}",
+            ),  # fmt: skip
+            ("seconds", round(self.seconds, 1)),
+        ]
+        return "\n".join(f"| {name} | {value} |" for name, value in rows)
+
+
+def completion(url: str, body: Mapping[str, Any], *, headers: Mapping[str, str] | None = None) -> httpx.Response:
+    """POST ``body`` (with NaN and inf written as Python's json writes them, as a client may) to completions."""
+    content = json.dumps({"model": SERVED, "temperature": 0.0, **body}).encode()
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json", **(headers or {})}
+    return httpx.post(f"{url}/v1/completions", content=content, headers=headers, timeout=300)
+
+
+def greedy_text(url: str, prompt: str, salt: str, max_tokens: int = 8) -> str:
+    response = completion(url, {"prompt": prompt, "max_tokens": max_tokens, "cache_salt": salt})
+    response.raise_for_status()
+    return str(response.json()["choices"][0]["text"])
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=10).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def register_module(url: str) -> None:
+    """The operator's global module, written with the module-write key (after no context)."""
+    body = {"prompt": MODULE, "max_tokens": 1, "kv_transfer_params": {"kvreuse_module": "travel", "kvreuse_context": 0}}
+    response = completion(url, body, headers={"X-KVReuse-Module-Key": WRITE_KEY})
+    response.raise_for_status()
+    deadline = time.monotonic() + 60  # the store reports the module at the next step
+    attacker = ATTACKER_PREFIX + MODULE + QUESTION
+    while time.monotonic() < deadline:
+        out = completion(url, {"prompt": attacker, "max_tokens": 1, "cache_salt": "mallory-probe"}).json()
+        if out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0:
+            return
+        time.sleep(0.5)
+    raise RuntimeError("the operator's module was not spliced into the attacker's prompt within 60 s")
+
+
+def victim_baseline(url: str) -> list[str]:
+    return [greedy_text(url, prompt, f"victim-{i}") for i, prompt in enumerate(VICTIMS)]
+
+
+def run_campaign(
+    url: str,
+    baseline: Sequence[str],
+    *,
+    requests: int,
+    seconds: float,
+    alive: Callable[[], bool] = lambda: True,
+    stock: Sequence[str] | None = None,
+) -> CampaignFigures:
+    """Send up to ``requests`` fuzz requests (for at most ``seconds``) while a victim thread asks ``VICTIMS``
+    again and again under its own salts and compares each answer with ``baseline``. ``alive``: whether the server
+    process still runs (a death is also a failed ``/health``)."""
+    figures = CampaignFigures()
+    if stock is not None:
+        figures.victim_agree_with_stock = sum(a == b for a, b in zip(baseline, stock))
+    done = threading.Event()
+
+    def victims() -> None:
+        turn = 0
+        while not done.is_set():
+            i = turn % len(VICTIMS)
+            try:
+                text = greedy_text(url, VICTIMS[i], f"victim-{i}")
+            except httpx.HTTPError:
+                text = None
+            figures.victim_checks += 1
+            figures.victim_changed += text != baseline[i]
+            turn += 1
+
+    thread = threading.Thread(target=victims, daemon=True)
+    start = time.monotonic()
+    thread.start()
+    attacker = ATTACKER_PREFIX + MODULE + QUESTION
+
+    @settings(
+        max_examples=requests,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(params=transfer_params(), tokens=st.integers(min_value=1, max_value=3))
+    def one(params: dict[str, Any], tokens: int) -> None:
+        if time.monotonic() - start > seconds:
+            return
+        body = {"prompt": attacker, "max_tokens": tokens, "cache_salt": "mallory", "kv_transfer_params": params}
+        figures.requests += 1
+        try:
+            status = completion(url, body).status_code
+        except httpx.HTTPError:
+            status = 0
+        figures.statuses[str(status) if status else "no answer"] += 1
+        failed = status >= 500 or status == 0
+        figures.server_errors += status >= 500
+        figures.transport_errors += status == 0
+        if not (alive() and healthy(url)):
+            figures.server_deaths += 1
+            failed = True
+        if failed and len(figures.examples) < 5:
+            figures.examples.append({"status": status, "kv_transfer_params": _shown(params)})
+
+    try:
+        one()
+    finally:
+        done.set()
+        thread.join(timeout=600)
+        figures.seconds = time.monotonic() - start
+    return figures
+
+
+def _shown(params: Any) -> Any:
+    """``params`` cut to a loggable size (strings and lists of thousands of items)."""
+    if isinstance(params, dict):
+        return {str(k)[:40]: _shown(v) for k, v in list(params.items())[:8]}
+    if isinstance(params, list):
+        return [_shown(v) for v in params[:4]] + (["..."] if len(params) > 4 else [])
+    if isinstance(params, str):
+        return params[:40]
+    if isinstance(params, float) and not math.isfinite(params):
+        return repr(params)
+    if isinstance(params, int) and abs(params) > 2**64:
+        return f"int of {len(str(abs(params)))} digits"
+    return params
+
+
+# -- the benchmark ------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def served(arguments: Sequence[str], env: Mapping[str, str], scratch: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``(url, process)`` of ``vllm serve`` on a free port, run in ``scratch`` (never the repository root, where
+    ``triton_kernels/`` would shadow the package vLLM probes for), stopped with its engine processes after."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = (scratch / f"server-{port}.log").open("w")
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port)]
+    process = subprocess.Popen(
+        [*command, *arguments], stdout=log, stderr=subprocess.STDOUT, cwd=scratch, env=dict(env), start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while not healthy(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve did not start; see {log.name}")
+            time.sleep(2)
+        yield url, process
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        log.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=1000, help="fuzz requests at most (default 1000)")
+    parser.add_argument("--seconds", type=float, default=900, help="campaign time at most (default 900)")
+    parser.add_argument("--model", default=None, help="model folder (default: build/models/smollm2, built if needed)")
+    args = parser.parse_args()
+    from kvreuse.localmodel import build_model
+
+    model = Path(args.model or build_model("smollm2", Path(__file__).resolve().parents[1] / "build/models/smollm2"))
+    with tempfile.TemporaryDirectory() as scratch:
+        stock_arguments = [
+            *("--model", str(model), "--served-model-name", SERVED, "--block-size", "32", "--enforce-eager"),
+            *("--kv-cache-memory-bytes", str(256 << 20), "--dtype", "float32", "--max-model-len", "1024"),
+            *("--seed", "0", "--api-key", API_KEY),
+        ]
+        with served(stock_arguments, os.environ, Path(scratch)) as (url, _):
+            stock = victim_baseline(url)
+        with served(serve_arguments(model), serve_environment(), Path(scratch)) as (url, process):
+            register_module(url)
+            baseline = victim_baseline(url)
+            figures = run_campaign(
+                url,
+                baseline,
+                requests=args.requests,
+                seconds=args.seconds,
+                alive=lambda: process.poll() is None,
+                stock=stock,
+            )
+    print("| figure | value |\n| --- | --- |")
+    print(figures.table())
+    RESULTS.mkdir(exist_ok=True)
+    record = {**asdict(figures), "statuses": dict(figures.statuses), "requests_asked": args.requests}
+    (RESULTS / "request_fuzz.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    plot(figures, RESULTS / "request_fuzz.png")
+
+
+def plot(figures: CampaignFigures, path: Path) -> None:
+    """The fuzz requests by the server's answer, and the victim checks (changed ones in red)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
+    statuses = sorted(figures.statuses.items())
+    left.bar([s for s, _ in statuses], [n for _, n in statuses], color="#7570b3")
+    left.set_title(f"{figures.requests} fuzz requests by status")
+    right.bar(["unchanged", "changed"], [figures.victim_checks - figures.victim_changed, figures.victim_changed],
+              color=["#1b9e77", "#d95f02"])  # fmt: skip
+    right.set_title("victim answers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
