@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import importlib.util
 import sys
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -111,9 +113,15 @@ def shield_llvmlite_from_kernel_scan() -> None:
     an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, a Ray replica, a second ``LLM``) cannot start, even
     a stock one. ``lib`` looks names up in its private function table first, so an empty ``__dict__`` entry there
     gives the scan an empty namespace; nothing in llvmlite reads ``lib.__dict__``. vLLM calls the scan right after
-    its general plugins, so ``kvreuse.vllm.register`` calls this each time. Tested: vLLM 0.32.0 with llvmlite 0.47.
+    its general plugins, so ``kvreuse.vllm.register`` calls this each time. llvmlite may also be imported after the
+    plugin ran and before the scan (an in-process engine imports a kvreuse connector, whose imports reach the numba
+    index, between the two: issue 29), so ``ffi`` is imported here if it is not yet (about 0.1 s, once per
+    process); the entry point calls this only on vLLM's CPU platform, where the scan runs. Tested: vLLM 0.32.0 with
+    llvmlite 0.47.
     """
     ffi = sys.modules.get("llvmlite.binding.ffi")
+    if ffi is None and importlib.util.find_spec("llvmlite") is not None:
+        ffi = importlib.import_module("llvmlite.binding.ffi")
     table = getattr(getattr(ffi, "lib", None), "_fntab", None)
     if isinstance(table, dict):
         table.setdefault("__dict__", {})

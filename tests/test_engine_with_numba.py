@@ -16,18 +16,19 @@ import pytest
 # What a vLLM worker does first (worker_base.WorkerWrapperBase.init_worker): run the general plugins, then let the
 # platform replace Triton kernels it cannot run.
 WORKER_START = """
-import numba
+{before}
 from vllm.platforms import current_platform
 from vllm.triton_utils import HAS_TRITON
 if HAS_TRITON:
     raise SystemExit(3)  # Triton runs on this CPU; vLLM registers no overrides and never scans
 {plugins}
+{after}
 current_platform.register_triton_kernel_overrides()
 """
 
 
-def _start(plugins: str) -> subprocess.CompletedProcess[str]:
-    code = WORKER_START.format(plugins=plugins)
+def _start(plugins: str, *, before: str = "import numba", after: str = "") -> subprocess.CompletedProcess[str]:
+    code = WORKER_START.format(plugins=plugins, before=before, after=after)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
 
@@ -44,3 +45,17 @@ def test_without_the_shield_the_scan_fails_so_the_test_above_can_fail():
         pytest.skip("this vLLM build runs Triton on CPU, so it never scans for kernel overrides")
     assert started.returncode != 0
     assert "_lib_fn_wrapper" in started.stderr
+
+
+def test_a_worker_starts_when_numba_is_imported_after_the_plugin_ran():
+    """Issue 29: an in-process engine with ``KVReuseSparseFigures`` died at start, because importing the connector
+    (its metrics import the module store, whose package imports the numba index) loaded llvmlite after the plugin
+    had run and before vLLM's scan."""
+    started = _start(
+        "from kvreuse.vllm.registration import register\nregister()",
+        before="",
+        after="import kvreuse.vllm.sparse.connector",
+    )
+    if started.returncode == 3:
+        pytest.skip("this vLLM build runs Triton on CPU, so it never scans for kernel overrides")
+    assert started.returncode == 0, started.stderr[-2000:]

@@ -40,7 +40,8 @@ def register() -> None:
     from kvreuse.patches import vllm_0_32  # the version check; an untested vLLM stops here
 
     # Before every engine start in this process, not only the first: numba may have been imported since.
-    vllm_0_32.shield_llvmlite_from_kernel_scan()
+    if _on_cpu():
+        vllm_0_32.shield_llvmlite_from_kernel_scan()
     if os.getpid() in _REGISTERED_PIDS:
         return
 
@@ -69,6 +70,13 @@ def transfer_params_refusal(params: object) -> tuple[str, str] | None:
     from kvreuse.vllm.modules.common import transfer_params_refusal as refusal
 
     return refusal(params)
+
+
+def _on_cpu() -> bool:
+    """Whether this is vLLM's CPU platform (where vLLM scans every module for kernel overrides at engine start)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def registered_pids() -> frozenset[int]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvreuse.errors import ConfigError
 from kvreuse.sparse.config import SparseConfig
@@ -29,8 +29,16 @@ from kvreuse.sparse.paged import SparseAttention
 if TYPE_CHECKING:
     import torch
 
+    from kvreuse.modules.store import ModuleStore
     from kvreuse.sparse.ape import ApeSpans
-    from kvreuse.vllm.modules.worker import ModuleWorker
+
+
+class ModuleSide(Protocol):
+    """What this handle reads of the module connector's worker side (``kvreuse.vllm.modules.worker.ModuleWorker``,
+    which imports this module: the handle names only what it reads, so the two do not import each other)."""
+
+    store: ModuleStore
+    figures: Any  # a dataclass of counters (``ModuleFigures``)
 
 
 @dataclass
@@ -39,7 +47,7 @@ class ProcessRuntime:
 
     sparse_attention: SparseAttention | None = None
     sparse_owner: object | None = None  # the vLLM configuration of the engine that built ``sparse_attention``
-    module_worker: ModuleWorker | None = None
+    module_worker: ModuleSide | None = None
     # This step's token positions when module recompute moved some (host int64, one per scheduled token), else
     # None: set by the module connector's input wrapper, read by the sparse backend's metadata builder.
     step_positions: torch.Tensor | None = None
@@ -90,7 +98,7 @@ def configure_sparse(flags: Mapping[str, Any]) -> SparseConfig:
     return config
 
 
-def module_worker() -> ModuleWorker | None:
+def module_worker() -> ModuleSide | None:
     """This process's module-cache worker side (its ``store``, ``layers`` and ``last_loads``), if any."""
     return _RUNTIME.module_worker
 
