@@ -98,11 +98,13 @@ MAX_TOKENS = 12
 SMALL_KV = 80 << 20
 ENGINE = dict(kv_cache_memory_bytes=SMALL_KV, max_num_batched_tokens=256, max_model_len=1280, max_num_seqs=8)
 SCHEDULER = {"scheduler_cls": "kvreuse.vllm.PrefixAffinityScheduler"}
-DENSE = {"sparse": {"beta": float("inf")}}
+# The scheduler admits by default only what the cache can hold to completion, which avoids preemption; off here,
+# so that preemption is exercised with it too.
+DENSE = {"sparse": {"beta": float("inf")}, "reorder": {"admit_to_completion": False}}
 FIGURES_CONNECTOR = {"kv_connector": "KVReuseSparseFigures", "kv_role": "kv_both"}
 COLUMNS = {
     "stock": ({}, {}),
-    "reorder": (SCHEDULER, {}),
+    "reorder": (dict(**SCHEDULER, additional_config={"kvreuse": DENSE}), {}),
     "modules": (
         dict(kv_transfer_config=MODULE_CONNECTOR, additional_config={"kvreuse": DENSE}),
         {"KVREUSE_SPARSE_CPU_BACKEND": "1"},
