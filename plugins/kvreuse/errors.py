@@ -79,3 +79,8 @@ class ModuleMismatch(ModuleRegistrationError):
 
 class ModuleTooLarge(KVReuseError, ValueError):
     """A module is larger than the capacity of every tier of the store."""
+
+
+class ModuleQuotaExceeded(ModuleTooLarge):
+    """A tenant's module is larger than its namespace's quota (``modules.namespace_bytes``), or no tier has room
+    for it that protected global modules do not hold (``modules.protect_global``)."""
