@@ -597,7 +597,8 @@ class ModuleStore:
         return tier.name
 
     def _promote(self, key: ModuleKey) -> EncodedModule | None:
-        """Move ``key`` to the fastest tier that can hold it; the module, or ``None`` after a load failure."""
+        """Move ``key`` to the fastest tier with room for it (for a tenant's module, room that no protected global
+        module holds; else it stays); the module, or ``None`` after a load failure."""
         tier = self._where[key]
         entry = tier.entries[key]
         target = next(

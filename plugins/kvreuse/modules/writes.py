@@ -14,7 +14,7 @@ allowed from one a client typed into ``kv_transfer_params`` itself (:data:`WRITE
 carries it; a client-sent one is refused), and (:func:`check_proof`) refuses a proof for other content or another
 write (the HMAC does not match), an expired one, and one it has accepted before (:class:`SeenNonces` remembers
 each accepted nonce until its proof expires). A proof is a credential for one write: it is kept out of vLLM's
-request log (``kvreuse.patches.vllm_0_32.redact_write_proofs_in_request_log``, :func:`redacted`).
+request log (``kvreuse.patches.vllm_0_32.redact_in_request_log``, :func:`redacted`).
 
 The engine's own process tree writes without the key: whoever runs Python there (``vllm.LLM``, the offline
 helpers of ``kvreuse.vllm.modules``) is the operator. The first kvreuse process of an engine (the one that parses
