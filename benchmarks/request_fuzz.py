@@ -53,7 +53,10 @@ CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_loa
 ADDITIONAL = {
     "kvreuse": {
         "sparse": {"beta": "inf"},
-        "modules": {"gpu_bytes": 0, "cpu_bytes": 16 << 20, "disk_bytes": 0, "recompute_first": 0},
+        "modules": {
+            **{"gpu_bytes": 0, "cpu_bytes": 16 << 20, "disk_bytes": 0, "recompute_first": 0},
+            "namespace_bytes": 12 << 20,
+        },
     }
 }
 KEYS = (
@@ -220,8 +223,17 @@ def healthy(url: str) -> bool:
 
 
 def register_module(url: str) -> None:
-    """The operator's global module, written with the module-write key (after no context)."""
-    body = {"prompt": MODULE, "max_tokens": 1, "kv_transfer_params": {"kvreuse_module": "travel", "kvreuse_context": 0}}
+    """The operator's global module, written with the module-write key (after no context): a write's prompt is
+    token ids (its proof names them), from the server's own tokenizer."""
+    tokenized = httpx.post(
+        f"{url}/tokenize",
+        json={"model": SERVED, "prompt": MODULE, "add_special_tokens": False},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    )
+    tokenized.raise_for_status()
+    params = {"kvreuse_module": "travel", "kvreuse_context": 0}
+    body = {"prompt": tokenized.json()["tokens"], "max_tokens": 1, "kv_transfer_params": params}
     response = completion(url, body, headers={"X-KVReuse-Module-Key": WRITE_KEY})
     response.raise_for_status()
     deadline = time.monotonic() + 60  # the store reports the module at the next step

@@ -2,8 +2,9 @@
 
 The server runs the module-cache connector on the small model (kvreuse's attention backend at beta = inf, dense),
 vLLM's own ``--api-key`` and ``--middleware kvreuse.vllm.modules.guard.ModuleWriteGuard`` with a module-write key
-in ``KVREUSE_MODULES_WRITE_KEY``. An API key alone reads (completes) but cannot write; the module-write key writes,
-and the module is encoded (``kvreuse:module_encoded_total`` on ``/metrics``).
+in ``KVREUSE_MODULES_WRITE_KEY``, and ``--enable-log-requests``. An API key alone reads (completes) but cannot
+write; the module-write key writes, and the module is encoded (``kvreuse:module_encoded_total`` on ``/metrics``);
+the write proof the guard adds is not in the server's log.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,21 +30,31 @@ ADDITIONAL = {"kvreuse": {"sparse": {"beta": "inf"}, "modules": {"cpu_bytes": 64
 
 
 @pytest.fixture(scope="module")
-def server(small_model, tmp_path_factory) -> Iterator[str]:
+def served(small_model, tmp_path_factory) -> Iterator[tuple[str, Path]]:
+    """The server's URL and its log file."""
     arguments = [
         *("--model", str(small_model), "--served-model-name", SERVED),
         *("--block-size", "32", "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20), "--dtype", "float32"),
         *("--max-model-len", "2048", "--seed", "0", "--disable-uvicorn-access-log", "--api-key", API_KEY),
-        *("--middleware", "kvreuse.vllm.modules.guard.ModuleWriteGuard"),
+        *("--middleware", "kvreuse.vllm.modules.guard.ModuleWriteGuard", "--enable-log-requests"),
         *("--kv-transfer-config", json.dumps(CONNECTOR), "--additional-config", json.dumps(ADDITIONAL)),
     ]
     env = {**os.environ, "KVREUSE_SPARSE_CPU_BACKEND": "1", "KVREUSE_MODULES_WRITE_KEY": WRITE_KEY}
-    with vllm_serve(arguments, tmp_path_factory.mktemp("vllm_serve_guard"), env) as (url, _):
-        yield url
+    workdir = tmp_path_factory.mktemp("vllm_serve_guard")
+    with vllm_serve(arguments, workdir, env) as (url, _):
+        yield url, next(workdir.glob("server-*.log"))
 
 
-def complete(url: str, *, module: str | None = None, write_key: str | None = None) -> httpx.Response:
-    body = {"model": SERVED, "prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 1, "temperature": 0.0}
+@pytest.fixture(scope="module")
+def server(served) -> str:
+    return served[0]
+
+
+def complete(
+    url: str, *, module: str | None = None, write_key: str | None = None, prompt: object = (5, 6, 7, 8, 9, 10, 11, 12)
+) -> httpx.Response:
+    body = {"model": SERVED, "prompt": list(prompt) if isinstance(prompt, tuple) else prompt, "max_tokens": 1}
+    body["temperature"] = 0.0
     if module is not None:
         body["kv_transfer_params"] = {"kvreuse_module": module, "kvreuse_context": 0}
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -69,3 +81,19 @@ def test_the_api_key_reads_but_does_not_write_and_the_module_key_writes(server):
         complete(server)
         time.sleep(1)
     assert encoded(server) == before + 1
+
+
+def test_the_write_proof_is_kept_out_of_the_request_log_and_a_text_prompt_cannot_be_proven(served):
+    """vLLM logs each request's parameters (``kv_transfer_params`` among them) with ``--enable-log-requests``: the
+    proof the guard added to an allowed write shows as ``[redacted]``. A write whose prompt is text is a 400: the
+    proof names token ids, and the guard does not tokenize."""
+    url, log = served
+    assert complete(url, module="logged", write_key=WRITE_KEY, prompt=(21, 22, 23, 24)).status_code == 200
+    text = complete(url, module="texted", write_key=WRITE_KEY, prompt="a module as text")
+    assert text.status_code == 400 and "prompt is token ids" in text.json()["error"]["message"]
+    deadline = time.monotonic() + 10  # the log line is written as the request is received; the file is buffered
+    while "'kvreuse_module': 'logged'" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    lines = [line for line in log.read_text().splitlines() if "'kvreuse_module': 'logged'" in line]
+    assert lines and all("'kvreuse_write_proof': '[redacted]'" in line for line in lines), lines
+    assert not re.search(r"[0-9]{10}\.[0-9a-f]{32}\.[0-9a-f]{64}", log.read_text())  # no proof anywhere

@@ -5,7 +5,8 @@ One server for the module: the module-cache connector (kvreuse's attention backe
 CPU_ATTN's place), vLLM's prefix cache on (its default), ``--api-key``, the write guard with a module-write key, and
 ``--enable-prompt-tokens-details`` so each answer says how many prompt tokens were cached (vLLM's prefix hit plus
 the tokens spliced from modules). The host tier holds 16 MiB (about 360 tokens of this model's KV), no other tier,
-so the last test can make the store drop a module.
+so the last tests can make the store drop modules; each tenant namespace may hold 12 MiB (``namespace_bytes``),
+and tenants' modules never push out global ones (``protect_global``, on by default).
 
 Answers are greedy (8 tokens). A *reference* answer is the stock engine's: the same prompt computed by a request
 whose cache salt no other request uses, before any module with those tokens exists.
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.engine
 # The attacked server of issue 26's fuzz campaign is this module's server: one definition, in the benchmark.
 # recompute_first 0 there (not the default 16): the attacks are on spliced KV as encoded; recomputing each module's
 # first tokens would repair part of a hostile encoding, blurring the control that it changes answers, and the
-# cached-token counts below are those of the plain splice.
+# cached-token counts below are those of the plain splice. Each tenant namespace may hold 12 MiB of modules.
 SERVED, API_KEY, WRITE_KEY = request_fuzz.SERVED, request_fuzz.API_KEY, request_fuzz.WRITE_KEY
 SYSTEM = (
     "<|im_start|>system\nYou are a helpful assistant for travellers. Answer questions about countries, capitals "
@@ -220,6 +221,28 @@ def test_a_module_the_store_dropped_leaves_the_index(server, tokenizer):
     _, cached = answer(server, first + question, salt="fill")
     print(f"\n{cached} of {len(first) + len(question)} prompt tokens cached; {dropped} modules dropped")
     assert dropped >= 1 and cached >= len(first) // 32 * 32
+
+
+def test_a_tenants_flood_leaves_the_operators_module_spliced(server, tokenizer):
+    """Issue 26: a write-key holder flooding its own namespace evicted other namespaces' modules. Four 96-token
+    modules under one salt (about 4.4 MB each: two fit the 12 MiB quota) make the store drop the flood's own
+    oldest modules (and other tenants', for room in the shared tier), never the global ``system`` module: a tenant
+    that never asked before still has it spliced, and its answer is the stock engine's. Either setting keeps it
+    here; with neither, the fourth flood module would push it out (the store's LRU order on these sizes, replayed
+    engine-free; each setting alone: ``tests/test_modules_store.py``)."""
+    system, question = ids(tokenizer, SYSTEM), ids(tokenizer, QUESTION)
+    prompt = system + question
+    reference, _ = answer(server, prompt, salt="reference-flood")
+    assert write(server, "system", [], system).status_code == 200  # stored by the first test; the same content
+    before = counter(server, "module_drops_total")
+    for i in range(4):
+        text = " ".join(f"Flood {i}.{j}: the tenant writes as much as its key lets it." for j in range(12))
+        assert write(server, f"flood-{i}", [], ids(tokenizer, text)[:96], salt="flood").status_code == 200
+    dropped = wait_for_counter(server, "module_drops_total", before + 2, question) - before
+    after, cached = answer(server, prompt, salt="after-the-flood")
+    print(f"\n{dropped} modules dropped; a new tenant: {after!r}, {cached} of {len(prompt)} prompt tokens cached")
+    assert dropped >= 2  # at least the flood's first two modules, for its quota
+    assert after == reference and cached >= len(system) // 32 * 32  # the global module, spliced
 
 
 # -- issue 26: per-request settings that feed arithmetic ------------------------------------------------------------

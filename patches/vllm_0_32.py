@@ -458,6 +458,65 @@ def skip_prefix_cache_reads(request: Request) -> bool:
     return True
 
 
+_REQUEST_LOGGER = "vllm.entrypoints.serve.utils.request_logger:RequestLogger"
+
+
+@MANIFEST.touches(
+    call(
+        f"{_REQUEST_LOGGER}.log_inputs",
+        *("self", "request_id", "prompt", "prompt_token_ids", "prompt_embeds", "params", "lora_request"),
+    ),
+    call(f"{_REQUEST_LOGGER}.log_request_body", "self", "request"),
+    attribute("vllm.entrypoints.openai.completion.protocol:CompletionRequest.kv_transfer_params"),
+)
+def redact_in_request_log(redact: Callable[[Any], Any]) -> bool:
+    """Make vLLM's request log (``--enable-log-requests``: each request's sampling parameters at INFO, whose
+    ``extra_args`` hold its ``kv_transfer_params``, and its JSON body at DEBUG) show every request's
+    ``kv_transfer_params`` as ``redact`` returns them; whether this call installed it (idempotent: once per process).
+
+    vLLM has no hook to filter what it logs; ``RequestLogger.log_inputs`` and ``log_request_body`` are wrapped to
+    log a copy (the request itself is unchanged). Tested: vLLM 0.32.0.
+    """
+    import copy
+
+    from vllm.entrypoints.serve.utils.request_logger import RequestLogger
+
+    if getattr(RequestLogger.log_inputs, "kvreuse_redact", False):
+        return False
+    log_inputs, log_request_body = RequestLogger.log_inputs, RequestLogger.log_request_body
+
+    @functools.wraps(log_inputs)
+    def redacted_inputs(
+        self: Any,
+        request_id: str,
+        prompt: Any,
+        prompt_token_ids: Any,
+        prompt_embeds: Any,
+        params: Any,
+        lora_request: Any,
+    ) -> None:
+        extra = getattr(params, "extra_args", None)
+        if isinstance(extra, Mapping) and "kv_transfer_params" in extra:
+            shown = redact(extra["kv_transfer_params"])
+            if shown is not extra["kv_transfer_params"]:
+                params = copy.copy(params)
+                params.extra_args = {**extra, "kv_transfer_params": shown}
+        log_inputs(self, request_id, prompt, prompt_token_ids, prompt_embeds, params, lora_request)
+
+    @functools.wraps(log_request_body)
+    def redacted_body(self: Any, request: Any) -> None:
+        params = getattr(request, "kv_transfer_params", None)
+        shown = redact(params)
+        if shown is not params:
+            request = request.model_copy(update={"kv_transfer_params": shown})
+        log_request_body(self, request)
+
+    redacted_inputs.kvreuse_redact = True  # type: ignore[attr-defined]
+    RequestLogger.log_inputs = redacted_inputs  # type: ignore[method-assign]
+    RequestLogger.log_request_body = redacted_body  # type: ignore[method-assign]
+    return True
+
+
 @functools.cache
 def _block_hash_function(algorithm: str) -> Any:
     from vllm.utils.hashing import get_hash_fn_by_name

@@ -113,13 +113,12 @@ def test_modules_found_but_not_spliced_are_counted_by_reason_once_per_request(ca
     assert KVReuseStats(data=stats).reduce()["splice_skipped:not_stored"] == 1
 
 
-def encode_request_of(params, salt=None):
+def encode_request_of(params, salt=None, prompt=(1, 2, 3, 4, 5, 6, 7, 8), rid="enc"):
     from types import SimpleNamespace
 
-    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     return SimpleNamespace(
-        request_id="enc",
-        prompt_token_ids=prompt,
+        request_id=rid,
+        prompt_token_ids=list(prompt),
         num_tokens=len(prompt),
         kv_transfer_params=params,
         cache_salt=salt,
@@ -127,38 +126,69 @@ def encode_request_of(params, salt=None):
     )
 
 
-def test_a_write_without_a_proof_under_the_engines_keys_is_refused_and_counted():
-    from kvreuse.modules.writes import WRITE_PROOF, write_proof
+def proven_params(key, name, context=0, namespace="", prompt=(1, 2, 3, 4, 5, 6, 7, 8), now=None):
+    """``encode_params(name, context)`` with the proof the HTTP guard adds under ``key`` for ``prompt``."""
+    from kvreuse.modules.writes import WRITE_PROOF, WriteClaim, content_digest, write_proof
 
+    made = WriteClaim(name, context, namespace, False, False, content_digest(prompt))
+    return {**encode_params(name, context), WRITE_PROOF: write_proof(key, made, now=now)}
+
+
+def test_a_write_without_a_proof_under_the_engines_keys_is_refused_and_counted():
     scheduler = module_scheduler()
     scheduler.write_keys = ("k" * 32,)
-    forged = encode_request_of({**encode_params("doc"), WRITE_PROOF: write_proof("x" * 32, "doc", 0, "", False)})
+    forged = encode_request_of(proven_params("x" * 32, "doc"))
     scheduler.arrived(forged)
     assert scheduler.matched_tokens(forged, 0) == 0 and not forged.skip_reading_prefix_cache
     scheduler.allocated(forged, [0, 1], 0)
     assert scheduler._encodes == {}  # nothing will be stored
     assert scheduler.take_stats() == {"writes_refused:unproven": 1}
     # The same write proven under the key (what the HTTP guard adds), but for another namespace: refused too.
-    elsewhere = encode_request_of({**encode_params("doc"), WRITE_PROOF: write_proof("k" * 32, "doc", 0, "", False)})
-    elsewhere.cache_salt = "tenant-a"
+    elsewhere = encode_request_of(proven_params("k" * 32, "doc"), salt="tenant-a")
     scheduler.arrived(elsewhere)
     assert not elsewhere.skip_reading_prefix_cache
     assert scheduler.take_stats() == {"writes_refused:unproven": 1}
 
 
 def test_a_proven_write_is_computed_without_reading_the_prefix_cache():
-    from kvreuse.modules.writes import WRITE_PROOF, write_proof
-
     scheduler = module_scheduler()
     scheduler.write_keys = ("k" * 32,)
-    proven = encode_request_of({**encode_params("doc", 2), WRITE_PROOF: write_proof("k" * 32, "doc", 2, "t", False)})
-    proven.cache_salt = "t"
+    proven = encode_request_of(proven_params("k" * 32, "doc", 2, "t"), salt="t")
     scheduler.arrived(proven)
     assert proven.skip_reading_prefix_cache  # set before vLLM's first look-up reads it
     assert scheduler.matched_tokens(proven, 0) == 0
     scheduler.allocated(proven, [0, 1], 0)
     assert scheduler._encodes["enc"][0] == ModuleWrite("doc", 2, "t", False)
     assert scheduler.take_stats() == {}
+
+
+def test_a_seen_proof_replayed_or_put_on_other_content_writes_nothing(caplog):
+    """The issue's "one seen proof writes any content under that name forever": a proof the guard made for one
+    write, taken (e.g. from a log) and sent again, as it is or with other tokens, is refused and says why."""
+    scheduler = module_scheduler()
+    scheduler.write_keys = ("k" * 32,)
+    params = proven_params("k" * 32, "system")
+    first = encode_request_of(params, rid="first")
+    scheduler.arrived(first)
+    assert scheduler._writes["first"] is not None
+    replayed = encode_request_of(dict(params), rid="again")
+    swapped = encode_request_of(dict(params), prompt=(1, 2, 3, 4, 5, 6, 7, 666), rid="swapped")
+    with caplog.at_level("WARNING", logger="vllm.plugins.kvreuse"):
+        scheduler.arrived(replayed)
+        scheduler.arrived(swapped)
+    assert scheduler._writes["again"] is None and scheduler._writes["swapped"] is None
+    assert not replayed.skip_reading_prefix_cache and not swapped.skip_reading_prefix_cache
+    assert scheduler.take_stats() == {"writes_refused:replayed": 1, "writes_refused:unproven": 1}
+    assert "request again asked to write module 'system'" in caplog.text and "used before" in caplog.text
+    assert "made for other content" in caplog.text
+
+
+def test_an_expired_proof_writes_nothing():
+    scheduler = module_scheduler()
+    scheduler.write_keys = ("k" * 32,)
+    stale = encode_request_of(proven_params("k" * 32, "doc", now=1_000_000))
+    scheduler.arrived(stale)
+    assert scheduler._writes["enc"] is None and scheduler.take_stats() == {"writes_refused:expired": 1}
 
 
 def test_a_request_splices_global_modules_and_its_own_salts_never_another_tenants():

@@ -19,10 +19,18 @@ from starlette.routing import Route
 from kvreuse.errors import ConfigError, ModuleRegistrationError
 from kvreuse.modules.writes import (
     MAX_NAME_LENGTH,
+    NONCE_CAPACITY,
+    PROOF_LIFETIME_S,
+    REDACTED,
+    ProofVerdict,
+    SeenNonces,
+    WriteClaim,
     check_module_name,
+    check_proof,
+    content_digest,
     key_matches,
     load_write_key,
-    proof_matches,
+    redacted,
     write_proof,
 )
 from kvreuse.vllm.modules.guard import ModuleWriteGuard
@@ -71,6 +79,15 @@ def write(name="system", context=0, **extra) -> dict:
 WITH_KEY = {"X-KVReuse-Module-Key": KEY}
 
 
+def claim(name="system", context=0, namespace="", prompt=(1, 2, 3), replace=False, probe=False) -> WriteClaim:
+    return WriteClaim(name, context, namespace, replace, probe, content_digest(prompt))
+
+
+def verdict(proof: object, of: WriteClaim) -> ProofVerdict:
+    """What a fresh engine (one that has seen no proof) makes of ``proof`` for the write ``of``."""
+    return check_proof([KEY], proof, of, SeenNonces())
+
+
 def test_a_plain_completion_passes_untouched_without_any_key():
     body = {"model": "m", "prompt": "What is the capital of France?", "max_tokens": 4}
     response = call("POST", "/v1/completions", body=body, key=None)
@@ -97,16 +114,116 @@ def test_with_no_key_configured_every_write_is_refused_even_with_a_header():
 
 
 def test_an_allowed_write_reaches_the_server_with_a_proof_and_without_the_key_header():
-    response = call(
-        "POST", "/v1/chat/completions", body=write("tables.singer", 7, cache_salt="tenant-a"), headers=WITH_KEY
-    )
+    body = write("tables.singer", 2, cache_salt="tenant-a")
+    response = call("POST", "/v1/completions", body=body, headers=WITH_KEY)
     assert response.status_code == 200
     reached = response.json()
-    params = reached["body"]["kv_transfer_params"]
-    assert proof_matches(KEY, params["kvreuse_write_proof"], "tables.singer", 7, "tenant-a", False)
-    assert not proof_matches(KEY, params["kvreuse_write_proof"], "tables.singer", 7, "", False)  # bound to the salt
+    proof = reached["body"]["kv_transfer_params"]["kvreuse_write_proof"]
+    assert verdict(proof, claim("tables.singer", 2, "tenant-a")) is ProofVerdict.VALID
+    assert verdict(proof, claim("tables.singer", 2, "")) is ProofVerdict.UNPROVEN  # bound to the salt
     assert "x-kvreuse-module-key" not in reached["headers"]
     assert int(reached["headers"]["content-length"]) == len(json.dumps(reached["body"]).encode())
+
+
+def test_a_proof_names_the_prompts_token_ids_and_every_flag_of_the_write():
+    body = write("doc", 1, kv_transfer_params={"kvreuse_module": "doc", "kvreuse_context": 1, "kvreuse_probe": True})
+    proof = call("POST", "/v1/completions", body=body, headers=WITH_KEY).json()["body"]["kv_transfer_params"][
+        "kvreuse_write_proof"
+    ]
+    assert verdict(proof, claim("doc", 1, probe=True)) is ProofVerdict.VALID
+    for other in (
+        claim("doc", 1, probe=True, prompt=(1, 2, 4)),  # the same write of other content: a content swap
+        claim("doc", 1, probe=True, prompt=(1, 2)),
+        claim("doc", 1, probe=False),
+        claim("doc", 1, probe=True, replace=True),
+        claim("doc", 2, probe=True),
+        claim("doc2", 1, probe=True),
+    ):
+        assert verdict(proof, other) is ProofVerdict.UNPROVEN, other
+
+
+def test_a_proof_writes_once_and_only_before_it_expires():
+    seen = SeenNonces()
+    proof = write_proof(KEY, claim(), now=1_000_000)
+    assert check_proof([KEY], proof, claim(), seen, now=1_000_001) is ProofVerdict.VALID
+    assert check_proof([KEY], proof, claim(), seen, now=1_000_002) is ProofVerdict.REPLAYED
+    late = write_proof(KEY, claim(), now=1_000_000)
+    expiry = 1_000_000 + PROOF_LIFETIME_S
+    assert check_proof([KEY], late, claim(), seen, now=expiry) is ProofVerdict.EXPIRED
+    # The same write sent again through the guard gets a new proof (a new nonce): written again.
+    assert write_proof(KEY, claim()) != write_proof(KEY, claim())
+    # A proof dated further ahead than a proof lives (a key holder's, or a front end with a clock far ahead).
+    ahead = write_proof(KEY, claim(), now=1_000_000 + 3600)
+    assert check_proof([KEY], ahead, claim(), seen, now=1_000_000) is ProofVerdict.EXPIRED
+
+
+def test_the_engine_remembers_a_bounded_number_of_proofs_and_forgets_them_when_they_expire():
+    seen = SeenNonces(capacity=2)
+    proofs = [write_proof(KEY, claim(), now=1000 + i) for i in range(3)]
+    assert [check_proof([KEY], p, claim(), seen, now=1001) for p in proofs] == [
+        ProofVerdict.VALID,
+        ProofVerdict.VALID,
+        ProofVerdict.NONCES_FULL,  # refused, never let through unremembered
+    ]
+    assert len(seen) == 2
+    later = 1000 + PROOF_LIFETIME_S + 0.5  # the first proof has expired, the others not
+    assert check_proof([KEY], proofs[2], claim(), seen, now=later) is ProofVerdict.VALID and len(seen) == 2
+    assert check_proof([KEY], proofs[0], claim(), seen, now=later) is ProofVerdict.EXPIRED  # forgotten, not replayable
+    # A proof that is not a key holder's leaves nothing to remember.
+    assert check_proof([KEY], write_proof("another-key-0123456789", claim()), claim(), seen) is ProofVerdict.UNPROVEN
+    assert NONCE_CAPACITY >= 1 << 16
+
+
+@pytest.mark.parametrize("proof", [None, "", "0" * 64, "1.2.3", f"9999999999.{'a' * 32}.{'b' * 64}", 12, ["x"]])
+def test_anything_but_a_key_holders_proof_of_this_write_is_unproven(proof):
+    assert verdict(proof, claim()) is ProofVerdict.UNPROVEN
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, "prompt is token ids"),
+        ({"prompt": "the module's text"}, "prompt is token ids"),
+        ({"prompt": [[1, 2, 3]]}, "prompt is token ids"),
+        ({"prompt": [1, True, 3]}, "prompt is token ids"),
+        ({"prompt": [1, -2, 3]}, "prompt is token ids"),
+        ({"prompt": []}, "prompt is token ids"),
+    ],
+)
+def test_a_write_whose_prompt_is_not_token_ids_is_a_400(body, says):
+    sent = {"model": "m", **body, "kv_transfer_params": {"kvreuse_module": "doc"}}
+    response = call("POST", "/v1/chat/completions", body=sent, headers=WITH_KEY)
+    assert response.status_code == 400 and says in response.json()["error"]["message"]
+
+
+def test_a_write_away_from_the_top_level_kv_transfer_params_is_a_400_with_the_key():
+    nested = {"prompt": [1, 2], "vllm_xargs": {"kv_transfer_params": {"kvreuse_module": "x"}}}
+    response = call("POST", "/v1/completions", body=nested, headers=WITH_KEY)
+    assert response.status_code == 400 and "top-level kv_transfer_params" in response.json()["error"]["message"]
+
+
+def test_vllms_request_log_shows_proofs_redacted(caplog):
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.serve.utils.request_logger import RequestLogger
+    from vllm.sampling_params import SamplingParams
+
+    ModuleWriteGuard(APP, write_key=KEY)  # installs the redaction in this process (as in vLLM's API server)
+    proof = write_proof(KEY, claim())
+    params = {"kvreuse_module": "system", "kvreuse_context": 0, "kvreuse_write_proof": proof}
+    sampling = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
+    request = CompletionRequest(model="m", prompt=[1, 2, 3], kv_transfer_params=params)
+    with caplog.at_level("DEBUG"):
+        logger = RequestLogger(max_log_len=None)
+        logger.log_inputs("r1", None, [1, 2, 3], None, params=sampling, lora_request=None)
+        logger.log_request_body(request)
+    logged = caplog.text
+    assert "Received request r1" in logged and "JSON body" in logged  # both lines were written
+    assert proof not in logged and proof.split(".")[2] not in logged
+    assert logged.count(REDACTED) == 2 and "'kvreuse_module': 'system'" in logged
+    # What the engine receives is unchanged.
+    assert sampling.extra_args["kv_transfer_params"]["kvreuse_write_proof"] == proof
+    assert request.kv_transfer_params["kvreuse_write_proof"] == proof
+    assert redacted({"other": 1}) == {"other": 1} and redacted(None) is None
 
 
 @pytest.mark.parametrize(
@@ -165,7 +282,7 @@ def test_writes_hidden_elsewhere_in_the_body_are_found():
 
 def test_a_client_cannot_send_its_own_proof():
     body = write()
-    body["kv_transfer_params"]["kvreuse_write_proof"] = write_proof(KEY, "system", 0, "", False)
+    body["kv_transfer_params"]["kvreuse_write_proof"] = write_proof(KEY, claim())
     assert call("POST", "/v1/completions", body=body, headers=WITH_KEY).status_code == 400
 
 

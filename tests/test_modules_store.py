@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvreuse.errors import ConfigError, ModuleConflict
+from kvreuse.errors import ConfigError, ModuleConflict, ModuleQuotaExceeded
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.store import (
     NO_CONTEXT,
@@ -372,6 +372,114 @@ def test_namespaces_hold_the_same_name_apart_and_a_name_leaves_with_its_entry():
         assert mine.key.namespace == "salt-a" and theirs.key != mine.key
 
 
+def test_a_tenant_past_its_quota_drops_its_own_modules_never_another_namespaces():
+    # Quota 3 modules of 128 bytes per tenant; the host tier holds 16 modules, so only the quota drops anything.
+    with store(cpu=16 * 128, namespace_bytes=3 * 128) as s:
+        a = [module(f"a{i}", namespace="tenant-a") for i in range(5)]
+        b, shared = module("b0", namespace="tenant-b"), module("system")
+        for m in (a[0], a[1], b, shared, a[2]):
+            s.put(m)
+        assert s.namespace_bytes("tenant-a") == 3 * 128
+        s.get(a[0].key)  # used last: lru keeps it
+        s.put(a[3])
+        s.put(a[4])
+        assert [m.key in s for m in a] == [True, False, False, True, True]  # a1 and a2, the least recently used
+        assert b.key in s and shared.key in s and s.current("a1", "tenant-a") is None
+        assert s.namespace_bytes("tenant-a") == 3 * 128 and s.namespace_bytes("tenant-b") == 128
+        assert s.figures.drops == 2
+        # The global namespace has no quota.
+        for i in range(6):
+            s.put(module(f"g{i}"))
+        assert s.namespace_bytes() == 7 * 128
+
+
+def test_a_module_larger_than_its_namespaces_quota_is_refused_and_nothing_leaves():
+    with store(cpu=16 * 128, namespace_bytes=2 * 128) as s:
+        kept = module("small", namespace="tenant-a")
+        s.put(kept)
+        with pytest.raises(ModuleQuotaExceeded, match=r"more than namespace tenant-[0-9a-f]{8} may hold"):
+            s.put(module("big", tokens=12, namespace="tenant-a"))  # 384 bytes
+        assert kept.key in s and len(s) == 1
+        s.put(module("big", tokens=12))  # the same module is global: no quota
+
+
+@pytest.mark.parametrize("protect", [True, False])
+def test_a_tenants_flood_never_moves_global_modules_unless_the_operator_says_so(protect):
+    # The device tier holds 2 modules, the host tier 2: the operator's two modules fill the device tier, then a
+    # tenant writes 10 modules.
+    with store(gpu=2 * 128, cpu=2 * 128, protect_global=protect) as s:
+        system, rules = module("system"), module("rules")
+        s.put(system)
+        s.put(rules)
+        flood = [module(f"f{i}", namespace="mallory") for i in range(10)]
+        for m in flood:
+            s.put(m)
+        tiers = (s.tier_of(system.key), s.tier_of(rules.key))
+        if protect:
+            assert tiers == ("device", "device")  # untouched; the flood took the host tier and dropped its own
+            assert [m.key in s for m in flood] == [False] * 8 + [True, True]
+        else:
+            assert tiers == (None, None)  # pushed down, then out of the store, by the tenant's writes
+        # A tenant's read promotes its module only into room no global module holds.
+        assert s.get(flood[-1].key) is not None
+        assert s.tier_of(flood[-1].key) == ("cpu" if protect else "device")
+
+
+def test_a_tenants_module_with_no_room_left_by_global_modules_is_refused():
+    with store(gpu=2 * 128, namespace_bytes=4 * 128) as s:
+        system, rules = module("system"), module("rules")
+        s.put(system)
+        s.put(rules)
+        with pytest.raises(ModuleQuotaExceeded, match="held by global modules"):
+            s.put(module("mine", namespace="tenant-a"))
+        assert system.key in s and rules.key in s and s.namespace_bytes("tenant-a") == 0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    caps=st.tuples(*[st.integers(0, 6)] * 3).filter(any),
+    quota=st.integers(0, 8),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["put", "put", "get", "evict"]),
+            st.sampled_from(["", "tenant-a", "tenant-b"]),
+            st.integers(0, 5),
+            st.integers(1, 4),
+        ),
+        max_size=30,
+    ),
+    policy=st.sampled_from(["lru", "lfu", "fifo"]),
+)
+def test_quotas_and_protected_global_modules_hold_after_every_call(caps, quota, ops, policy):
+    # Capacities and the quota in units of 64 bytes (0: off). After every call: no tenant holds more than its
+    # quota; a tenant's call moved no global module (tier unchanged, still stored); no tier is over capacity.
+    with tempfile.TemporaryDirectory() as folder:
+        with store(*(64 * c for c in caps), eviction=policy, disk_dir=folder, namespace_bytes=64 * quota) as s:
+            known: set = set()
+            for op, namespace, i, units in ops:
+                m = module(f"m{i}", tokens=2 * units, first_id=100 * i, seed=i, namespace=namespace)
+                before = {key: s.tier_of(key) for key in known if key.namespace == ""}
+                try:
+                    if op == "put":
+                        s.put(m, replace=True)
+                        known.add(m.key)
+                    elif op == "get":
+                        key = s.current(m.name, namespace)
+                        if key is not None:
+                            s.get(key)
+                    else:
+                        s.evict(s.current(m.name, namespace) or m.key)
+                except ModuleTooLarge:
+                    pass  # ModuleQuotaExceeded too: nothing changed, checked below
+                if namespace:
+                    assert {key: s.tier_of(key) for key in before} == before
+                    if quota:
+                        assert s.namespace_bytes(namespace) <= 64 * quota
+                for name, used in s.used_bytes().items():
+                    assert used <= s.capacities()[name], (name, used)
+                assert sum(s.namespace_bytes(n) for n in ("", "tenant-a", "tenant-b")) == sum(s.used_bytes().values())
+
+
 def test_no_cuda_means_no_gpu_tier_and_auto_takes_the_adapters_budget():
     # the default device tier is auto: without a budget from the adapter it is off, GPU or not
     assert ModuleStore(ModulesConfig(), model_id=MODEL, tokenizer_id=TOKENIZER).tiers == ("cpu",)
@@ -395,6 +503,8 @@ def test_every_modules_setting_is_documented():
         "modules.pin_cpu_memory",
         "modules.prefetch_depth",
         "modules.gpu_device",
+        "modules.namespace_bytes",
+        "modules.protect_global",
         "modules.open_writes",
         "modules.index_bytes",
         "modules.recompute_first",

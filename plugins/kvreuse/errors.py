@@ -81,6 +81,11 @@ class ModuleTooLarge(KVReuseError, ValueError):
     """A module is larger than the capacity of every tier of the store."""
 
 
+class ModuleQuotaExceeded(ModuleTooLarge):
+    """A tenant's module is larger than its namespace's quota (``modules.namespace_bytes``), or no tier has room
+    for it that protected global modules do not hold (``modules.protect_global``)."""
+
+
 class RequestParameterError(KVReuseError, ValueError):
     """A request's own kvreuse parameter (in its ``kv_transfer_params``) is malformed or out of its range; ``field``
     names it (``kv_transfer_params.kvreuse_ape.temperature``)."""

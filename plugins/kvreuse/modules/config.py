@@ -66,6 +66,19 @@ class ModulesConfig:
     gpu_device: str = config.setting(
         "cuda", "store: torch device of the device tier; a cuda device without CUDA means no device tier"
     )
+    namespace_bytes: int = config.setting(
+        0,
+        "store: bytes of module KV each tenant namespace (cache salt) may hold, all tiers together; a tenant's put "
+        "past it drops that namespace's own modules (by eviction), never another's; a module larger is refused "
+        "(0 = no quota; the global namespace has none)",
+        low=0,
+    )
+    protect_global: bool = config.setting(
+        True,
+        "store: a tenant's modules (puts, promotions) never push a global module (written without a cache salt) "
+        "down a tier or out of the store; they take a slower tier, or are refused, instead (false: global modules "
+        "compete for room like any other)",
+    )
     open_writes: bool = config.setting(
         False,
         "engine: take module writes that carry no write proof, i.e. let every client that can send "

@@ -40,6 +40,21 @@ policy: ``lru``, ``lfu`` or ``fifo``) one tier down, and the last tier drops the
 a slower tier promotes it to the fastest tier that can hold it. The store owns the tensors it is given and those
 it returns: callers must not write to them. All public methods take one lock, so a background prefetch thread
 and the engine's thread can share the store.
+
+Namespaces share the tiers, and two settings bound what one tenant can do to the others:
+
+* ``namespace_bytes`` (a quota, 0 = none) bounds the bytes each tenant namespace holds, all tiers together: a
+  tenant's put that would take its namespace past the quota first drops that namespace's own modules (chosen by
+  the eviction policy), never another's; a module larger than the quota is refused (:class:`ModuleQuotaExceeded`).
+  The global namespace has no quota (its writers are the operator's).
+* ``protect_global`` (on by default): room for a tenant's module (a put, a promotion, and the demotions they set
+  off) is never made by moving a global module, down a tier or out of the store; the module takes a slower tier
+  that has room, or, if none has, a put is refused (:class:`ModuleQuotaExceeded`) and a promotion does not happen.
+
+Below its quota, a tenant's modules compete with other tenants' for the tiers as before (the eviction policy
+across namespaces): a quota bounds what a namespace holds, not what it can push out of a faster tier. Sizing
+``namespace_bytes`` times the number of tenants within the tiers' capacity keeps tenants from pushing each other
+out of the store.
 """
 
 from __future__ import annotations
@@ -61,7 +76,14 @@ from typing import Any
 
 import torch
 
-from kvreuse.errors import ConfigError, ModuleConflict, ModuleMismatch, ModuleRegistrationError, ModuleTooLarge
+from kvreuse.errors import (
+    ConfigError,
+    ModuleConflict,
+    ModuleMismatch,
+    ModuleQuotaExceeded,
+    ModuleRegistrationError,
+    ModuleTooLarge,
+)
 from kvreuse.kernels import SUPPORTED_DTYPES
 from kvreuse.modules.config import AUTO, ModulesConfig
 from kvreuse.modules.namespace import GLOBAL, namespace_label
@@ -295,6 +317,7 @@ class ModuleStore:
         self._uses: Counter[ModuleKey] = Counter()  # gets and puts per module (lfu)
         self._last: dict[ModuleKey, int] = {}  # tick of the last get or put (lru)
         self._tick = 0
+        self._namespace_used: Counter[str] = Counter()  # bytes held per namespace, all tiers (namespace_bytes)
         self._lock = threading.RLock()
         self._executor: ThreadPoolExecutor | None = None
         self.figures = StoreFigures()
@@ -335,6 +358,12 @@ class ModuleStore:
                 f"({', '.join(f'{t.name}: {t.capacity}' for t in self._tiers)}); raise modules.gpu_bytes, "
                 f"cpu_bytes or disk_bytes, or split the module"
             )
+        quota = self._quota(module.namespace)
+        if quota is not None and module.nbytes > quota:
+            raise ModuleQuotaExceeded(
+                f"module {module.name!r} holds {module.nbytes} bytes of KV, more than namespace "
+                f"{namespace_label(module.namespace)} may hold (modules.namespace_bytes = {quota}); split the module"
+            )
         with self._lock:
             binding = (module.namespace, module.name)
             old = self._bound.get(binding)
@@ -348,15 +377,24 @@ class ModuleStore:
                     f"with other content (tokens, context, start or recovery differ); replace it explicitly "
                     f"(replace=True) or register it under another name"
                 )
+            actor = module.namespace
+            # Before anything changes (the entry it replaces is the actor's own, so counted as room already).
+            if not any(self._has_room(tier, module.nbytes, actor) for tier in self._tiers):
+                raise ModuleQuotaExceeded(
+                    f"module {module.name!r} of namespace {namespace_label(actor)} ({module.nbytes} bytes) finds no "
+                    f"tier with room: the rest is held by global modules, which tenants' modules never push out "
+                    f"(modules.protect_global); raise the tiers' capacities"
+                )
             if old is not None:
                 self._remove(old)
                 self._forget(old)
+            if quota is not None:
+                self._make_quota_room(actor, module.nbytes, quota)
             self._versions += 1
             module._stamp(self._versions)
             self._touch(module.key)
-            start = next(i for i, tier in enumerate(self._tiers) if tier.capacity >= module.nbytes)
-            landed = self._insert(module, start, source=None)
-            assert landed is not None  # the first tier that can hold it always takes it
+            landed = self._insert(module, 0, source=None)
+            assert landed is not None  # some tier had room for it, and making room takes nothing from there
             self._bound[binding] = module.key
             return landed
 
@@ -395,6 +433,11 @@ class ModuleStore:
 
     def capacities(self) -> dict[str, int]:
         return {tier.name: tier.capacity for tier in self._tiers}
+
+    def namespace_bytes(self, namespace: str = GLOBAL) -> int:
+        """Bytes of module KV ``namespace`` holds, all tiers together (what ``modules.namespace_bytes`` bounds)."""
+        with self._lock:
+            return self._namespace_used[namespace]
 
     def evict(self, key: ModuleKey) -> bool:
         """Remove ``key`` from the store (all tiers); whether it was there."""
@@ -475,26 +518,63 @@ class ModuleStore:
                     self.figures.prefetched += 1
         return promoted
 
-    def _victim(self, tier: _Tier) -> ModuleKey:
+    def _victim(self, keys: Collection[ModuleKey]) -> ModuleKey:
+        """The one of ``keys`` (stored, not empty) the eviction policy moves first."""
         policy = self.config.eviction
         if policy == "fifo":
-            return min(tier.entries, key=lambda k: tier.entries[k].entered)
+            return min(keys, key=lambda k: self._where[k].entries[k].entered)
         if policy == "lfu":
-            return min(tier.entries, key=lambda k: (self._uses[k], self._last.get(k, 0)))
-        return min(tier.entries, key=lambda k: self._last.get(k, 0))
+            return min(keys, key=lambda k: (self._uses[k], self._last.get(k, 0)))
+        return min(keys, key=lambda k: self._last.get(k, 0))
+
+    def _quota(self, namespace: str) -> int | None:
+        """The bytes ``namespace`` may hold, or ``None`` (no quota: the global namespace, or quotas off)."""
+        if namespace == GLOBAL or not self.config.namespace_bytes:
+            return None
+        return self.config.namespace_bytes
+
+    def _movable(self, tier: _Tier, actor: str) -> list[ModuleKey]:
+        """The modules of ``tier`` that room for a module of namespace ``actor`` may be made from."""
+        if actor == GLOBAL or not self.config.protect_global:
+            return list(tier.entries)
+        return [key for key in tier.entries if key.namespace != GLOBAL]
+
+    def _has_room(self, tier: _Tier, nbytes: int, actor: str) -> bool:
+        """Whether ``tier`` can take ``nbytes`` for namespace ``actor``, moving only what it may move."""
+        if tier.capacity < nbytes:
+            return False
+        free = tier.capacity - tier.used
+        return free >= nbytes or free + sum(tier.entries[k].nbytes for k in self._movable(tier, actor)) >= nbytes
+
+    def _make_quota_room(self, namespace: str, nbytes: int, quota: int) -> None:
+        """Drop ``namespace``'s own modules (by the eviction policy) until ``nbytes`` more fit in its quota."""
+        while self._namespace_used[namespace] + nbytes > quota:
+            victim = self._victim([key for key in self._where if key.namespace == namespace])
+            self.figures.evictions[self._where[victim].name] += 1
+            self.figures.drops += 1
+            logger.info(
+                "kvreuse modules: %r leaves the store: namespace %s is at its quota (modules.namespace_bytes)",
+                victim.name,
+                namespace_label(namespace),
+            )
+            self._remove(victim)
+            self._forget(victim)
 
     def _insert(self, module: EncodedModule, index: int, source: str | None) -> str | None:
-        """Put ``module`` in tier ``index`` or, if it cannot hold it, a slower one; demote victims. Landing tier."""
-        while index < len(self._tiers) and self._tiers[index].capacity < module.nbytes:
+        """Put ``module`` in tier ``index`` or, if it has no room for it, a slower one; demote victims (only those
+        room for the module's namespace may be made from). Landing tier, or ``None`` where no tier has room."""
+        actor = module.namespace
+        while index < len(self._tiers) and not self._has_room(self._tiers[index], module.nbytes, actor):
             index += 1
         if index == len(self._tiers):
             return None
         tier = self._tiers[index]
         while tier.used + module.nbytes > tier.capacity:
-            victim = self._victim(tier)
+            victim = self._victim(self._movable(tier, actor))
             self.figures.evictions[tier.name] += 1
-            if not any(t.capacity >= tier.entries[victim].nbytes for t in self._tiers[index + 1 :]):
-                self._remove(victim)  # no slower tier can hold it: it leaves the store
+            nbytes = tier.entries[victim].nbytes
+            if not any(self._has_room(t, nbytes, victim.namespace) for t in self._tiers[index + 1 :]):
+                self._remove(victim)  # no slower tier has room for it: it leaves the store
                 self._forget(victim)
                 self.figures.drops += 1
                 continue
@@ -508,6 +588,7 @@ class ModuleStore:
             entry = _Entry(module.nbytes, self._tick, module=self._on_device(module, tier))
         tier.entries[module.key] = entry
         tier.used += module.nbytes
+        self._namespace_used[actor] += module.nbytes
         self._where[module.key] = tier
         if source is not None:
             move = f"{source}->{tier.name}"
@@ -516,10 +597,13 @@ class ModuleStore:
         return tier.name
 
     def _promote(self, key: ModuleKey) -> EncodedModule | None:
-        """Move ``key`` to the fastest tier that can hold it; the module, or ``None`` after a load failure."""
+        """Move ``key`` to the fastest tier with room for it (for a tenant's module, room that no protected global
+        module holds; else it stays); the module, or ``None`` after a load failure."""
         tier = self._where[key]
         entry = tier.entries[key]
-        target = next(i for i, t in enumerate(self._tiers) if t.capacity >= entry.nbytes)
+        target = next(
+            i for i, t in enumerate(self._tiers) if t is tier or self._has_room(t, entry.nbytes, key.namespace)
+        )
         if self._tiers[target] is tier:  # already as fast as it can be
             if entry.module is not None:
                 return entry.module
@@ -539,6 +623,7 @@ class ModuleStore:
         """Remove ``key`` from ``tier`` and return its module (read from disk), or ``None`` on a load failure."""
         entry = tier.entries.pop(key)
         tier.used -= entry.nbytes
+        self._namespace_used[key.namespace] -= entry.nbytes
         del self._where[key]
         if entry.module is not None:
             return entry.module
@@ -559,6 +644,7 @@ class ModuleStore:
         tier = self._where.pop(key)
         entry = tier.entries.pop(key)
         tier.used -= entry.nbytes
+        self._namespace_used[key.namespace] -= entry.nbytes
         if entry.path is not None:
             self._unlink(entry)
 

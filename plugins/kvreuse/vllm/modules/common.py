@@ -17,7 +17,15 @@ from kvreuse.errors import ModuleRegistrationError, RequestParameterError
 from kvreuse.modules.namespace import GLOBAL
 from kvreuse.modules.splice import Piece
 from kvreuse.modules.store import ModuleKey
-from kvreuse.modules.writes import WRITE_PROOF, check_module_name, proven
+from kvreuse.modules.writes import (
+    WRITE_PROOF,
+    ProofVerdict,
+    SeenNonces,
+    WriteClaim,
+    check_module_name,
+    check_proof,
+    content_digest,
+)
 from kvreuse.sparse.ape import OFF, ApeSpans, check_ape
 
 # The keys of an encode request's kv_transfer_params (and WRITE_PROOF, which the guard or the offline API adds).
@@ -189,6 +197,12 @@ class ModuleWrite:
     replace: bool
     probe: bool = False
 
+    def claim(self, prompt_token_ids: Sequence[int]) -> WriteClaim:
+        """What a proof of this write must vouch for, the request's prompt being ``prompt_token_ids``."""
+        return WriteClaim(
+            self.name, self.context, self.namespace, self.replace, self.probe, content_digest(prompt_token_ids)
+        )
+
 
 def encode_request(params: object, num_prompt_tokens: int, namespace: str = GLOBAL) -> ModuleWrite | None:
     """The write ``kv_transfer_params`` ask for, else ``None``; ``namespace`` is the request's
@@ -219,12 +233,17 @@ def encode_request(params: object, num_prompt_tokens: int, namespace: str = GLOB
     return ModuleWrite(name, context, namespace, replace, probe)
 
 
-def write_allowed(write: ModuleWrite, params: Mapping[str, Any], keys: Sequence[str]) -> bool:
-    """Whether the request proves its write under one of the engine's ``keys`` (``WRITE_PROOF`` in its
-    ``kv_transfer_params``: the HTTP guard's under the module-write key, the offline API's under the local
-    secret)."""
-    proof = params.get(WRITE_PROOF)
-    return proven(keys, proof, write.name, write.context, write.namespace, write.replace)
+def write_verdict(
+    write: ModuleWrite,
+    params: Mapping[str, Any],
+    prompt_token_ids: Sequence[int],
+    keys: Sequence[str],
+    seen: SeenNonces,
+) -> ProofVerdict:
+    """Whether the request proves its write (``WRITE_PROOF`` in its ``kv_transfer_params``: the HTTP guard's under
+    the module-write key, the offline API's under the local secret) for its very prompt, unexpired and for the first
+    time (``kvreuse.modules.writes.check_proof``; an accepted proof's nonce is remembered in ``seen``)."""
+    return check_proof(keys, params.get(WRITE_PROOF), write.claim(prompt_token_ids), seen)
 
 
 @dataclass(frozen=True)

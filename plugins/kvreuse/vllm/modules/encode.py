@@ -27,7 +27,7 @@ from kvreuse.modules.namespace import GLOBAL
 from kvreuse.modules.pml import parse_prompt, parse_schema
 from kvreuse.modules.schemas import DatabaseSchema
 from kvreuse.modules.trie import module_text
-from kvreuse.modules.writes import WRITE_PROOF, local_write_proof
+from kvreuse.modules.writes import WRITE_PROOF, WriteClaim, content_digest, local_write_proof
 from kvreuse.vllm.modules.common import encode_params
 
 SPECIAL_PREFIX = "_special-prefix"  # a valid module name (check_module_name) no schema run can take
@@ -46,11 +46,13 @@ def module_token_ids(tokenizer: Any, text: str) -> list[int]:
 
 
 def signed_encode_params(
-    name: str, context_tokens: int = 0, *, replace: bool = False, probe: bool = False
+    name: str, prompt_token_ids: Sequence[int], context_tokens: int = 0, *, replace: bool = False, probe: bool = False
 ) -> dict[str, Any]:
-    """:func:`encode_params` of a global module with this process tree's write proof (offline writes only)."""
+    """:func:`encode_params` of a global module with this process tree's write proof (offline writes only), for
+    the request whose prompt is ``prompt_token_ids`` (the context's tokens, then the module's)."""
     params = encode_params(name, context_tokens, replace=replace, probe=probe)
-    params[WRITE_PROOF] = local_write_proof(name, int(context_tokens), GLOBAL, replace)
+    claim = WriteClaim(name, int(context_tokens), GLOBAL, replace, probe, content_digest(prompt_token_ids))
+    params[WRITE_PROOF] = local_write_proof(claim)
     return params
 
 
@@ -100,7 +102,11 @@ def encode_modules(
                 max_tokens=1,
                 temperature=0.0,
                 skip_reading_prefix_cache=True,
-                extra_args={"kv_transfer_params": signed_encode_params(name, len(context), replace=replace)},
+                extra_args={
+                    "kv_transfer_params": signed_encode_params(
+                        name, prompts[-1]["prompt_token_ids"], len(context), replace=replace
+                    )
+                },
             )
         )
     if prompts:
@@ -114,11 +120,11 @@ def encode_modules(
                 skip_reading_prefix_cache=True,
                 extra_args={
                     "kv_transfer_params": signed_encode_params(
-                        name, len(probe) + len(contexts.get(name, ())), probe=True
+                        name, prompt["prompt_token_ids"], len(probe) + len(contexts.get(name, ())), probe=True
                     )
                 },
             )
-            for name in ids
+            for name, prompt in zip(ids, probes)
         ]
         if probes:
             llm.generate(probes, probe_params, use_tqdm=False)

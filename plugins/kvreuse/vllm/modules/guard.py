@@ -11,9 +11,14 @@ non-``GET`` request to a kvreuse module endpoint (:data:`MODULE_ENDPOINTS`). It 
 carries the header ``X-KVReuse-Module-Key`` equal to the key (compared in constant time); with no key configured,
 every write is refused. Every ``kv_transfer_params`` must pass ``check_transfer_params`` (a module name, context,
 flags and per-request settings within their bounds), else 400 naming the field. The guard then removes the header
-and adds ``kvreuse_write_proof`` (an HMAC of the write under the key) to the write's ``kv_transfer_params``, so that the
-engine can tell the writes the guard allowed (a client-sent proof, or ``kv_transfer_params`` that are not an
-object, are refused with 400). Errors are JSON in vLLM's shape: ``{"error": {"message", "type", "param", "code"}}``.
+and adds ``kvreuse_write_proof`` to the write's ``kv_transfer_params``, so that the engine can tell the writes the
+guard allowed (a client-sent proof, or ``kv_transfer_params`` that are not an object, are refused with 400). The
+proof (``kvreuse.modules.writes.write_proof``) names the content: a digest of the token ids the engine will compute,
+so a write must be a request whose top-level ``prompt`` is those token ids (a completion: context, then module) and
+whose top-level ``kv_transfer_params`` name the module, else 400 (the guard does not tokenize text, and a prompt
+the server would template or tokenize could not be named). It expires after
+``kvreuse.modules.writes.PROOF_LIFETIME_S`` and carries a nonce the engine accepts once; vLLM's request log shows
+it redacted. Errors are JSON in vLLM's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 Everything else passes through untouched: requests without module writes (splicing reads modules by their
 tokens, no parameter needed), other methods, non-JSON bodies, and bodies that are not valid JSON (the server
@@ -33,8 +38,24 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvreuse.errors import RequestParameterError
 from kvreuse.modules.namespace import GLOBAL
-from kvreuse.modules.writes import WRITE_KEY_HEADER, WRITE_PROOF, key_matches, load_write_key, write_proof
-from kvreuse.vllm.modules.common import ENCODE_CONTEXT, ENCODE_MODULE, ENCODE_REPLACE, check_transfer_params
+from kvreuse.modules.writes import (
+    WRITE_KEY_HEADER,
+    WRITE_PROOF,
+    WriteClaim,
+    content_digest,
+    key_matches,
+    load_write_key,
+    redacted,
+    write_proof,
+)
+from kvreuse.patches import vllm_0_32
+from kvreuse.vllm.modules.common import (
+    ENCODE_CONTEXT,
+    ENCODE_MODULE,
+    ENCODE_PROBE,
+    ENCODE_REPLACE,
+    check_transfer_params,
+)
 
 logger = logging.getLogger("vllm.plugins.kvreuse")
 
@@ -62,6 +83,8 @@ class ModuleWriteGuard:
         self.key: str | None = load_write_key() if write_key is _FROM_ENVIRONMENT else write_key
         if self.key is None:
             logger.info("kvreuse: module writes over HTTP are off (no KVREUSE_MODULES_WRITE_KEY)")
+        # The proofs this guard adds are credentials (each good for one write until it expires): never logged.
+        vllm_0_32.redact_in_request_log(redacted)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in READ_METHODS:
@@ -132,10 +155,36 @@ class ModuleWriteGuard:
                 params[ENCODE_MODULE],
                 params.get(ENCODE_CONTEXT, 0),
                 params.get(ENCODE_REPLACE, False),
-            )
-            assert self.key is not None  # _authorise passed
-            params[WRITE_PROOF] = write_proof(self.key, name, context, namespace, replace)
+            )  # checked above (check_transfer_params)
+            params[WRITE_PROOF] = self._prove(document, params, name, context, namespace, replace)
         return json.dumps(document).encode()
+
+    def _prove(
+        self, document: Any, params: dict[str, Any], name: str, context: int, namespace: str, replace: bool
+    ) -> str:
+        """The write's proof, naming the token ids the engine will compute: the body's top-level ``prompt``, which
+        must be a list of token ids for the body's own (top-level) ``kv_transfer_params``; 400 otherwise."""
+        assert self.key is not None  # _authorise passed
+        if not isinstance(document, dict) or document.get(TRANSFER_PARAMS) is not params:
+            raise GuardRefusal(
+                400,
+                "BadRequestError",
+                f"a module write goes in the request's top-level {TRANSFER_PARAMS}, next to its prompt",
+            )
+        prompt = document.get("prompt")
+        if (
+            not isinstance(prompt, list)
+            or not prompt
+            or not all(isinstance(token, int) and not isinstance(token, bool) and token >= 0 for token in prompt)
+        ):
+            raise GuardRefusal(
+                400,
+                "BadRequestError",
+                "a module write is a completion whose prompt is token ids (the context's, then the module's): its "
+                "proof names the token ids the engine computes, and text would be tokenized after the proof is made",
+            )
+        probe = bool(params.get(ENCODE_PROBE, False))  # a boolean: check_transfer_params
+        return write_proof(self.key, WriteClaim(name, context, namespace, replace, probe, content_digest(prompt)))
 
 
 def _transfer_params(document: Any) -> Iterator[Any]:

@@ -50,7 +50,8 @@ MODULE_COUNTERS: dict[str, tuple[str, str, str | None]] = {
     ),
     "writes_refused": (
         "kvreuse:module_writes_refused_total",
-        "Encode requests whose module was not stored: no valid write proof, or malformed parameters",
+        "Encode requests whose module was not stored: no valid write proof (unproven, expired, replayed, "
+        "nonces_full), or malformed parameters",
         "reason",
     ),
 }

@@ -12,7 +12,9 @@ Who sees what. A request sees the global modules and those of its own ``cache_sa
 Who may write. An encode request is stored only if its ``kv_transfer_params`` carry a write proof under one of the
 engine's keys (``kvreuse.modules.writes``): the module-write key (the HTTP guard adds the proof to the writes it
 allowed) or the process tree's local secret (the offline API signs with it), unless the operator turned
-``modules.open_writes`` on. Other writes are refused (logged, counted as ``writes_refused``) and the request runs as
+``modules.open_writes`` on. The proof must name this very write (its prompt's token ids, name, context, namespace,
+flags), be unexpired, and be new: its nonce is remembered until it expires, so a proof writes once. Other writes
+are refused (logged, counted as ``writes_refused``) and the request runs as
 a plain one. An allowed encode request never reads vLLM's prefix cache: when it arrives (``on_new_request``, before
 vLLM's first look-up), the scheduler side sets the request's ``skip_reading_prefix_cache``.
 
@@ -64,7 +66,7 @@ from kvreuse.modules.splice import (
 )
 from kvreuse.modules.store import ModuleKey, context_fingerprint
 from kvreuse.modules.trie import ModuleMatch, ModuleTrie
-from kvreuse.modules.writes import engine_write_keys
+from kvreuse.modules.writes import ProofVerdict, SeenNonces, engine_write_keys
 from kvreuse.patches import vllm_0_32
 from kvreuse.sparse.ape import OFF, ApeSpans
 from kvreuse.vllm.modules.common import (
@@ -79,7 +81,7 @@ from kvreuse.vllm.modules.common import (
     marks_encode,
     recompute_first,
     recompute_share,
-    write_allowed,
+    write_verdict,
 )
 from kvreuse.vllm.names import SPARSE_CPU_SWITCH, ConnectorName
 from kvreuse.vllm.settings import kvreuse_flags
@@ -97,7 +99,10 @@ T = TypeVar("T")  # an engine setting's value, as _own_setting reads it per requ
 class WriteRefusal(StrEnum):
     """Why an encode request's module was not stored (label of ``kvreuse:module_writes_refused_total``)."""
 
-    UNPROVEN = "unproven"  # no write proof under the module-write key or the local secret (open_writes off)
+    UNPROVEN = ProofVerdict.UNPROVEN.value  # no proof of this write (its content, name, salt...) under an engine key
+    EXPIRED = ProofVerdict.EXPIRED.value  # a proof of this write past its expiry
+    REPLAYED = ProofVerdict.REPLAYED.value  # a proof of this write accepted before
+    NONCES_FULL = ProofVerdict.NONCES_FULL.value  # more unexpired proofs than the engine remembers
     MALFORMED = "malformed"  # a bad name, context length or replace flag
 
 
@@ -151,6 +156,7 @@ class ModuleScheduler:
         self.vllm_config = vllm_config
         self.config = ModulesConfig.load(kvreuse_flags(vllm_config.additional_config, "modules"))
         self.write_keys = engine_write_keys()
+        self.seen_proofs = SeenNonces()  # accepted write proofs, until they expire: each is good for one write
         self.block_size = vllm_config.cache_config.block_size
         self.enabled = True
         try:
@@ -522,15 +528,19 @@ class ModuleScheduler:
             logger.error("kvreuse: request %s runs without encoding a module: %s", request.request_id, why)
             return None
         assert write is not None and params is not None  # marks_encode held
-        if not self.config.open_writes and not write_allowed(write, params, self.write_keys):
-            self.refused[WriteRefusal.UNPROVEN] += 1
+        if self.config.open_writes:
+            return write
+        prompt = request.prompt_token_ids or ()
+        verdict = write_verdict(write, params, prompt, self.write_keys, self.seen_proofs)
+        if verdict is not ProofVerdict.VALID:
+            self.refused[WriteRefusal(verdict.value)] += 1
             logger.warning(
-                "kvreuse: request %s asked to write module %r of namespace %s without a valid write proof; "
-                "refused (over HTTP, module writes need the module-write key through "
-                "kvreuse.vllm.modules.guard.ModuleWriteGuard; see the README's Security model)",
+                "kvreuse: request %s asked to write module %r of namespace %s; refused (it runs as a plain request): "
+                "%s (see the README's Security model)",
                 request.request_id,
                 write.name,
                 namespace_label(namespace),
+                verdict.why,
             )
             return None
         return write
