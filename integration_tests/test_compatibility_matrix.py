@@ -92,9 +92,9 @@ PROMPTS = [
     f"<|im_start|>user\n{LONG}\nHow many red marbles does item 3 hold?<|im_end|>\n<|im_start|>assistant\n",
 ]
 MAX_TOKENS = 12
-# SmolLM2's float32 KV is 46 KB a token (30 layers x K, V x 3 heads x 64): 80 MiB hold 1,820 tokens (1,574 with
-# the sparse backend's sketch rows), at least max_model_len, and one ~1,000-token prompt at a time: eight at once
-# must preempt. 256 tokens a step: the long prompt is prefilled in chunks.
+# SmolLM2's float32 KV is 46 KB a token (30 layers x K, V x 3 heads x 64): 80 MiB hold 56 blocks of 32 tokens (49
+# with the sparse backend's sketch rows), at least max_model_len. 256 tokens a step: the long prompt is prefilled in
+# chunks.
 SMALL_KV = 80 << 20
 ENGINE = dict(kv_cache_memory_bytes=SMALL_KV, max_num_batched_tokens=256, max_model_len=1280, max_num_seqs=8)
 SCHEDULER = {"scheduler_cls": "kvreuse.vllm.PrefixAffinityScheduler"}
@@ -149,7 +149,7 @@ def greedy(llm, prompts, max_tokens: int = MAX_TOKENS):
 def stock(smollm2_model):
     llm = engine(smollm2_model, "stock")
     try:
-        yield {"greedy": greedy(llm, PROMPTS), "crowd": greedy(llm, crowd())}
+        yield {"greedy": greedy(llm, PROMPTS), "crowd": greedy(llm, crowd(), CROWD_TOKENS)}
     finally:
         release(llm)
 
@@ -164,8 +164,16 @@ def column(request, smollm2_model, stock):
 
 
 def crowd() -> list[str]:
-    """Eight long prompts at once: more KV than ``SMALL_KV`` holds, so the scheduler preempts."""
-    return [f"<|im_start|>user\n{LONG}\nQuestion {i}: which item holds the most marbles?" for i in range(8)]
+    """Six ~330-token prompts decoding 160 tokens each: five fit ``SMALL_KV`` at admission (four with the sketch
+    rows), and their decodes outgrow it, so the scheduler preempts."""
+
+    def items(case: int) -> str:  # each prompt its own from the first block on: no shared prefix blocks
+        return " ".join(f"Crate {case}-{i} holds {(i + case) % 7} red and {i % 5} blue marbles." for i in range(18))
+
+    return [f"<|im_start|>user\n{items(i)}\nWhich crate holds the most marbles?" for i in range(6)]
+
+
+CROWD_TOKENS = 160
 
 
 def test_greedy_answers_are_the_stock_engines(column, stock):
@@ -189,7 +197,7 @@ def test_a_prefix_cache_hit_gives_the_stock_answer(column, stock):
 def test_requests_preempted_for_room_give_the_stock_answers(column, stock):
     name, llm = column
     before = _counter(llm, "vllm:num_preemptions")
-    outputs = greedy(llm, crowd())
+    outputs = greedy(llm, crowd(), CROWD_TOKENS)
     assert _counter(llm, "vllm:num_preemptions") > before  # the cache is small enough: the test can fail
     for i, (reference, ours) in enumerate(zip(stock["crowd"], outputs)):
         assert_same_greedy_path(reference, ours, f"{name}, crowded prompt {i}")
