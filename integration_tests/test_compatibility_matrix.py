@@ -164,7 +164,7 @@ def column(request, smollm2_model, stock):
 
 
 def crowd() -> list[str]:
-    """Six ~330-token prompts decoding 160 tokens each: five fit ``SMALL_KV`` at admission (four with the sketch
+    """Six ~300-token prompts decoding 112 tokens each: five fit ``SMALL_KV`` at admission (four with the sketch
     rows), and their decodes outgrow it, so the scheduler preempts."""
 
     def items(case: int) -> str:  # each prompt its own from the first block on: no shared prefix blocks
@@ -173,7 +173,7 @@ def crowd() -> list[str]:
     return [f"<|im_start|>user\n{items(i)}\nWhich crate holds the most marbles?" for i in range(6)]
 
 
-CROWD_TOKENS = 160
+CROWD_TOKENS = 112
 
 
 def test_greedy_answers_are_the_stock_engines(column, stock):
