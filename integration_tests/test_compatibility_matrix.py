@@ -121,12 +121,20 @@ COLUMNS = {
 
 
 def engine(model: Path, column: str, **overrides):
-    """An in-process engine of ``column`` (stopped by the caller), later engines getting the stock CPU_ATTN."""
+    """An in-process engine of ``column`` (stopped by the caller with ``release``). vLLM runs its plugins once per
+    process, when the first engine starts, so the switch to kvreuse's backend that the plugin makes there for
+    ``KVREUSE_SPARSE_CPU_BACKEND=1`` is made here for each column that sets it (a user sets the variable before the
+    first engine)."""
+    from kvreuse.patches import vllm_0_32
+    from kvreuse.vllm.names import SPARSE_BACKEND, SPARSE_CPU_SWITCH
+
     args, env = COLUMNS[column]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         for name, value in env.items():
             mp.setenv(name, value)
+        if SPARSE_CPU_SWITCH in env:
+            vllm_0_32.replace_cpu_attention(SPARSE_BACKEND)
         return start_llm(model, **{**ENGINE, **args, **overrides})
 
 
