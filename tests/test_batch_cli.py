@@ -214,6 +214,24 @@ def test_pinned_fields_lead_every_prompt_sent(capsys, server_url, table, monkeyp
     assert [prompt.split("\n")[2].split(":")[0] for prompt in sent[0]] == ["year"] * 4
 
 
+def test_by_default_every_prompt_lists_the_fields_in_the_order_given(capsys, server_url, table, monkeypatch):
+    import kvreuse.cli as cli
+
+    sent: list[list[str]] = []
+    plan_table = cli.plan_table
+
+    def recording_plan_table(*args, **kwargs):
+        plan = plan_table(*args, **kwargs)
+        sent.append(plan.prompts)
+        return plan
+
+    monkeypatch.setattr(cli, "plan_table", recording_plan_table)
+    argv = ["run", "--table", str(table), "--prompt", "Kids?", "--fields", "year,title", "--url", server_url]
+    code, _, _ = run(capsys, *argv)
+    assert code == 0
+    assert [[line.split(":")[0] for line in prompt.split("\n")[2:4]] for prompt in sent[0]] == [["year", "title"]] * 4
+
+
 def test_an_unknown_pin_ends_with_a_message_before_any_engine_starts(capsys, table):
     code, _, err = run(capsys, "run", "--table", str(table), "--prompt", "Kids?", "--pin", "rating", "--model", "x")
     assert code == 1

@@ -31,7 +31,7 @@ from kvreuse.batch.output import OUTPUT_SUFFIXES, AnswerOutput
 from kvreuse.batch.progress import JobProgress
 from kvreuse.batch.table_io import read_table
 from kvreuse.errors import BackendError, ConfigError, KVReuseError
-from kvreuse.reorder import METHODS, PROMPT_FORMATS, ReorderConfig, prepare_table, resolve_pin
+from kvreuse.reorder import FIELD_ORDERS, METHODS, PROMPT_FORMATS, ReorderConfig, prepare_table, resolve_pin
 from kvreuse.reorder.routing import ROUTERS
 
 
@@ -76,6 +76,14 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         "--fields", type=_field_list, default=None, help="comma-separated columns the model sees (default: all)"
     )
     run.add_argument("--order", choices=METHODS, default="ggr", help="how rows are ordered (default: ggr)")
+    run.add_argument(
+        "--field-order",
+        choices=FIELD_ORDERS,
+        default="keep",
+        help="keep: every prompt lists the fields as --fields (or the table) does, only rows move, so every answer "
+        "is the one the original order gets; global: one field order for all rows, chosen for reuse; free: each "
+        "row its own field order (GGR's), the most reuse, but a field's place can change an answer (default: keep)",
+    )
     run.add_argument(
         "--pin",
         type=_field_list,
@@ -254,6 +262,7 @@ def _run(args: argparse.Namespace) -> int:
                 args.prompt,
                 args.fields,
                 order=args.order,
+                field_order=args.field_order,
                 fmt=args.format,
                 pin=args.pin,
                 config=reorder,
@@ -268,7 +277,8 @@ def _run(args: argparse.Namespace) -> int:
         output.close(complete=True)
     figures = BatchFigures.of(bar.tally, plan.solve_s, time.perf_counter() - generating)
     wall_s = time.perf_counter() - started
-    print(summary(figures, args.order, wall_s, resumed=len(skip), out=args.out), file=sys.stderr)
+    order = f"{args.order}, fields {args.field_order}"
+    print(summary(figures, order, wall_s, resumed=len(skip), out=args.out), file=sys.stderr)
     return 0
 
 
@@ -327,7 +337,16 @@ def _run_replicas(
 
     from kvreuse.vllm.ray_replicas import RayVLLMReplicas
 
-    plan = plan_table(table, args.prompt, args.fields, order=args.order, fmt=args.format, pin=args.pin, config=reorder)
+    plan = plan_table(
+        table,
+        args.prompt,
+        args.fields,
+        order=args.order,
+        field_order=args.field_order,
+        fmt=args.format,
+        pin=args.pin,
+        config=reorder,
+    )
     rows = [(row, prompt) for row, prompt in zip(plan.rows.tolist(), plan.prompts) if row not in output.done]
     figures = new_figures(args.replicas, args.router)
     ray.init(address=args.ray_address, include_dashboard=False)

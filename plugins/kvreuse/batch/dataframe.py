@@ -48,6 +48,7 @@ def run_table(
     *,
     backend: Backend,
     order: str = "ggr",
+    field_order: str = "keep",
     fmt: str = "lines",
     max_tokens: int = MAX_TOKENS,
     pin: Sequence[str] | None = None,
@@ -61,8 +62,10 @@ def run_table(
 
     Each prompt is the instruction followed by one ``field: value`` line per field (``fmt="json"``: one JSON
     object). Rows are sent in the order ``order`` chooses (``"ggr"``, ``"original"``, ``"sorted"``, ``"stats"``,
-    ``"ophr"``), and each row may list its fields in its own order; answers are greedy, so they do not depend on
-    that order beyond the prompt itself. Every row is asked, duplicates included, and no row is dropped.
+    ``"ophr"``). ``field_order`` says whether each prompt keeps the fields in ``fields``' order (``"keep"``, the
+    default: only rows move, so every answer is the one the original order gets), lists them in one order chosen
+    for reuse (``"global"``) or in each row's own (``"free"``, GGR's per-row orders: most reuse, but a field's
+    place can change a small model's answer). Every row is asked, duplicates included, and no row is dropped.
     ``pin`` names fields that lead every prompt, in that order (``pin=["name"]``); pinning every field keeps each
     prompt exactly as the table's field order writes it and reorders rows only.
     ``config`` defaults to the backend's (an in-process vLLM's ``additional_config``) or else the
@@ -75,6 +78,7 @@ def run_table(
         instruction,
         fields,
         order=order,
+        field_order=field_order,
         fmt=fmt,
         pin=pin,
         fds=fds,
@@ -116,6 +120,7 @@ def llm_map(
     *,
     backend: Backend,
     order: str = "ggr",
+    field_order: str = "keep",
     fmt: str = "lines",
     max_tokens: int = MAX_TOKENS,
     pin: Sequence[str] | None = None,
@@ -136,6 +141,7 @@ def llm_map(
         fields,
         backend=backend,
         order=order,
+        field_order=field_order,
         fmt=fmt,
         max_tokens=max_tokens,
         pin=pin,

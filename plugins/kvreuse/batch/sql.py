@@ -85,6 +85,7 @@ def run_query(
     *,
     backend: Backend,
     order: str = "ggr",
+    field_order: str = "keep",
     fmt: str = "lines",
     max_tokens: int = MAX_TOKENS,
     pin: Sequence[str] | None = None,
@@ -95,7 +96,8 @@ def run_query(
 ) -> QueryAnswers:
     """Run a ``SELECT`` whose ``llm(instruction, value, ...)`` calls are answered by ``backend`` in batches.
 
-    See the module's description for how; ``order``, ``fmt`` and ``max_tokens`` are as in
+    See the module's description for how; ``order``, ``field_order`` (default ``"keep"``: each prompt lists the
+    fields in the call's argument order), ``fmt`` and ``max_tokens`` are as in
     :func:`kvreuse.batch.run_table`, except that ``"original"`` means the order in which DuckDB first passed each
     argument tuple (scan order, which DuckDB's threads may vary). ``pin`` names fields (as the call sites name
     them, see :func:`call_sites`) that lead every prompt of each ``llm()`` call that passes them. ``out`` and
@@ -130,6 +132,7 @@ def run_query(
                     instruction,
                     list(fields),
                     order=order,
+                    field_order=field_order,
                     fmt=fmt,
                     pin=None if pin is None else [name for name in pin if name in fields],
                     config=config,
@@ -164,6 +167,7 @@ def llm_sql(
     *,
     backend: Backend,
     order: str = "ggr",
+    field_order: str = "keep",
     fmt: str = "lines",
     max_tokens: int = MAX_TOKENS,
     pin: Sequence[str] | None = None,
@@ -178,6 +182,7 @@ def llm_sql(
         query,
         backend=backend,
         order=order,
+        field_order=field_order,
         fmt=fmt,
         max_tokens=max_tokens,
         pin=pin,
