@@ -97,7 +97,7 @@ def test_answers_are_written_next_to_their_rows_with_a_summary(capsys, server_ur
         "title: Heat | year: 1995",
         "title: Alien | year: ",
     ]
-    assert "rows           4 (order ggr)" in err
+    assert "rows           4 (order ggr, fields keep)" in err
     assert "prompt tokens  40" in err
     assert "cached tokens  16 (40.0% hit rate)" in err
     assert "s wall" in err
