@@ -3,6 +3,9 @@
 One ``vllm.LLM`` (the module's ``llm`` fixture) drives the pandas and DuckDB front ends over the first rows of
 ``movies_small.csv``, where a film's fields repeat across its reviews; ``kvreuse run`` starts its own engine.
 
+The answer checks send raw prompts (``chat=False``), so that each can be asked alone as the same text; chat
+prompts, the default, are checked against vLLM's own chat API on the real model (``test_chat_prompts_*``).
+
 Each answer is checked twice: it is the text the engine generated for that row's own prompt (bookkeeping: exact),
 and that generation agrees with the prompt asked alone, the reference, at every decided step (``greedy.py``): in a
 batch, vLLM may take a prompt in other chunks or next to other requests, other matrix shapes, so other summation
@@ -45,7 +48,7 @@ class RecordingBackend(VLLMBackend):
     """The real backend, also keeping every prompt list it was sent (the front ends stream from it)."""
 
     def __init__(self, llm) -> None:
-        super().__init__(llm)
+        super().__init__(llm, chat=False)
         self.calls: list[list[str]] = []
 
     def stream(self, prompts: Sequence[str], *, max_tokens: int) -> Iterator[tuple[int, Completion]]:
@@ -104,7 +107,7 @@ def assert_agrees_with_alone(llm, generations: Generations, prompts) -> None:
 def test_llm_map_gives_each_row_the_answer_of_its_prompt_asked_alone(llm, movies):
     instruction = "Is this movie suitable for kids? Answer yes or no."
     generations = Generations(llm)
-    backend = VLLMBackend(generations)
+    backend = VLLMBackend(generations, chat=False)
     answers = llm_map(movies, instruction, FIELDS, backend=backend, order="ggr", max_tokens=MAX_TOKENS)
     plan = plan_table(movies, instruction, FIELDS, order="ggr")
     prompt_of_row = dict(zip(plan.rows.tolist(), plan.prompts))
@@ -150,7 +153,13 @@ def test_ggr_with_free_field_order_serves_more_prompt_tokens_from_the_cache_than
     for order in ("original", "ggr"):
         llm.reset_prefix_cache()
         figures[order] = run_table(
-            movies, instruction, fields, backend=VLLMBackend(llm), order=order, field_order="free", max_tokens=1
+            movies,
+            instruction,
+            fields,
+            backend=VLLMBackend(llm, chat=False),
+            order=order,
+            field_order="free",
+            max_tokens=1,
         ).figures
     original, ggr = figures["original"].cached_tokens, figures["ggr"].cached_tokens
     assert original < 300 and ggr > 1500, (original, ggr)  # measured: 128 and 1888 of 7743 prompt tokens

@@ -17,20 +17,30 @@ from kvreuse.cli import main
 
 
 class EchoHandler(BaseHTTPRequestHandler):
-    """A stand-in for ``vllm serve``: answers with the prompt's field lines, sorted and joined; 4 cached tokens."""
+    """A stand-in for ``vllm serve``: answers with the prompt's field lines, sorted and joined; 4 cached tokens.
+    A chat (``/v1/chat/completions``) is answered from its user turn; every request is kept in ``requests``."""
+
+    requests: list[tuple[str, dict]] = []
 
     def do_GET(self) -> None:
         self._reply({"data": [{"id": "fake"}]})
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        fields = sorted(body["prompt"].split("\n\n", 1)[1].splitlines())
-        self._reply(
-            {
-                "choices": [{"text": " | ".join(fields)}],
-                "usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4}},
-            }
-        )
+        EchoHandler.requests.append((self.path, body))
+        fields = sorted(self._prompt(body).split("\n\n", 1)[1].splitlines())
+        self._answer(" | ".join(fields), {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4}})
+
+    def _prompt(self, body: dict) -> str:
+        """The row's prompt: the raw prompt, or a chat's user turn."""
+        if self.path == "/v1/chat/completions":
+            return next(m["content"] for m in body["messages"] if m["role"] == "user")
+        return body["prompt"]
+
+    def _answer(self, text: str, usage: dict) -> None:
+        chat = self.path == "/v1/chat/completions"
+        choice = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        self._reply({"choices": [choice], "usage": usage})
 
     def _reply(self, payload: dict) -> None:
         data = json.dumps(payload).encode()
@@ -232,6 +242,26 @@ def test_by_default_every_prompt_lists_the_fields_in_the_order_given(capsys, ser
     assert [[line.split(":")[0] for line in prompt.split("\n")[2:4]] for prompt in sent[0]] == [["year", "title"]] * 4
 
 
+def test_rows_go_to_a_server_as_chats_by_default_and_as_raw_text_with_raw(capsys, server_url, table):
+    EchoHandler.requests.clear()
+    base = ["run", "--table", str(table), "--prompt", "Kids?", "--fields", "title", "--url", server_url]
+    code, _, _ = run(capsys, *base, "--system", "Answer yes or no.")
+    assert code == 0
+    assert {path for path, _ in EchoHandler.requests} == {"/v1/chat/completions"}
+    assert EchoHandler.requests[0][1]["messages"][0] == {"role": "system", "content": "Answer yes or no."}
+    assert EchoHandler.requests[0][1]["messages"][1]["content"].startswith("Kids?\n\ntitle: ")
+    EchoHandler.requests.clear()
+    code, _, _ = run(capsys, *base, "--raw")
+    assert code == 0
+    assert {path for path, _ in EchoHandler.requests} == {"/v1/completions"}
+
+
+def test_a_system_prompt_with_raw_ends_with_a_message_before_any_engine_starts(capsys, table):
+    argv = ["run", "--table", str(table), "--prompt", "Kids?", "--model", "x", "--raw", "--system", "Be brief."]
+    code, _, err = run(capsys, *argv)
+    assert code == 1 and "--system needs chat prompts; leave it out with --raw" in err
+
+
 def test_an_unknown_pin_ends_with_a_message_before_any_engine_starts(capsys, table):
     code, _, err = run(capsys, "run", "--table", str(table), "--prompt", "Kids?", "--pin", "rating", "--model", "x")
     assert code == 1
@@ -270,7 +300,7 @@ class ScriptedHandler(EchoHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        prompt = body["prompt"]
+        prompt = self._prompt(body)
         with self.server.lock:
             dying = self.server.die_after is not None and len(self.server.answered) >= self.server.die_after
             if not dying and "TOO LONG" not in prompt:
@@ -280,7 +310,7 @@ class ScriptedHandler(EchoHandler):
         elif "TOO LONG" in prompt:
             self._status(400, {"error": {"message": "prompt is longer than the maximum context length"}})
         else:
-            self._reply({"choices": [{"text": prompt.splitlines()[-1]}], "usage": {"prompt_tokens": 10}})
+            self._answer(prompt.splitlines()[-1], {"prompt_tokens": 10})
 
     def _die(self) -> None:
         """No answer: stop listening, or send Ctrl-C to the main thread (where Python handles signals; a signal
@@ -462,8 +492,8 @@ class HostileHandler(EchoHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        row = int(body["prompt"].split("id: ", 1)[1].split("\n", 1)[0])
-        self._reply({"choices": [{"text": HOSTILE[row]}], "usage": {"prompt_tokens": 1}})
+        row = int(self._prompt(body).split("id: ", 1)[1].split("\n", 1)[0])
+        self._answer(HOSTILE[row], {"prompt_tokens": 1})
 
 
 def test_answers_with_carriage_returns_quotes_and_commas_read_back_one_row_each(capsys, tmp_path):

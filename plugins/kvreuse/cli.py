@@ -26,6 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvreuse.batch.backend import MAX_TOKENS, Backend
+from kvreuse.batch.chat import check_system
 from kvreuse.batch.job import BatchFigures, answer_plans, plan_table
 from kvreuse.batch.output import OUTPUT_SUFFIXES, AnswerOutput
 from kvreuse.batch.progress import JobProgress
@@ -115,6 +116,15 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     )
     run.add_argument(
         "--max-tokens", type=_positive_int, default=MAX_TOKENS, help=f"answer length (default: {MAX_TOKENS})"
+    )
+    run.add_argument(
+        "--raw",
+        action="store_true",
+        help="send each row's prompt as raw text (/v1/completions with --url) instead of as the user turn of a chat "
+        "rendered by the model's chat template (the default where the model has one)",
+    )
+    run.add_argument(
+        "--system", default=None, help="a system prompt sent before every row's user turn (not with --raw)"
     )
     run.add_argument(
         "--format",
@@ -246,6 +256,9 @@ def _run(args: argparse.Namespace) -> int:
     prepared = prepare_table(table, args.fields)  # a wrong field fails here, before an engine starts
     resolve_pin(args.pin, list(prepared.columns))  # and so does a wrong pin
     reorder = _reorder_settings(args)
+    if args.raw and args.system is not None:
+        raise ConfigError("--system needs chat prompts; leave it out with --raw")
+    check_system(args.system)
     with AnswerOutput(
         args.out,
         table,
@@ -358,6 +371,8 @@ def _run_replicas(
                 {"model": args.model, **args.engine_args},
                 num_cpus=args.cpus_per_replica,
                 num_gpus=args.gpus_per_replica,
+                chat=False if args.raw else None,
+                system=args.system,
             ) as pool,
             JobProgress(len(table), done=len(output.done)) as bar,
         ):
@@ -388,7 +403,14 @@ def _backend(args: argparse.Namespace) -> Iterator[Backend]:
     if args.url is not None:
         from kvreuse.batch.openai_server import OpenAIServerBackend
 
-        yield OpenAIServerBackend(args.url, args.served_model, concurrency=args.concurrency, retries=args.retries)
+        yield OpenAIServerBackend(
+            args.url,
+            args.served_model,
+            concurrency=args.concurrency,
+            retries=args.retries,
+            chat=not args.raw,
+            system=args.system,
+        )
         return
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(
@@ -397,7 +419,7 @@ def _backend(args: argparse.Namespace) -> Iterator[Backend]:
         )
     from kvreuse.vllm.backend import started_vllm
 
-    with started_vllm(args.model, **args.engine_args) as backend:
+    with started_vllm(args.model, chat=False if args.raw else None, system=args.system, **args.engine_args) as backend:
         yield backend
 
 

@@ -113,7 +113,9 @@ def plan_table(
     pinned = field_pin(table, field_order, pin)
     measure = None
     if cache_model is not None and order == "ggr":
-        measure = token_hit_measure(table, instruction, fmt, cache_model.tokenize, cache_model.block_size)
+        # The backend's prefix (a chat template's preamble) is a shared head, as the instruction is.
+        head = cache_model.prefix + instruction
+        measure = token_hit_measure(table, head, fmt, cache_model.tokenize, cache_model.block_size)
     ordering = solve(table, order, pin=pinned, fds=fds, config=config, measure=measure)
     solve_s = time.perf_counter() - start
     return PlannedTable(prompts(ordering, table, instruction, fmt), np.asarray(ordering.rows, dtype=np.int64), solve_s)

@@ -5,6 +5,11 @@ Prompts are added to vLLM's engine in list order (:meth:`VLLMBackend.stream`: ``
 is handed over as its request finishes. A prompt vLLM refuses (longer than the model's context) becomes that
 row's error; an engine that dies raises :class:`~kvreuse.errors.BackendError`. Prefix caching must be on for
 reordering to pay.
+
+Where the model has a chat template, each prompt is sent as a chat by default (:mod:`kvreuse.batch.chat`): the
+template rendered as vLLM's chat API renders it (the tokenizer's ``apply_chat_template`` with the generation
+prompt, then tokenized without adding special tokens, which the template writes itself), and those token ids
+generated on.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.batch.backend import Completion, PrefixCacheModel
+from kvreuse.batch.chat import chat_messages, check_system, template_head
 from kvreuse.config import suggest
 from kvreuse.errors import BackendError, ConfigError
 from kvreuse.patches import vllm_0_32
@@ -41,17 +47,40 @@ _REQUEST_IDS = itertools.count()
 
 
 class VLLMBackend:
-    """Greedy completions from a running ``vllm.LLM`` (not owned: the caller shuts it down)."""
+    """Greedy completions from a running ``vllm.LLM`` (not owned: the caller shuts it down).
 
-    def __init__(self, llm: Any, *, window: int = WINDOW) -> None:
+    ``chat``: send each prompt as the user turn of a chat rendered by the model's chat template (after a system
+    turn ``system``, if given); ``None`` (the default) does so where the model has a chat template, ``False``
+    sends the raw text, ``True`` refuses a model without a template.
+    """
+
+    def __init__(self, llm: Any, *, window: int = WINDOW, chat: bool | None = None, system: str | None = None) -> None:
         self.llm = llm
         self.window = window
         tokenizer = llm.get_tokenizer()
         vllm_config = vllm_0_32.llm_config(llm)
-        self.cache_model = PrefixCacheModel(
-            tokenize=batch_tokenizer(tokenizer),
-            block_size=vllm_config.cache_config.block_size,
-        )
+        has_template = getattr(tokenizer, "chat_template", None) is not None
+        if chat and not has_template:
+            raise ConfigError(
+                "the model has no chat template, so prompts cannot be sent as chats; send them raw (--raw, chat=False)"
+            )
+        self.chat = has_template if chat is None else chat
+        self.system = check_system(system)
+        if system is not None and not self.chat:
+            raise ConfigError("a system prompt needs chat prompts; leave out --system (system=) with --raw")
+        block_size = vllm_config.cache_config.block_size
+        if self.chat:
+
+            def render(messages: list[dict[str, str]]) -> str:
+                return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+            self._render: Callable[[str], str] | None = lambda prompt: render(chat_messages(prompt, self.system))
+            # What vLLM's chat API does: the template writes the special tokens, the tokenizer adds none.
+            tokenize = batch_tokenizer(tokenizer, special_tokens=False)
+            self.cache_model = PrefixCacheModel(tokenize, block_size, prefix=template_head(render, self.system))
+        else:
+            self._render = None
+            self.cache_model = PrefixCacheModel(batch_tokenizer(tokenizer), block_size)
         # The engine's own reorder settings (its additional_config over KVREUSE_REORDER_*), which its scheduler
         # uses too: the front ends plan with them unless given others.
         self.reorder_config = ReorderConfig.load(kvreuse_flags(vllm_config.additional_config, "reorder"))
@@ -77,7 +106,7 @@ class VLLMBackend:
                 for position, prompt in itertools.islice(waiting, max(0, self.window - len(running))):
                     request_id = f"kvreuse-{next(_REQUEST_IDS)}"
                     try:
-                        engine.add_request(request_id, prompt, params)
+                        engine.add_request(request_id, self._request(prompt), params)
                     except (VLLMClientError, ValueError) as refused:  # the prompt, not the engine
                         yield position, Completion.failed(str(refused))
                         continue
@@ -97,6 +126,12 @@ class VLLMBackend:
                     engine.abort_request(list(running))
                 except Exception:  # noqa: BLE001 (the engine may be dead already)
                     pass
+
+    def _request(self, prompt: str) -> str | dict[str, list[int]]:
+        """What the engine gets for ``prompt``: the text itself, or the token ids of its rendered chat."""
+        if self._render is None:
+            return prompt
+        return {"prompt_token_ids": list(self.cache_model.tokenize([self._render(prompt)])[0])}
 
     def reset_prefix_cache(self) -> bool:
         """Empty the engine's prefix cache (between benchmark arms); whether vLLM did."""
@@ -152,28 +187,41 @@ def check_model(model: str | os.PathLike) -> None:
         raise ConfigError(f"model {text!r}: no such folder (give a model folder or a Hugging Face model name)")
 
 
-def batch_tokenizer(tokenizer: Any) -> Callable[[list[str]], list[list[int]]]:
-    """Prompts to token ids as ``tokenizer(prompts)["input_ids"]`` gives them (special tokens added), through the
-    Rust tokenizer's batch encoder where there is one: planning tokenizes every distinct cell of a table, and
-    transformers' per-text Python wrapping costs as much as the encoding itself."""
+def batch_tokenizer(tokenizer: Any, *, special_tokens: bool = True) -> Callable[[list[str]], list[list[int]]]:
+    """Prompts to token ids as ``tokenizer(prompts, add_special_tokens=special_tokens)["input_ids"]`` gives them,
+    through the Rust tokenizer's batch encoder where there is one: planning tokenizes every distinct cell of a
+    table, and transformers' per-text Python wrapping costs as much as the encoding itself."""
     fast = getattr(tokenizer, "backend_tokenizer", None)  # transformers' fast tokenizers: the Rust one
     if fast is not None and hasattr(fast, "encode_batch"):
-        return lambda prompts: [encoding.ids for encoding in fast.encode_batch(list(prompts), add_special_tokens=True)]
-    return lambda prompts: tokenizer(list(prompts))["input_ids"]
+        return lambda prompts: [
+            encoding.ids for encoding in fast.encode_batch(list(prompts), add_special_tokens=special_tokens)
+        ]
+    return lambda prompts: tokenizer(list(prompts), add_special_tokens=special_tokens)["input_ids"]
 
 
-def vllm_backend(engine_args: Mapping[str, Any]) -> VLLMBackend:
-    """A :class:`VLLMBackend` on a new ``vllm.LLM`` (``engine_args`` over :data:`ENGINE_DEFAULTS`, a KV cache size
-    on vLLM's CPU build by :func:`with_cpu_defaults`), not shut down here: for a process that ends with the engine,
-    such as a Ray actor. Arguments vLLM refuses, and an engine that fails to start, end in kvreuse's own errors."""
+def vllm_backend(engine_args: Mapping[str, Any], *, chat: bool | None = None, system: str | None = None) -> VLLMBackend:
+    """A :class:`VLLMBackend` (``chat``, ``system`` as there) on a new ``vllm.LLM`` (``engine_args`` over
+    :data:`ENGINE_DEFAULTS`, a KV cache size on vLLM's CPU build by :func:`with_cpu_defaults`), not shut down here:
+    for a process that ends with the engine, such as a Ray actor. Arguments vLLM refuses, and an engine that fails
+    to start, end in kvreuse's own errors."""
     from vllm import LLM
 
-    return VLLMBackend(_start(LLM, with_cpu_defaults({**ENGINE_DEFAULTS, **engine_args})))
+    llm = _start(LLM, with_cpu_defaults({**ENGINE_DEFAULTS, **engine_args}))
+    try:
+        return VLLMBackend(llm, chat=chat, system=system)
+    except ConfigError:
+        vllm_0_32.shutdown_llm(llm)
+        raise
 
 
 @contextmanager
-def started_vllm(model: str | os.PathLike[str], **engine_args: Any) -> Iterator[VLLMBackend]:
+def started_vllm(
+    model: str | os.PathLike[str], *, chat: bool | None = None, system: str | None = None, **engine_args: Any
+) -> Iterator[VLLMBackend]:
     """Start ``vllm.LLM`` on ``model`` with prefix caching on, give its backend, and shut the engine down after.
+
+    ``chat`` and ``system`` are :class:`VLLMBackend`'s: prompts go as chats where the model has a chat template,
+    unless ``chat=False``.
 
     ``engine_args`` are vLLM engine arguments (``block_size=32``, ``enforce_eager=True``, ...); they override
     the two set here, ``enable_prefix_caching=True`` and ``seed=0``. On vLLM's CPU build the KV cache gets a fixed
@@ -181,7 +229,8 @@ def started_vllm(model: str | os.PathLike[str], **engine_args: Any) -> Iterator[
     before vLLM starts (:func:`check_engine_args`).
     """
     check_engine_args(model, engine_args)
-    backend = vllm_backend({"model": str(model), **engine_args})
+    check_system(system)
+    backend = vllm_backend({"model": str(model), **engine_args}, chat=chat, system=system)
     try:
         yield backend
     finally:
