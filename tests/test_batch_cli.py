@@ -262,6 +262,14 @@ def test_a_system_prompt_with_raw_ends_with_a_message_before_any_engine_starts(c
     assert code == 1 and "--system needs chat prompts; leave it out with --raw" in err
 
 
+def test_a_run_that_fails_before_its_first_answer_leaves_no_output_to_block_the_rerun(capsys, table, tmp_path):
+    out = tmp_path / "answers.csv"
+    argv = ["run", "--table", str(table), "--prompt", "Kids?", "--out", str(out), "--retries", "0"]
+    code, _, err = run(capsys, *argv, "--url", "http://127.0.0.1:9")  # nothing listens on the discard port
+    assert code == 1 and f"no row of 4 was answered; {out} was not written" in err
+    assert not out.exists()
+
+
 def test_an_unknown_pin_ends_with_a_message_before_any_engine_starts(capsys, table):
     code, _, err = run(capsys, "run", "--table", str(table), "--prompt", "Kids?", "--pin", "rating", "--model", "x")
     assert code == 1

@@ -312,17 +312,24 @@ def _reorder_settings(args: argparse.Namespace) -> ReorderConfig:
 @contextmanager
 def _kept(output: AnswerOutput, rows: int) -> Iterator[None]:
     """Say where the rows answered so far are when the engine stops answering or the user presses Ctrl-C."""
-    where = "standard output" if output.path is None else str(output.path)
-    again = "" if output.path is None else "; run the same command with --resume to ask the others"
+
+    def kept() -> str:
+        if not output.done:
+            return f"no row of {rows} was answered" + (
+                "" if output.path is None else f"; {output.path} was not written"
+            )
+        where = "standard output" if output.path is None else str(output.path)
+        again = "" if output.path is None else "; run the same command with --resume to ask the others"
+        return f"{len(output.done)} of {rows} rows were answered and are in {where}{again}"
+
     try:
         yield
     except BackendError as error:
         output.close()
-        kept = f"{len(output.done)} of {rows} rows were answered and are in {where}{again}"
-        raise BackendError(f"{error}\n{kept}") from None
+        raise BackendError(f"{error}\n{kept()}") from None
     except KeyboardInterrupt:
         output.close()
-        raise Interrupted(f"{len(output.done)} of {rows} rows were answered and are in {where}{again}") from None
+        raise Interrupted(kept()) from None
 
 
 def _run_replicas(
