@@ -133,8 +133,9 @@ FAKE_SERVER = textwrap.dedent(
 )
 
 
-def supervise(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
-    """kvreuse's run_server (in a process of its own) running the fake server; the processes under it."""
+def supervise(tmp_path: Path, mode: str, ready_url: str | None = None) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """kvreuse's run_server (in a process of its own) running the fake server, taken as started unless
+    ``ready_url`` is given (then as starting until it answers); the processes under it."""
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE_SERVER)
     runner = subprocess.Popen(
@@ -142,7 +143,7 @@ def supervise(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, list[psutil.
             sys.executable,
             "-c",
             "import sys; from kvreuse.vllm.serve import run_server; "
-            f"sys.exit(run_server([sys.executable, {str(script)!r}, {mode!r}]))",
+            f"sys.exit(run_server([sys.executable, {str(script)!r}, {mode!r}], {ready_url!r}))",
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -177,6 +178,15 @@ def test_a_second_signal_kills_a_server_that_does_not_stop(tmp_path):
     runner.send_signal(signal.SIGTERM)
     runner.wait(timeout=20)
     assert gone(tree)
+
+
+def test_one_ctrl_c_while_the_server_starts_stops_it_with_status_130_even_if_it_ignores_sigterm(tmp_path):
+    # A server still starting (its /health never answers) that would finish starting before heeding a signal: it
+    # gets SIGTERM and, after STARTUP_GRACE_S, its process group is killed; no second signal is needed.
+    runner, tree = supervise(tmp_path, "stubborn", ready_url="http://127.0.0.1:9/health")
+    runner.send_signal(signal.SIGINT)
+    assert runner.wait(timeout=20) == 130
+    assert gone(tree, timeout=1)
 
 
 def test_the_server_stops_when_kvreuse_itself_is_killed(tmp_path):

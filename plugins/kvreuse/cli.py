@@ -200,7 +200,14 @@ def _serve(args: argparse.Namespace) -> int:
     import yaml
 
     from kvreuse.vllm.backend import check_model
-    from kvreuse.vllm.serve import read_serve_config, run_server, serve_command, vllm_config, write_vllm_config
+    from kvreuse.vllm.serve import (
+        health_url,
+        read_serve_config,
+        run_server,
+        serve_command,
+        vllm_config,
+        write_vllm_config,
+    )
 
     config = read_serve_config(args.config)
     check_model(config["model"])
@@ -220,7 +227,10 @@ def _serve(args: argparse.Namespace) -> int:
         command = serve_command(path)
         print(f"kvreuse serve: {shlex.join(command)}", file=sys.stderr)
         print(path.read_text(encoding="utf-8"), file=sys.stderr, end="")
-        return run_server(command)
+        code = run_server(command, health_url(config))
+    if code == 130:
+        print("kvreuse serve: interrupted; the server stopped", file=sys.stderr)
+    return code
 
 
 def _field_list(text: str) -> list[str]:
