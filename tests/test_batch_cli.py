@@ -521,3 +521,11 @@ def test_answers_with_carriage_returns_quotes_and_commas_read_back_one_row_each(
     assert written["answer"].tolist() == HOSTILE and written["text"].tolist() == HOSTILE[::-1]
     with out.open(encoding="utf-8", newline="") as handle:
         assert [r[-2] for r in csv.reader(handle)][1:] == HOSTILE
+
+
+def test_a_misspelt_scheduler_class_ends_kvreuse_run_before_the_engine_starts(capsys, table):
+    model = Path(__file__).resolve().parents[1] / "build" / "models" / "small"
+    engine_args = json.dumps({"scheduler_cls": "kvreuse.vllm.PrefixAfinityScheduler"})
+    argv = ["run", "--table", str(table), "--prompt", "Q", "--model", str(model), "--engine-args", engine_args]
+    code, _, err = run(capsys, *argv)
+    assert code == 1 and "kvreuse.vllm has no PrefixAfinityScheduler (did you mean" in err

