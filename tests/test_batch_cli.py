@@ -529,3 +529,36 @@ def test_a_misspelt_scheduler_class_ends_kvreuse_run_before_the_engine_starts(ca
     argv = ["run", "--table", str(table), "--prompt", "Q", "--model", str(model), "--engine-args", engine_args]
     code, _, err = run(capsys, *argv)
     assert code == 1 and "kvreuse.vllm has no PrefixAfinityScheduler (did you mean" in err
+
+
+def test_calibrate_prints_the_candidates_and_the_summary_compares_the_plan_with_the_tables_order(
+    capsys, server_url, table
+):
+    argv = ["run", "--table", str(table), "--prompt", "Kids?", "--url", server_url, "--calibrate", "3"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and len(out.splitlines()) == 5
+    assert "calibration on 3 sample rows (floor: 100% identical answers)" in err
+    assert err.count("<- chosen") == 1 and all(f"  {mode} " in err for mode in ("keep", "global", "free"))
+    assert (
+        "planned prefill  " in err
+        and "prompt characters computed, against" in err
+        and "in the table's own order" in err
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--calibrate", "3", "--field-order", "free"], "give either --field-order or --calibrate"),
+        (["--calibrate", "3", "--replicas", "2"], "--calibrate runs in one engine"),
+    ],
+)
+def test_calibrate_conflicts_end_with_a_message_before_any_engine_starts(capsys, table, extra, message):
+    code, _, err = run(capsys, "run", "--table", str(table), "--prompt", "Q", "--model", "x", *extra)
+    assert code == 1 and message in err
+
+
+def test_min_agreement_must_be_a_fraction(capsys, table):
+    with pytest.raises(SystemExit):
+        main(["run", "--table", str(table), "--prompt", "Q", "--model", "x", "--min-agreement", "1.5"])
+    assert "'1.5' is not a fraction in [0, 1]" in capsys.readouterr().err

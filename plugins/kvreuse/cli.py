@@ -26,13 +26,22 @@ from pathlib import Path
 import pandas as pd
 
 from kvreuse.batch.backend import MAX_TOKENS, Backend
+from kvreuse.batch.calibrate import calibrate, original_order_stats, planned_stats
 from kvreuse.batch.chat import check_system
 from kvreuse.batch.job import BatchFigures, answer_plans, plan_table
 from kvreuse.batch.output import OUTPUT_SUFFIXES, AnswerOutput
 from kvreuse.batch.progress import JobProgress
 from kvreuse.batch.table_io import read_table
 from kvreuse.errors import BackendError, ConfigError, KVReuseError
-from kvreuse.reorder import FIELD_ORDERS, METHODS, PROMPT_FORMATS, ReorderConfig, prepare_table, resolve_pin
+from kvreuse.reorder import (
+    FIELD_ORDERS,
+    METHODS,
+    PROMPT_FORMATS,
+    BlockHitStats,
+    ReorderConfig,
+    prepare_table,
+    resolve_pin,
+)
 from kvreuse.reorder.routing import ROUTERS
 
 
@@ -116,6 +125,22 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     )
     run.add_argument(
         "--max-tokens", type=_positive_int, default=MAX_TOKENS, help=f"answer length (default: {MAX_TOKENS})"
+    )
+    run.add_argument(
+        "--calibrate",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="choose --field-order by asking N sample rows (stratified over the first field) in every field order: "
+        "the one with the most reuse whose answers agree with the table's field order on at least "
+        "--min-agreement of them; prints the candidates (costs about 3N requests)",
+    )
+    run.add_argument(
+        "--min-agreement",
+        type=_fraction,
+        default=1.0,
+        help="with --calibrate: the fraction of sample answers that must be identical to the table's field "
+        "order's (default: 1.0, all)",
     )
     run.add_argument(
         "--raw",
@@ -239,6 +264,16 @@ def _field_list(text: str) -> list[str]:
     return [name.strip() for name in text.split(",")]
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1]")
+    return value
+
+
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
@@ -270,6 +305,10 @@ def _run(args: argparse.Namespace) -> int:
     reorder = _reorder_settings(args)
     if args.raw and args.system is not None:
         raise ConfigError("--system needs chat prompts; leave it out with --raw")
+    if args.calibrate is not None and args.field_order != "keep":
+        raise ConfigError("give either --field-order or --calibrate (which chooses the field order)")
+    if args.calibrate is not None and args.replicas > 1:
+        raise ConfigError("--calibrate runs in one engine; leave it out with --replicas")
     check_system(args.system)
     with AnswerOutput(
         args.out,
@@ -282,17 +321,37 @@ def _run(args: argparse.Namespace) -> int:
         if args.replicas > 1:
             return _run_replicas(args, table, output, reorder, started)
         with _backend(args) as backend, _kept(output, len(table)):
+            field_order = args.field_order
+            if args.calibrate is not None:
+                calibration = calibrate(
+                    table,
+                    args.prompt,
+                    args.fields,
+                    backend=backend,
+                    n=args.calibrate,
+                    min_agreement=args.min_agreement,
+                    order=args.order,
+                    fmt=args.format,
+                    max_tokens=args.max_tokens,
+                    pin=args.pin,
+                    config=reorder,
+                )
+                print(calibration.table(), file=sys.stderr)
+                field_order = calibration.chosen
             plan = plan_table(
                 table,
                 args.prompt,
                 args.fields,
                 order=args.order,
-                field_order=args.field_order,
+                field_order=field_order,
                 fmt=args.format,
                 pin=args.pin,
                 config=reorder,
                 cache_model=backend.cache_model,
             )
+            planned = planned_stats(plan.prompts, backend.cache_model)
+            baseline = original_order_stats(table, args.prompt, args.fields, args.format, backend.cache_model)
+            units = "tokens" if backend.cache_model is not None else "characters"
             generating = time.perf_counter()
             skip = {(0, row) for row in output.done}
             with JobProgress(len(table), done=len(output.done)) as bar:
@@ -302,9 +361,22 @@ def _run(args: argparse.Namespace) -> int:
         output.close(complete=True)
     figures = BatchFigures.of(bar.tally, plan.solve_s, time.perf_counter() - generating)
     wall_s = time.perf_counter() - started
-    order = f"{args.order}, fields {args.field_order}"
-    print(summary(figures, order, wall_s, resumed=len(skip), out=args.out), file=sys.stderr)
+    order = f"{args.order}, fields {field_order}"
+    lines = summary(figures, order, wall_s, resumed=len(skip), out=args.out)
+    print(lines + "\n" + against_original(planned, baseline, units), file=sys.stderr)
     return 0
+
+
+def against_original(planned: BlockHitStats, original: BlockHitStats, units: str) -> str:
+    """The summary line comparing the job's plan with the table's own order, both replayed through a model of
+    the engine's block cache (``units``: its tokens, or characters when its tokenizer is unknown)."""
+    if not planned.computed_tokens:
+        return f"planned prefill  none to compute ({units})"
+    ratio = original.computed_tokens / planned.computed_tokens
+    return (
+        f"planned prefill  {planned.computed_tokens:,} of {planned.prompt_tokens:,} prompt {units} computed, "
+        f"against {original.computed_tokens:,} in the table's own order ({ratio:.2f}x fewer)"
+    )
 
 
 def _reorder_settings(args: argparse.Namespace) -> ReorderConfig:

@@ -25,7 +25,15 @@ import pandas as pd
 from kvreuse.batch.backend import Backend, PrefixCacheModel
 from kvreuse.batch.job import PlannedTable, check_max_tokens, plan_table, run_plans
 from kvreuse.errors import ConfigError
-from kvreuse.reorder import FIELD_ORDERS, BlockHitStats, FieldOrder, ReorderConfig, block_hit_stats, prepare_table
+from kvreuse.reorder import (
+    FIELD_ORDERS,
+    BlockHitStats,
+    FieldOrder,
+    ReorderConfig,
+    block_hit_stats,
+    prepare_table,
+    render_prompt,
+)
 
 # The block size of the character model used when the backend's tokenizer is unknown (a server URL).
 CHARACTER_BLOCK = 16
@@ -164,5 +172,7 @@ def original_order_stats(
 ) -> BlockHitStats:
     """What sending the table as given (rows and fields in the user's order) would compute: the baseline a
     summary compares a job's plan with."""
-    original = plan_table(df, instruction, fields, order="original", fmt=fmt)
-    return planned_stats(original.prompts, cache_model)
+    table = prepare_table(df, fields)
+    names = [str(name) for name in table.columns]
+    prompts = [render_prompt(instruction, names, values, fmt) for values in table.itertuples(index=False, name=None)]
+    return planned_stats(prompts, cache_model)
