@@ -74,3 +74,17 @@ def test_the_default_order_gives_every_row_the_original_orders_answer(chat_llm, 
         )
         answers[order] = result.answers.tolist()
     assert answers["ggr"] == answers["original"]
+
+
+def test_calibration_on_the_real_model_keeps_a_field_order_whose_sample_answers_are_identical(chat_llm, cars):
+    chat_llm.reset_prefix_cache()
+    fields = ["Name", "Origin", "Cylinders", "Year", "Horsepower"]
+    result = run_table(cars, QUESTION, fields, backend=VLLMBackend(chat_llm), calibrate=6, max_tokens=8)
+    calibration = result.calibration
+    print(calibration.table())  # the figures, for the report (pytest -s)
+    assert [c.field_order for c in calibration.candidates] == ["keep", "global", "free"]
+    assert calibration.candidate("keep").exact == 1.0 and calibration.units == "tokens"
+    assert calibration.candidate(calibration.chosen).exact == 1.0  # the floor: identical answers
+    assert calibration.candidate(calibration.chosen).reuse == max(
+        c.reuse for c in calibration.candidates if c.exact == 1.0
+    )

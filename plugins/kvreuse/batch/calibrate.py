@@ -49,7 +49,7 @@ class Candidate:
     computed_units: int  # of which computed
     exact: float  # fraction of sample rows answered exactly as in the user's order
     normalised: float  # the same after normalising both answers
-    asked: bool  # whether the sample was asked (False: its prompts are the reference's)
+    asked: bool  # whether the sample was asked in this order (False: its prompts are the reference's)
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class Calibration:
         ]
         for c in self.candidates:
             mark = "  <- chosen" if c.field_order == self.chosen else ""
-            asked = "" if c.asked else " (same prompts)"
+            asked = " (reference)" if c.field_order == FieldOrder.KEEP else "" if c.asked else " (same prompts)"
             lines.append(
                 f"  {c.field_order:<12} {c.reuse:>13.1%} {c.computed_units:>18,} {c.exact:>6.0%} "
                 f"{c.normalised:>10.0%}{asked}{mark}"
@@ -145,7 +145,7 @@ def calibrate(
                 stats.computed_tokens,
                 float(np.mean(same)) if same else 1.0,
                 float(np.mean(close)) if close else 1.0,
-                mode in asked and mode != reference,
+                mode in asked,
             )
         )
     # The most reuse at or above the floor; the user's order (listed first, always at 100%) wins ties.
