@@ -66,7 +66,8 @@ def test_each_candidate_costs_at_most_the_sample_and_one_with_the_users_prompts_
     backend = FieldBackend(blind=False)
     table = pd.DataFrame({"title": ["a", "b", "a", "c"]})  # one field: every field order gives the same prompts
     result = calibrate(table, "Q", backend=backend, n=3, max_tokens=4)
-    assert len(backend.asked) == 3 and [c.asked for c in result.candidates] == [True, False, False]
+    assert len(backend.asked) == result.requests == 3
+    assert [c.asked for c in result.candidates] == [True, False, False]
     assert "(same prompts)" in result.table() and "<- chosen" in result.table()
 
 

@@ -61,6 +61,7 @@ class Calibration:
     sample_rows: int
     min_agreement: float
     units: str  # "tokens" or "characters"
+    requests: int  # what the calibration asked the engine
 
     def candidate(self, field_order: str) -> Candidate:
         return next(c for c in self.candidates if c.field_order == field_order)
@@ -68,7 +69,8 @@ class Calibration:
     def table(self) -> str:
         """The candidates as a text table (what ``kvreuse run --calibrate`` prints)."""
         lines = [
-            f"calibration on {self.sample_rows} sample rows (floor: {self.min_agreement:.0%} identical answers)",
+            f"calibration on {self.sample_rows} sample rows, {self.requests} requests (floor: "
+            f"{self.min_agreement:.0%} identical answers)",
             f"  {'field order':<12} {'planned reuse':>13} {self.units + ' computed':>18} {'same':>6} "
             f"{'normalised':>10}",
         ]
@@ -152,7 +154,8 @@ def calibrate(
     eligible = [c for c in candidates if c.exact >= min_agreement - 1e-12]
     chosen = max(eligible, key=lambda c: c.reuse)
     units = "tokens" if backend.cache_model is not None else "characters"
-    return Calibration(tuple(candidates), chosen.field_order, len(sample), float(min_agreement), units)
+    requests = len(sample) * len(asked)
+    return Calibration(tuple(candidates), chosen.field_order, len(sample), float(min_agreement), units, requests)
 
 
 def _prompt_by_row(plan: PlannedTable) -> dict[int, str]:
