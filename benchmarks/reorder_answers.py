@@ -7,10 +7,10 @@ first two words) and ``origin`` (a known answer: the row's ``Origin``). Orders, 
 the engine's tokenizer and block size, as ``llm_map`` plans them:
 
 * ``original``: rows and fields as the table gives them (the reference);
-* ``ggr``: kvreuse's default, rows and per-row field orders reordered;
-* ``ggr pin=Name``: ``pin=["Name"]`` keeps the name first;
-* ``rows only``: every field pinned in the table's order, so every prompt is the original one and only the
-  send order changes.
+* ``ggr``: ``field_order="free"``, rows and per-row field orders reordered;
+* ``ggr pin=Name``: ``field_order="free"`` with ``pin=["Name"]``, which keeps the name first;
+* ``rows only``: the front ends' default (``field_order="keep"``): every prompt is the original one and only
+  the send order changes.
 
 Per row: the answer equals the original order's, or not; where not, whether the prompt itself changed (fields
 moved) or only the batch around it. A row whose prompt is unchanged is asked again alone: if alone it gives the
@@ -38,7 +38,12 @@ QUESTIONS = {
     "describe": ("Describe this car in one sentence.", 24),
     "origin": ("Which region does this car come from: USA, Europe or Japan? Answer with one word.", 12),
 }
-ARMS = {"original": dict(order="original"), "ggr": dict(order="ggr"), "ggr pin=Name": dict(pin=["Name"])}
+ARMS = {
+    "original": dict(order="original"),
+    "ggr": dict(order="ggr", field_order="free"),
+    "ggr pin=Name": dict(pin=["Name"], field_order="free"),
+    "rows only": dict(order="ggr"),  # the front ends' default, field_order="keep"
+}
 
 
 def score(question: str, answer: str, row: dict) -> bool:
@@ -65,7 +70,6 @@ def main(argv: list[str] | None = None) -> None:
         cars = cars.sample(n=args.rows, random_state=0).reset_index(drop=True)
     rows = cars.to_dict("records")
     n = len(rows)
-    arms = {**ARMS, "rows only": dict(pin=list(cars.columns))}
     llm = LLM(**local_engine_args(MODEL))
     backend = VLLMBackend(llm)
     tokenizer = llm.get_tokenizer()
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         for question in args.questions.split(","):
             instruction, max_tokens = QUESTIONS[question]
             answers, prompts_by_arm = {}, {}
-            for arm, options in arms.items():
+            for arm, options in ARMS.items():
                 plan = plan_table(cars, instruction, cache_model=backend.cache_model, **options)
                 if args.chat:
                     plan = replace(plan, prompts=[chat(p) for p in plan.prompts])

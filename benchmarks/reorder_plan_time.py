@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     figures["solve"] = timed(lambda: solve(table, "ggr", measure=measure), r)
     figures["render"] = timed(lambda: prompts(figures["solve"][-1], table, INSTRUCTION), r)
     model = PrefixCacheModel(tokenize=tokenize, block_size=BLOCK)
-    figures["plan_table (all)"] = timed(lambda: plan_table(df, INSTRUCTION, cache_model=model), r)
+    figures["plan_table (all)"] = timed(lambda: plan_table(df, INSTRUCTION, field_order="free", cache_model=model), r)
     figures["GGR alone"] = timed(lambda: solve(table, "ggr"), r)
     candidates = [solve(table, m) for m in ("ggr", "stats", "sorted")]
     figures["old check"] = timed(lambda: [tokenize(prompts(o, table, INSTRUCTION)) for o in candidates], r)

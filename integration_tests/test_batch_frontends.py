@@ -3,6 +3,9 @@
 One ``vllm.LLM`` (the module's ``llm`` fixture) drives the pandas and DuckDB front ends over the first rows of
 ``movies_small.csv``, where a film's fields repeat across its reviews; ``kvreuse run`` starts its own engine.
 
+The answer checks send raw prompts (``chat=False``), so that each can be asked alone as the same text; chat
+prompts, the default, are checked against vLLM's own chat API on the real model (``test_chat_prompts_*``).
+
 Each answer is checked twice: it is the text the engine generated for that row's own prompt (bookkeeping: exact),
 and that generation agrees with the prompt asked alone, the reference, at every decided step (``greedy.py``): in a
 batch, vLLM may take a prompt in other chunks or next to other requests, other matrix shapes, so other summation
@@ -45,7 +48,7 @@ class RecordingBackend(VLLMBackend):
     """The real backend, also keeping every prompt list it was sent (the front ends stream from it)."""
 
     def __init__(self, llm) -> None:
-        super().__init__(llm)
+        super().__init__(llm, chat=False)
         self.calls: list[list[str]] = []
 
     def stream(self, prompts: Sequence[str], *, max_tokens: int) -> Iterator[tuple[int, Completion]]:
@@ -104,7 +107,7 @@ def assert_agrees_with_alone(llm, generations: Generations, prompts) -> None:
 def test_llm_map_gives_each_row_the_answer_of_its_prompt_asked_alone(llm, movies):
     instruction = "Is this movie suitable for kids? Answer yes or no."
     generations = Generations(llm)
-    backend = VLLMBackend(generations)
+    backend = VLLMBackend(generations, chat=False)
     answers = llm_map(movies, instruction, FIELDS, backend=backend, order="ggr", max_tokens=MAX_TOKENS)
     plan = plan_table(movies, instruction, FIELDS, order="ggr")
     prompt_of_row = dict(zip(plan.rows.tolist(), plan.prompts))
@@ -138,7 +141,7 @@ def test_duckdb_llm_asks_all_rows_as_one_batch_and_each_row_gets_the_answer_of_i
     assert_agrees_with_alone(llm, generations, sent)
 
 
-def test_ggr_serves_more_prompt_tokens_from_the_cache_than_the_original_order(llm, movies):
+def test_ggr_with_free_field_order_serves_more_prompt_tokens_from_the_cache_than_the_original_order(llm, movies):
     """The fields as given start with the review, which no two rows share; GGR puts the film's fields first.
 
     (The whole job fits in the KV cache here, so vLLM finds an earlier row's prefix wherever it was sent:
@@ -150,7 +153,13 @@ def test_ggr_serves_more_prompt_tokens_from_the_cache_than_the_original_order(ll
     for order in ("original", "ggr"):
         llm.reset_prefix_cache()
         figures[order] = run_table(
-            movies, instruction, fields, backend=VLLMBackend(llm), order=order, max_tokens=1
+            movies,
+            instruction,
+            fields,
+            backend=VLLMBackend(llm, chat=False),
+            order=order,
+            field_order="free",
+            max_tokens=1,
         ).figures
     original, ggr = figures["original"].cached_tokens, figures["ggr"].cached_tokens
     assert original < 300 and ggr > 1500, (original, ggr)  # measured: 128 and 1888 of 7743 prompt tokens
@@ -185,7 +194,8 @@ def test_kvreuse_run_answers_a_csv_on_the_small_model_like_llm_map(llm, small_mo
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "rows           20 (order ggr)" in done.stderr and "hit rate" in done.stderr
+    assert "rows           20 (order ggr, fields keep)" in done.stderr and "hit rate" in done.stderr
+    assert done.stdout == ""  # vLLM's log goes to standard error, which stays free for a table (no --out)
     written = pd.read_csv(out, dtype=str, keep_default_na=False)
     assert written["row"].tolist() == [str(i) for i in range(len(rows))] and (written["error"] == "").all()
     assert written.drop(columns=["row", "answer", "error"]).equals(rows)

@@ -102,11 +102,12 @@ def test_killing_the_engine_mid_job_keeps_the_rows_done_and_resume_answers_every
         check = kept.iloc[0]
         plan = plan_table(pd.read_csv(table, dtype=str, keep_default_na=False), INSTRUCTION)
         prompt = dict(zip(plan.rows.tolist(), plan.prompts))[int(check["row"])]
+        chat = [{"role": "user", "content": prompt}]  # kvreuse run sends chats by default
         alone = httpx.post(
-            f"{url}/v1/completions",
-            json={"model": str(small_model), "prompt": prompt, "max_tokens": 12, "temperature": 0.0},
+            f"{url}/v1/chat/completions",
+            json={"model": str(small_model), "messages": chat, "max_tokens": 12, "temperature": 0.0},
             timeout=60,
-        ).json()["choices"][0]["text"]
+        ).json()["choices"][0]["message"]["content"]
     final = pd.read_csv(out, dtype=str, keep_default_na=False)
     assert final["row"].astype(int).tolist() == list(range(ROWS))  # every row exactly once, in the table's order
     assert (final["error"] == "").all()

@@ -243,7 +243,8 @@ def test_counters_reach_a_front_end_stat_logger_through_vllms_scheduler_stats(af
     assert counters.admissions > 0
     assert REGISTRY.get_sample_value("kvreuse:reorder_admissions_total", labels) == counters.admissions
     assert REGISTRY.get_sample_value("kvreuse:reorder_out_of_order_total", labels) == counters.out_of_order
-    assert REGISTRY.get_sample_value("kvreuse:reorder_max_skips", labels) == counters.max_skips
+    assert REGISTRY.get_sample_value("kvreuse:reorder_most_skips", labels) == counters.max_skips
+    assert REGISTRY.get_sample_value("kvreuse:reorder_max_skips", labels) == MAX_SKIPS  # the setting
 
     restarted = SchedulerStats()  # an engine core that started over reports smaller totals: they are new counts
     attach_reorder_counters(restarted, ReorderCounters(admissions=3))

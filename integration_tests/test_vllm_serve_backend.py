@@ -71,7 +71,7 @@ def alone(url: str, prompt: str) -> str:
 
 def test_concurrent_answers_come_back_in_row_order_equal_to_prompts_asked_alone(server, movies):
     instruction = "Is this movie suitable for kids? Answer yes or no."
-    backend = OpenAIServerBackend(server, concurrency=4)
+    backend = OpenAIServerBackend(server, concurrency=4, chat=False)  # raw, as alone() asks
     result = run_table(movies, instruction, FIELDS, backend=backend, order="ggr", max_tokens=MAX_TOKENS)
     plan = plan_table(movies, instruction, FIELDS, order="ggr")
     prompt_of_row = dict(zip(plan.rows.tolist(), plan.prompts))

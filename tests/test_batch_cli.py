@@ -17,20 +17,30 @@ from kvreuse.cli import main
 
 
 class EchoHandler(BaseHTTPRequestHandler):
-    """A stand-in for ``vllm serve``: answers with the prompt's field lines, sorted and joined; 4 cached tokens."""
+    """A stand-in for ``vllm serve``: answers with the prompt's field lines, sorted and joined; 4 cached tokens.
+    A chat (``/v1/chat/completions``) is answered from its user turn; every request is kept in ``requests``."""
+
+    requests: list[tuple[str, dict]] = []
 
     def do_GET(self) -> None:
         self._reply({"data": [{"id": "fake"}]})
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        fields = sorted(body["prompt"].split("\n\n", 1)[1].splitlines())
-        self._reply(
-            {
-                "choices": [{"text": " | ".join(fields)}],
-                "usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4}},
-            }
-        )
+        EchoHandler.requests.append((self.path, body))
+        fields = sorted(self._prompt(body).split("\n\n", 1)[1].splitlines())
+        self._answer(" | ".join(fields), {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4}})
+
+    def _prompt(self, body: dict) -> str:
+        """The row's prompt: the raw prompt, or a chat's user turn."""
+        if self.path == "/v1/chat/completions":
+            return next(m["content"] for m in body["messages"] if m["role"] == "user")
+        return body["prompt"]
+
+    def _answer(self, text: str, usage: dict) -> None:
+        chat = self.path == "/v1/chat/completions"
+        choice = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        self._reply({"choices": [choice], "usage": usage})
 
     def _reply(self, payload: dict) -> None:
         data = json.dumps(payload).encode()
@@ -97,7 +107,7 @@ def test_answers_are_written_next_to_their_rows_with_a_summary(capsys, server_ur
         "title: Heat | year: 1995",
         "title: Alien | year: ",
     ]
-    assert "rows           4 (order ggr)" in err
+    assert "rows           4 (order ggr, fields keep)" in err
     assert "prompt tokens  40" in err
     assert "cached tokens  16 (40.0% hit rate)" in err
     assert "s wall" in err
@@ -214,6 +224,52 @@ def test_pinned_fields_lead_every_prompt_sent(capsys, server_url, table, monkeyp
     assert [prompt.split("\n")[2].split(":")[0] for prompt in sent[0]] == ["year"] * 4
 
 
+def test_by_default_every_prompt_lists_the_fields_in_the_order_given(capsys, server_url, table, monkeypatch):
+    import kvreuse.cli as cli
+
+    sent: list[list[str]] = []
+    plan_table = cli.plan_table
+
+    def recording_plan_table(*args, **kwargs):
+        plan = plan_table(*args, **kwargs)
+        sent.append(plan.prompts)
+        return plan
+
+    monkeypatch.setattr(cli, "plan_table", recording_plan_table)
+    argv = ["run", "--table", str(table), "--prompt", "Kids?", "--fields", "year,title", "--url", server_url]
+    code, _, _ = run(capsys, *argv)
+    assert code == 0
+    assert [[line.split(":")[0] for line in prompt.split("\n")[2:4]] for prompt in sent[0]] == [["year", "title"]] * 4
+
+
+def test_rows_go_to_a_server_as_chats_by_default_and_as_raw_text_with_raw(capsys, server_url, table):
+    EchoHandler.requests.clear()
+    base = ["run", "--table", str(table), "--prompt", "Kids?", "--fields", "title", "--url", server_url]
+    code, _, _ = run(capsys, *base, "--system", "Answer yes or no.")
+    assert code == 0
+    assert {path for path, _ in EchoHandler.requests} == {"/v1/chat/completions"}
+    assert EchoHandler.requests[0][1]["messages"][0] == {"role": "system", "content": "Answer yes or no."}
+    assert EchoHandler.requests[0][1]["messages"][1]["content"].startswith("Kids?\n\ntitle: ")
+    EchoHandler.requests.clear()
+    code, _, _ = run(capsys, *base, "--raw")
+    assert code == 0
+    assert {path for path, _ in EchoHandler.requests} == {"/v1/completions"}
+
+
+def test_a_system_prompt_with_raw_ends_with_a_message_before_any_engine_starts(capsys, table):
+    argv = ["run", "--table", str(table), "--prompt", "Kids?", "--model", "x", "--raw", "--system", "Be brief."]
+    code, _, err = run(capsys, *argv)
+    assert code == 1 and "--system needs chat prompts; leave it out with --raw" in err
+
+
+def test_a_run_that_fails_before_its_first_answer_leaves_no_output_to_block_the_rerun(capsys, table, tmp_path):
+    out = tmp_path / "answers.csv"
+    argv = ["run", "--table", str(table), "--prompt", "Kids?", "--out", str(out), "--retries", "0"]
+    code, _, err = run(capsys, *argv, "--url", "http://127.0.0.1:9")  # nothing listens on the discard port
+    assert code == 1 and f"no row of 4 was answered; {out} was not written" in err
+    assert not out.exists()
+
+
 def test_an_unknown_pin_ends_with_a_message_before_any_engine_starts(capsys, table):
     code, _, err = run(capsys, "run", "--table", str(table), "--prompt", "Kids?", "--pin", "rating", "--model", "x")
     assert code == 1
@@ -252,7 +308,7 @@ class ScriptedHandler(EchoHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        prompt = body["prompt"]
+        prompt = self._prompt(body)
         with self.server.lock:
             dying = self.server.die_after is not None and len(self.server.answered) >= self.server.die_after
             if not dying and "TOO LONG" not in prompt:
@@ -262,7 +318,7 @@ class ScriptedHandler(EchoHandler):
         elif "TOO LONG" in prompt:
             self._status(400, {"error": {"message": "prompt is longer than the maximum context length"}})
         else:
-            self._reply({"choices": [{"text": prompt.splitlines()[-1]}], "usage": {"prompt_tokens": 10}})
+            self._answer(prompt.splitlines()[-1], {"prompt_tokens": 10})
 
     def _die(self) -> None:
         """No answer: stop listening, or send Ctrl-C to the main thread (where Python handles signals; a signal
@@ -444,8 +500,8 @@ class HostileHandler(EchoHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        row = int(body["prompt"].split("id: ", 1)[1].split("\n", 1)[0])
-        self._reply({"choices": [{"text": HOSTILE[row]}], "usage": {"prompt_tokens": 1}})
+        row = int(self._prompt(body).split("id: ", 1)[1].split("\n", 1)[0])
+        self._answer(HOSTILE[row], {"prompt_tokens": 1})
 
 
 def test_answers_with_carriage_returns_quotes_and_commas_read_back_one_row_each(capsys, tmp_path):
@@ -465,3 +521,44 @@ def test_answers_with_carriage_returns_quotes_and_commas_read_back_one_row_each(
     assert written["answer"].tolist() == HOSTILE and written["text"].tolist() == HOSTILE[::-1]
     with out.open(encoding="utf-8", newline="") as handle:
         assert [r[-2] for r in csv.reader(handle)][1:] == HOSTILE
+
+
+def test_a_misspelt_scheduler_class_ends_kvreuse_run_before_the_engine_starts(capsys, table):
+    model = Path(__file__).resolve().parents[1] / "build" / "models" / "small"
+    engine_args = json.dumps({"scheduler_cls": "kvreuse.vllm.PrefixAfinityScheduler"})
+    argv = ["run", "--table", str(table), "--prompt", "Q", "--model", str(model), "--engine-args", engine_args]
+    code, _, err = run(capsys, *argv)
+    assert code == 1 and "kvreuse.vllm has no PrefixAfinityScheduler (did you mean" in err
+
+
+def test_calibrate_prints_the_candidates_and_the_summary_compares_the_plan_with_the_tables_order(
+    capsys, server_url, table
+):
+    argv = ["run", "--table", str(table), "--prompt", "Kids?", "--url", server_url, "--calibrate", "3"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and len(out.splitlines()) == 5
+    assert "calibration on 3 sample rows, " in err and "(floor: 100% identical answers)" in err
+    assert err.count("<- chosen") == 1 and all(f"  {mode} " in err for mode in ("keep", "global", "free"))
+    assert (
+        "planned prefill  " in err
+        and "prompt characters computed, against" in err
+        and "in the table's own order" in err
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--calibrate", "3", "--field-order", "free"], "give either --field-order or --calibrate"),
+        (["--calibrate", "3", "--replicas", "2"], "--calibrate runs in one engine"),
+    ],
+)
+def test_calibrate_conflicts_end_with_a_message_before_any_engine_starts(capsys, table, extra, message):
+    code, _, err = run(capsys, "run", "--table", str(table), "--prompt", "Q", "--model", "x", *extra)
+    assert code == 1 and message in err
+
+
+def test_min_agreement_must_be_a_fraction(capsys, table):
+    with pytest.raises(SystemExit):
+        main(["run", "--table", str(table), "--prompt", "Q", "--model", "x", "--min-agreement", "1.5"])
+    assert "'1.5' is not a fraction in [0, 1]" in capsys.readouterr().err

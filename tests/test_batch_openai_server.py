@@ -1,4 +1,5 @@
-"""The OpenAI-compatible server backend, against an in-process fake of ``/v1/completions``."""
+"""The OpenAI-compatible server backend, against an in-process fake of ``/v1/chat/completions`` (the default:
+each prompt the user turn of a chat) and ``/v1/completions`` (``chat=False``)."""
 
 from __future__ import annotations
 
@@ -40,10 +41,22 @@ class FakeServer:
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         await asyncio.sleep(0.02 / (1 + len(self.bodies)))
         self.in_flight -= 1
-        usage = {"prompt_tokens": len(body["prompt"])}
+        prompt = prompt_of(body)
+        usage = {"prompt_tokens": len(prompt)}
         if self.details:
-            usage["prompt_tokens_details"] = {"cached_tokens": len(body["prompt"]) // 2}
-        return httpx.Response(200, json={"choices": [{"index": 0, "text": body["prompt"].upper()}], "usage": usage})
+            usage["prompt_tokens_details"] = {"cached_tokens": len(prompt) // 2}
+        if request.url.path == "/v1/chat/completions":
+            choice = {"index": 0, "message": {"role": "assistant", "content": prompt.upper()}}
+        else:
+            choice = {"index": 0, "text": prompt.upper()}
+        return httpx.Response(200, json={"choices": [choice], "usage": usage})
+
+
+def prompt_of(body: dict) -> str:
+    """A request's prompt: the raw prompt, or a chat's user turn."""
+    if "messages" in body:
+        return next(m["content"] for m in body["messages"] if m["role"] == "user")
+    return body["prompt"]
 
 
 def backend(server: FakeServer, **kwargs) -> OpenAIServerBackend:
@@ -61,17 +74,17 @@ def test_completions_come_back_in_prompt_order_although_the_server_finishes_out_
 def test_requests_start_in_prompt_order_and_at_most_concurrency_are_in_flight():
     server = FakeServer()
     backend(server, concurrency=3).generate(PROMPTS, max_tokens=4)
-    assert [body["prompt"] for body in server.bodies] == PROMPTS
+    assert [prompt_of(body) for body in server.bodies] == PROMPTS
     assert server.most_in_flight == 3
 
 
 def test_requests_are_greedy_with_the_given_length_for_the_listed_model():
     server = FakeServer()
     backend(server).generate(["a"], max_tokens=7)
-    assert server.paths == ["/v1/models", "/v1/completions"]
-    assert server.bodies[0] | {"prompt": None} == {
+    assert server.paths == ["/v1/models", "/v1/chat/completions"]
+    assert server.bodies[0] == {
         "model": "served-small",
-        "prompt": None,
+        "messages": [{"role": "user", "content": "a"}],
         "max_tokens": 7,
         "temperature": 0.0,
         "n": 1,
@@ -82,7 +95,7 @@ def test_requests_are_greedy_with_the_given_length_for_the_listed_model():
 def test_a_named_model_is_used_without_asking_the_server():
     server = FakeServer()
     backend(server, model="mine").generate(["a"], max_tokens=1)
-    assert (server.paths, server.bodies[0]["model"]) == (["/v1/completions"], "mine")
+    assert (server.paths, server.bodies[0]["model"]) == (["/v1/chat/completions"], "mine")
 
 
 def test_an_api_key_is_sent_as_a_bearer_token():
@@ -106,7 +119,9 @@ def test_connection_errors_408_429_and_5xx_are_retried():
 
 def test_it_gives_up_after_the_retries_naming_the_url_and_the_last_failure():
     server = FakeServer(failures=[503] * 3)
-    with pytest.raises(BackendError, match=r"http://fake:8000/v1/completions failed 3 time\(s\), last with HTTP 503"):
+    with pytest.raises(
+        BackendError, match=r"http://fake:8000/v1/chat/completions failed 3 time\(s\), last with HTTP 503"
+    ):
         backend(server, model="m", retries=2).generate(["a"], max_tokens=1)
 
 
@@ -171,3 +186,34 @@ def test_it_works_when_called_from_inside_an_event_loop():
 def test_bad_settings_are_config_errors(url, kwargs, message):
     with pytest.raises(ConfigError, match=message):
         OpenAIServerBackend(url, **kwargs)
+
+
+def test_a_system_prompt_is_the_chats_first_turn():
+    server = FakeServer()
+    backend(server, model="m", system="Answer in one word.").generate(["a"], max_tokens=1)
+    assert server.bodies[0]["messages"] == [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "a"},
+    ]
+
+
+def test_chat_false_sends_the_raw_prompt_to_the_completions_endpoint():
+    server = FakeServer()
+    completions = backend(server, model="m", chat=False).generate(["a"], max_tokens=1)
+    assert server.paths == ["/v1/completions"] and server.bodies[0]["prompt"] == "a"
+    assert completions[0].text == "A"
+
+
+def test_a_server_without_a_chat_template_stops_the_job_saying_to_send_raw_prompts():
+    async def no_template(request: httpx.Request) -> httpx.Response:
+        message = "As of transformers v4.44, default chat template is no longer allowed"
+        return httpx.Response(400, json={"error": {"message": message}})
+
+    server = OpenAIServerBackend("http://fake:8000", "m", transport=httpx.MockTransport(no_template))
+    with pytest.raises(ConfigError, match=r"cannot render chats .*send the prompts raw \(--raw, chat=False\)"):
+        server.generate(["a"], max_tokens=1)
+
+
+def test_a_system_prompt_with_raw_prompts_is_a_config_error():
+    with pytest.raises(ConfigError, match="a system prompt needs chat prompts"):
+        OpenAIServerBackend("http://fake:8000", "m", chat=False, system="Be brief.")

@@ -194,6 +194,9 @@ def check_cut_and_resume(path: Path, data: st.DataObject) -> None:
     for row in order[: data.draw(st.integers(0, n))]:
         first.write(row, answers[row], None)
     first.close()
+    if not first.done:  # nothing written, nothing created
+        assert not path.exists()
+        path.write_bytes(b"")
     raw = path.read_bytes()
     path.write_bytes(raw[: data.draw(st.integers(0, len(raw)))])  # killed while writing
     if path.stat().st_size == 0:
@@ -288,3 +291,55 @@ def test_a_csv_cut_inside_a_multibyte_character_resumes(tmp_path):
     resumed.write(1, "é中🙂", None)
     resumed.close(complete=True)
     assert AnswerOutput(path, table, resume=True).done == {0: ("ok", ""), 1: ("é中🙂", "")}
+
+
+# -- no file before the first row; cells longer than the csv module's default limit ----------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+def test_a_job_that_stops_before_its_first_row_leaves_no_file_and_the_rerun_needs_no_resume(tmp_path, suffix):
+    table = table_of([["x"], ["y"]], ["cell"])
+    path = tmp_path / f"a{suffix}"
+    with AnswerOutput(path, table):
+        pass  # the engine failed to start
+    assert list(tmp_path.iterdir()) == []
+    write_all(path, table, {0: "a", 1: "b"}, [0, 1])
+    assert len(AnswerOutput(path, table, resume=True).done) == 2
+
+
+def test_a_complete_job_over_an_empty_table_writes_the_header(tmp_path):
+    path = tmp_path / "a.csv"
+    AnswerOutput(path, table_of([], ["cell"])).close(complete=True)
+    assert path.read_bytes() == b"row,cell,answer,error\r\n"
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_resume_keeps_rows_whose_cells_pass_the_csv_modules_default_limit(tmp_path, suffix):
+    huge = "word " * 60_000  # 300,000 characters; the csv module stops at 131,072 unless told otherwise
+    table = table_of([[huge], ["y"]], ["cell"])
+    path = tmp_path / f"a{suffix}"
+    first = AnswerOutput(path, table)
+    first.write(0, huge, None)
+    first.close()
+    assert AnswerOutput(path, table, resume=True).done == {0: (huge, "")}
+
+
+def test_a_csv_table_with_cells_past_the_csv_modules_default_limit_is_read(tmp_path):
+    huge = "é" * 200_000
+    path = tmp_path / "t.csv"
+    path.write_text(f"id,text\r\n1,{huge}\r\n", encoding="utf-8")
+    assert read_table(path)["text"].tolist() == [huge]
+
+
+def test_a_csv_cell_longer_than_the_limit_is_an_error_naming_the_limit(tmp_path, monkeypatch):
+    import kvreuse.batch.table_io as table_io
+
+    monkeypatch.setattr(table_io, "CSV_FIELD_LIMIT", 1000)
+    path = tmp_path / "t.csv"
+    path.write_text(f"id,text\r\n1,{'x' * 1001}\r\n", encoding="utf-8")
+    with pytest.raises(TableError, match="a cell is longer than 1,000 characters, .* store a table .* as Parquet"):
+        read_table(path)
+    out = tmp_path / "a.csv"
+    out.write_text(f"row,cell,answer,error\r\n0,x,{'y' * 1001},\r\n", encoding="utf-8")
+    with pytest.raises(TableError, match="a cell is longer than 1,000 characters"):
+        AnswerOutput(out, table_of([["x"]], ["cell"]), resume=True)

@@ -208,3 +208,18 @@ def test_answers_are_kept_in_out_as_they_arrive_and_resume_asks_only_the_rest(co
         prompt("Kids?", title="Heat", genre="crime"),
     ]
     assert len(out.read_text().splitlines()) == 3
+
+
+def test_by_default_each_prompt_lists_the_fields_in_the_calls_argument_order(con):
+    frame = llm_sql(
+        con, "SELECT id, llm('Kids?', genre, m.title) AS answer FROM movies m ORDER BY id", backend=EchoBackend()
+    )
+    assert frame["answer"].tolist()[1] == prompt("Kids?", genre="family", title="Up")
+
+
+def test_a_calibrated_query_keeps_the_field_order_whose_answers_agree_and_reports_it(con):
+    query = "SELECT id, llm('Kids?', m.title, genre) AS answer FROM movies m ORDER BY id"
+    result = run_query(con, query, backend=EchoBackend(), calibrate=2)
+    (calibration,) = result.calibrations.values()
+    assert calibration.chosen == "keep" and calibration.sample_rows == 2
+    assert result.frame["answer"].tolist()[0] == prompt("Kids?", title="Heat", genre="crime")

@@ -191,7 +191,7 @@ def test_plan_rows_are_a_permutation_of_the_table_positions():
     assert np.array_equal(np.sort(plan.rows), np.arange(6))
 
 
-def test_with_the_engines_cache_model_the_plan_shares_at_least_as_many_blocks_as_any_baseline():
+def test_with_the_engines_cache_model_a_free_field_plan_shares_at_least_as_many_blocks_as_any_baseline():
     from kvreuse.batch import PrefixCacheModel
     from kvreuse.reorder import block_hit_stats, prepare_table, prompts, solve
 
@@ -209,11 +209,31 @@ def test_with_the_engines_cache_model_the_plan_shares_at_least_as_many_blocks_as
             "d": rng.choice(["k", "l"], 300),
         }
     )
-    plan = plan_table(df, "Q", order="ggr", cache_model=PrefixCacheModel(tokenize, block_size=4))
+    plan = plan_table(df, "Q", order="ggr", field_order="free", cache_model=PrefixCacheModel(tokenize, block_size=4))
     planned = block_hit_stats(tokenize(plan.prompts), 4).hit_rate
     table = prepare_table(df, None)
     for method in ("ggr", "stats", "sorted"):
         assert planned >= block_hit_stats(tokenize(prompts(solve(table, method), table, "Q")), 4).hit_rate, method
+
+
+@pytest.mark.parametrize("order", METHODS)
+def test_by_default_every_row_is_asked_the_prompt_of_the_original_order_and_only_rows_move(order):
+    df = movies()
+    original = plan_table(df, INSTRUCTION, ["review", "genre", "title"], order="original")
+    plan = plan_table(df, INSTRUCTION, ["review", "genre", "title"], order=order)
+    assert dict(zip(plan.rows.tolist(), plan.prompts)) == dict(zip(original.rows.tolist(), original.prompts))
+
+
+def test_free_field_order_lets_ggr_move_a_rows_fields_for_reuse():
+    df = movies()
+    plan = plan_table(df, INSTRUCTION, ["review", "genre", "title"], order="ggr", field_order="free")
+    assert any(list(fields_of(p))[0] != "review" for p in plan.prompts)  # the unique review no longer leads
+
+
+def test_global_field_order_lists_every_rows_fields_in_one_order():
+    df = movies()
+    plan = plan_table(df, INSTRUCTION, ["review", "genre", "title"], order="ggr", field_order="global")
+    assert {tuple(fields_of(p)) for p in plan.prompts} == {("genre", "title", "review")}
 
 
 @pytest.mark.parametrize("order", METHODS)

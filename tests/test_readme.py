@@ -56,7 +56,7 @@ def test_every_kvreuse_command_in_the_readme_parses_as_written():
 
 
 def test_the_readmes_serve_file_is_accepted(monkeypatch):
-    from kvreuse.vllm.backend import check_model
+    from kvreuse.vllm.engine_args import check_model
     from kvreuse.vllm.serve import read_serve_config
 
     (toml,) = code_blocks("toml")

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvreuse.errors import TableError
-from kvreuse.reorder import METHODS, prefix_hit_count, prepare_table, prompts, solve
+from kvreuse.errors import ConfigError, TableError
+from kvreuse.reorder import METHODS, field_pin, prefix_hit_count, prepare_table, prompts, solve
 
 cells = st.sampled_from(["", "a", "bb", "a b", "ccc"])
 tables = st.integers(2, 4).flatmap(
@@ -105,3 +105,29 @@ def test_ggr_moves_a_unique_name_to_the_back_and_a_pin_keeps_it_first():
 def test_a_bad_pin_is_an_error_that_names_it(pin, message):
     with pytest.raises(TableError, match=message):
         solve(pd.DataFrame({"title": ["Heat"], "year": ["1995"]}), "ggr", pin=pin)
+
+
+@settings(max_examples=40, deadline=None)
+@given(table=tables, data=st.data())
+def test_field_order_keep_pins_every_field_in_the_tables_order_after_the_users_pin(table, data):
+    pin = data.draw(st.lists(st.sampled_from(list(table.columns)), unique=True))
+    prepared = prepare_table(table, None)
+    pinned = field_pin(prepared, "keep", pin)
+    assert pinned == pin + [name for name in prepared.columns if name not in pin]
+
+
+def test_field_order_global_pins_every_field_in_the_statistics_based_order():
+    table = prepare_table(pd.DataFrame({"id": ["1", "2", "3", "4"], "kind": ["a", "a", "b", "b"]}), None)
+    assert field_pin(table, "global", None) == ["kind", "id"]  # fewest distinct values first
+    assert field_pin(table, "global", ["id"]) == ["id", "kind"]
+
+
+def test_field_order_free_leaves_the_users_pin_as_it_is():
+    table = prepare_table(pd.DataFrame({"a": ["1"], "b": ["2"]}), None)
+    assert field_pin(table, "free", None) is None
+    assert field_pin(table, "free", ["b"]) == ["b"]
+
+
+def test_an_unknown_field_order_is_a_config_error_naming_the_choices():
+    with pytest.raises(ConfigError, match="unknown field order 'moved'; field orders: keep, global, free"):
+        field_pin(prepare_table(pd.DataFrame({"a": ["1"]}), None), "moved", None)

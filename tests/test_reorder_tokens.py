@@ -7,6 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from kvreuse.errors import TableError
 from kvreuse.reorder import prepare_table, prompts, solve, token_hit_measure
 from kvreuse.reorder.stats import encode_table
 from kvreuse.reorder.tokens import order_block_hits, shared_start_order, sorted_neighbour_order, tokenize_lines
@@ -127,3 +128,35 @@ def test_fields_that_lead_a_group_together_go_first_by_the_starts_their_values_s
     measure = token_hit_measure(table, INSTRUCTION, "lines", tokenize, BLOCK)
     ordering = solve(table, "ggr", measure=measure)
     assert all(order[0] == 2 and set(order[:3]) == {0, 1, 2} for order in ordering.fields)
+
+
+def characters(texts):
+    """One token per character: a tokenizer whose line tokens add up, so GGR also solves on tokens."""
+    return [[ord(c) for c in text] for text in texts]
+
+
+def test_a_token_measure_built_for_another_table_is_a_table_error_naming_both():
+    small = prepare_table(pd.DataFrame({"a": ["x", "y"]}), None)
+    large = prepare_table(pd.DataFrame({"a": ["x", "y", "z"], "b": ["1", "2", "3"]}), None)
+    measure = token_hit_measure(small, "Q", "lines", characters, 4)
+    with pytest.raises(TableError, match=r"built for another table \(2 rows, fields a\), not this one \(3 rows"):
+        solve(large, "ggr", measure=measure)
+    with pytest.raises(TableError, match="ordering has 3 row position"):
+        measure(solve(large, "original"))
+
+
+def test_with_a_token_measure_ggr_on_characters_stays_among_the_candidates(monkeypatch):
+    import kvreuse.reorder.solvers as solvers
+
+    table = prepare_table(pd.DataFrame({"a": ["x", "y", "x"], "b": ["1", "2", "1"]}), None)
+    measure = token_hit_measure(table, "Q", "lines", characters, 1)
+    assert measure.line_tokens is not None
+    runs: list[bool] = []  # per GGR run: whether it solved on tokens
+    real = solvers.ggr_order
+    monkeypatch.setattr(solvers, "ggr_order", lambda *a, **k: runs.append("weights" in k) or real(*a, **k))
+    scored: list = []
+    solvers.solve(table, "ggr", measure=lambda ordering: scored.append(ordering) or measure(ordering))
+    assert runs == [False] and len(scored) == 3  # a plain callable: GGR on characters, stats, sorted
+    runs.clear()
+    solvers.solve(table, "ggr", measure=measure)
+    assert runs == [True, False]  # on tokens, then on characters

@@ -3,6 +3,7 @@ and the server it starts is stopped with kvreuse (signals forwarded, nothing lef
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -19,7 +20,7 @@ import yaml
 
 from kvreuse.cli import main
 from kvreuse.errors import ConfigError
-from kvreuse.vllm.backend import CPU_KV_CACHE_BYTES, on_cpu_build
+from kvreuse.vllm.engine_args import CPU_KV_CACHE_BYTES, on_cpu_build
 from kvreuse.vllm.serve import SERVER_MODULE, read_serve_config, serve_command, vllm_config
 
 TOML = """
@@ -91,6 +92,12 @@ def test_print_only_prints_the_yaml_and_the_command_that_reads_it(tmp_path, caps
         ('model = "m"\nport = "80"\n', "port must be an integer"),
         ('model = "m"\nengine = 3\n', "engine must be a table"),
         ('model = "m"\n[engine]\nmodel = "x"\n', "give model at the top of the file"),
+        ('model = "m"\n[engine]\nblock_sise = 32\n', "block_sise is not an argument of vLLM's server"),
+        ('model = "m"\n[engine]\nblock_sise = 32\n', "(did you mean 'block_size'?)"),
+        (
+            'model = "m"\n[engine.kv_transfer_config]\nkv_connector = "KVReuseModuleCach"\nkv_role = "kv_both"\n',
+            "kv_connector 'KVReuseModuleCach' is not a KV connector vLLM or kvreuse registers (did you mean",
+        ),
     ],
 )
 def test_a_wrong_setting_is_named_before_anything_starts(tmp_path, text, message):
@@ -98,6 +105,30 @@ def test_a_wrong_setting_is_named_before_anything_starts(tmp_path, text, message
     path.write_text(text)
     with pytest.raises(ConfigError, match=re.escape(message)):
         read_serve_config(path, environ={})
+
+
+def test_vllms_server_arguments_and_connectors_are_read_from_its_source_without_importing_it():
+    import subprocess
+
+    program = (
+        "import sys; from kvreuse.vllm.arg_names import connector_names, server_arg_names; "
+        "names, connectors = server_arg_names(), connector_names(); "
+        "assert {'block_size', 'enable_prompt_tokens_details', 'kv_transfer_config', 'scheduler_cls'} <= names; "
+        "assert {'NixlConnector', 'KVReuseModuleCache'} <= connectors; "
+        "assert 'vllm' not in sys.modules and 'torch' not in sys.modules"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_names_read_from_vllms_source_are_those_of_its_server_parser():
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import FrontendArgs
+
+    from kvreuse.vllm.arg_names import server_arg_names
+
+    fields = [*dataclasses.fields(AsyncEngineArgs), *dataclasses.fields(FrontendArgs)]
+    assert server_arg_names() == {f.name for f in fields if not f.name.startswith("_")}  # private: not flags
 
 
 def test_the_variables_the_server_inherits_are_checked_too(tmp_path):
@@ -133,8 +164,9 @@ FAKE_SERVER = textwrap.dedent(
 )
 
 
-def supervise(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
-    """kvreuse's run_server (in a process of its own) running the fake server; the processes under it."""
+def supervise(tmp_path: Path, mode: str, ready_url: str | None = None) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """kvreuse's run_server (in a process of its own) running the fake server, taken as started unless
+    ``ready_url`` is given (then as starting until it answers); the processes under it."""
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE_SERVER)
     runner = subprocess.Popen(
@@ -142,7 +174,7 @@ def supervise(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, list[psutil.
             sys.executable,
             "-c",
             "import sys; from kvreuse.vllm.serve import run_server; "
-            f"sys.exit(run_server([sys.executable, {str(script)!r}, {mode!r}]))",
+            f"sys.exit(run_server([sys.executable, {str(script)!r}, {mode!r}], {ready_url!r}))",
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -179,8 +211,38 @@ def test_a_second_signal_kills_a_server_that_does_not_stop(tmp_path):
     assert gone(tree)
 
 
+def test_one_ctrl_c_while_the_server_starts_stops_it_with_status_130_even_if_it_ignores_sigterm(tmp_path):
+    # A server still starting (its /health never answers) that would finish starting before heeding a signal: it
+    # gets SIGTERM and, after STARTUP_GRACE_S, its process group is killed; no second signal is needed.
+    runner, tree = supervise(tmp_path, "stubborn", ready_url="http://127.0.0.1:9/health")
+    runner.send_signal(signal.SIGINT)
+    assert runner.wait(timeout=20) == 130
+    assert gone(tree, timeout=1)
+
+
 def test_the_server_stops_when_kvreuse_itself_is_killed(tmp_path):
     runner, tree = supervise(tmp_path, "polite")
     os.kill(runner.pid, signal.SIGKILL)
     runner.wait(timeout=20)
     assert gone(tree)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("kvreuse.vllm.PrefixAfinityScheduler", "kvreuse.vllm has no PrefixAfinityScheduler (did you mean"),
+        ("kvreuse.vlm.PrefixAffinityScheduler", "cannot import kvreuse.vlm"),
+        ("PrefixAffinityScheduler", "is not a class path (module.Class)"),
+    ],
+)
+def test_a_class_path_that_does_not_import_is_refused_before_any_engine_starts(value, message):
+    from kvreuse.vllm.engine_args import check_class_names
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_class_names({"scheduler_cls": value})
+
+
+def test_kvreuses_scheduler_class_path_resolves():
+    from kvreuse.vllm.engine_args import check_class_names
+
+    check_class_names({"scheduler_cls": "kvreuse.vllm.PrefixAffinityScheduler", "worker_cls": "auto"})

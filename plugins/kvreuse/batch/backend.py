@@ -49,10 +49,15 @@ class Completion:
 class PrefixCacheModel:
     """How an engine caches prefixes: its tokenizer (prompts to token ids, as the engine tokenizes them) and
     its KV block size. With it, GGR solves on the engine's tokens (each distinct cell tokenized once) and keeps
-    the best of its candidates as the engine will hit them (:class:`kvreuse.reorder.TokenHitMeasure`)."""
+    the best of its candidates as the engine will hit them (:class:`kvreuse.reorder.TokenHitMeasure`).
+
+    ``prefix`` is the text the backend sends before every prompt (a chat template's preamble, up to the user's
+    turn), tokenized with it by ``tokenize``: a prefix every row shares, so plans count it.
+    """
 
     tokenize: Callable[[list[str]], Sequence[Sequence[int]]]
     block_size: int
+    prefix: str = ""
 
 
 class Backend(Protocol):

@@ -18,9 +18,12 @@ from pathlib import Path
 import pandas as pd
 
 from kvreuse.batch.backend import MAX_TOKENS, Backend, Completion
+from kvreuse.batch.calibrate import Calibration
+from kvreuse.batch.calibrate import calibrate as calibrate_field_order
 from kvreuse.batch.job import BatchFigures, answer_plans, plan_table
 from kvreuse.batch.output import AnswerOutput
 from kvreuse.batch.progress import JobProgress
+from kvreuse.errors import ConfigError
 from kvreuse.reorder import ReorderConfig
 
 logger = logging.getLogger("kvreuse.batch")
@@ -32,13 +35,15 @@ class TableAnswers:
 
     ``answers`` has the input's index (labels and order), ``None`` where the engine refused the row; ``errors``
     likewise says why (``None`` where answered); ``completions[i]`` belongs to the input's ``i``-th row (``None``
-    for a row answered by an earlier run, when resumed from ``out``).
+    for a row answered by an earlier run, when resumed from ``out``). ``calibration`` holds the candidates and
+    the field order chosen when the job was calibrated (``calibrate=N``).
     """
 
     answers: pd.Series
     completions: list[Completion | None]
     figures: BatchFigures
     errors: pd.Series | None = None
+    calibration: Calibration | None = None
 
 
 def run_table(
@@ -48,6 +53,7 @@ def run_table(
     *,
     backend: Backend,
     order: str = "ggr",
+    field_order: str = "keep",
     fmt: str = "lines",
     max_tokens: int = MAX_TOKENS,
     pin: Sequence[str] | None = None,
@@ -56,25 +62,52 @@ def run_table(
     progress: bool = False,
     out: str | os.PathLike | None = None,
     resume: bool = False,
+    calibrate: int | None = None,
+    min_agreement: float = 1.0,
 ) -> TableAnswers:
     """Ask ``instruction`` about every row of ``df``, showing the model the columns ``fields`` (default: all).
 
     Each prompt is the instruction followed by one ``field: value`` line per field (``fmt="json"``: one JSON
     object). Rows are sent in the order ``order`` chooses (``"ggr"``, ``"original"``, ``"sorted"``, ``"stats"``,
-    ``"ophr"``), and each row may list its fields in its own order; answers are greedy, so they do not depend on
-    that order beyond the prompt itself. Every row is asked, duplicates included, and no row is dropped.
+    ``"ophr"``). ``field_order`` says whether each prompt keeps the fields in ``fields``' order (``"keep"``, the
+    default: only rows move, so every answer is the one the original order gets), lists them in one order chosen
+    for reuse (``"global"``) or in each row's own (``"free"``, GGR's per-row orders: most reuse, but a field's
+    place can change a small model's answer). Every row is asked, duplicates included, and no row is dropped.
     ``pin`` names fields that lead every prompt, in that order (``pin=["name"]``); pinning every field keeps each
     prompt exactly as the table's field order writes it and reorders rows only.
     ``config`` defaults to the backend's (an in-process vLLM's ``additional_config``) or else the
     ``KVREUSE_REORDER_*`` settings. ``out`` (``.csv``, ``.jsonl``, ``.parquet``) gets
     each row as it is answered; ``resume`` keeps the rows it holds and asks the others.
+    ``calibrate=N`` chooses ``field_order`` instead: ``N`` sample rows are asked in every field order and the one
+    with the most reuse whose answers agree with the user's order on at least ``min_agreement`` of them (1.0:
+    all) is used (:mod:`kvreuse.batch.calibrate`; ``TableAnswers.calibration`` has the figures).
     """
     config = config if config is not None else getattr(backend, "reorder_config", None)
+    calibration = None
+    if calibrate is not None:
+        if field_order != "keep":
+            raise ConfigError("give either field_order or calibrate (which chooses the field order)")
+        calibration = calibrate_field_order(
+            df,
+            instruction,
+            fields,
+            backend=backend,
+            n=calibrate,
+            min_agreement=min_agreement,
+            order=order,
+            fmt=fmt,
+            max_tokens=max_tokens,
+            pin=pin,
+            fds=fds,
+            config=config,
+        )
+        field_order = calibration.chosen
     plan = plan_table(
         df,
         instruction,
         fields,
         order=order,
+        field_order=field_order,
         fmt=fmt,
         pin=pin,
         fds=fds,
@@ -106,7 +139,8 @@ def run_table(
         logger.warning("kvreuse: the engine refused %d of %d rows; e.g. %s", figures.errors, len(df), first)
     # Positional: labels may repeat, and the answers belong to positions.
     answers = pd.Series(texts, index=df.index, dtype=object, name="answer")
-    return TableAnswers(answers, completions, figures, pd.Series(errors, index=df.index, dtype=object, name="error"))
+    errors_by_row = pd.Series(errors, index=df.index, dtype=object, name="error")
+    return TableAnswers(answers, completions, figures, errors_by_row, calibration)
 
 
 def llm_map(
@@ -116,6 +150,7 @@ def llm_map(
     *,
     backend: Backend,
     order: str = "ggr",
+    field_order: str = "keep",
     fmt: str = "lines",
     max_tokens: int = MAX_TOKENS,
     pin: Sequence[str] | None = None,
@@ -124,6 +159,8 @@ def llm_map(
     progress: bool = False,
     out: str | os.PathLike | None = None,
     resume: bool = False,
+    calibrate: int | None = None,
+    min_agreement: float = 1.0,
 ) -> pd.Series:
     """The answers of :func:`run_table` alone: a Series of ``str`` with ``df``'s index, one answer per row
     (``None`` for a row the engine refused; the log says why).
@@ -136,6 +173,7 @@ def llm_map(
         fields,
         backend=backend,
         order=order,
+        field_order=field_order,
         fmt=fmt,
         max_tokens=max_tokens,
         pin=pin,
@@ -144,4 +182,6 @@ def llm_map(
         progress=progress,
         out=out,
         resume=resume,
+        calibrate=calibrate,
+        min_agreement=min_agreement,
     ).answers

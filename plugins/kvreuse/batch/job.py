@@ -19,7 +19,16 @@ import pandas as pd
 from kvreuse.batch.backend import Backend, Completion, PrefixCacheModel, stream_completions
 from kvreuse.batch.progress import JobProgress, Tally
 from kvreuse.errors import ConfigError
-from kvreuse.reorder import PROMPT_FORMATS, ReorderConfig, prepare_table, prompts, solve, token_hit_measure
+from kvreuse.reorder import (
+    PROMPT_FORMATS,
+    FieldOrder,
+    ReorderConfig,
+    field_pin,
+    prepare_table,
+    prompts,
+    solve,
+    token_hit_measure,
+)
 
 
 @dataclass(frozen=True)
@@ -76,13 +85,19 @@ def plan_table(
     fields: Sequence[str] | None = None,
     *,
     order: str = "ggr",
+    field_order: str = FieldOrder.KEEP,
     fmt: str = "lines",
     pin: Sequence[str] | None = None,
     fds: Mapping[str, Iterable[str]] | None = None,
     config: ReorderConfig | None = None,
     cache_model: PrefixCacheModel | None = None,
 ) -> PlannedTable:
-    """Order ``df``'s rows (and each row's ``fields``) by ``order`` and render their prompts in send order.
+    """Order ``df``'s rows (and, with ``field_order="free"`` or ``"global"``, each row's ``fields``) by ``order``
+    and render their prompts in send order.
+
+    By default (``field_order="keep"``) every prompt lists its fields as ``fields`` (or the table) does and only
+    the rows move, so every row's prompt, and so its greedy answer, is the one the user's order gives: a field's
+    place in the prompt can change a model's answer (see :func:`kvreuse.reorder.field_pin`).
 
     Every row gets exactly one prompt, duplicates included, so every row keeps its own answer. With the engine's
     ``cache_model``, GGR solves on the engine's own tokens and blocks and keeps the best of its candidates on them
@@ -95,10 +110,13 @@ def plan_table(
         raise ConfigError(f"prompt format {fmt!r} is not one of {', '.join(PROMPT_FORMATS)}")
     table = prepare_table(df, fields)
     start = time.perf_counter()
+    pinned = field_pin(table, field_order, pin)
     measure = None
     if cache_model is not None and order == "ggr":
-        measure = token_hit_measure(table, instruction, fmt, cache_model.tokenize, cache_model.block_size)
-    ordering = solve(table, order, pin=pin, fds=fds, config=config, measure=measure)
+        # The backend's prefix (a chat template's preamble) is a shared head, as the instruction is.
+        head = cache_model.prefix + instruction
+        measure = token_hit_measure(table, head, fmt, cache_model.tokenize, cache_model.block_size)
+    ordering = solve(table, order, pin=pinned, fds=fds, config=config, measure=measure)
     solve_s = time.perf_counter() - start
     return PlannedTable(prompts(ordering, table, instruction, fmt), np.asarray(ordering.rows, dtype=np.int64), solve_s)
 

@@ -1,8 +1,11 @@
-"""A backend on any OpenAI-compatible server (``vllm serve``, SGLang) through ``POST /v1/completions``.
+"""A backend on any OpenAI-compatible server (``vllm serve``, SGLang) through ``POST /v1/chat/completions``.
 
-One request per prompt, so each answer keeps its own token accounting. Requests start in the order given and at
-most ``concurrency`` are in flight: the server then sees the reordered stream nearly in order, which is what lets
-a prompt find its predecessor's prefix in the cache. Answers are handed over as they arrive (:meth:`stream`).
+Each prompt goes as the user turn of a chat (after an optional system turn), which the server renders with its
+model's chat template, so an instruct model answers instead of continuing the record; ``chat=False`` (``--raw``)
+sends the raw text to ``POST /v1/completions`` instead. One request per prompt, so each answer keeps its own
+token accounting. Requests start in the order given and at most ``concurrency`` are in flight: the server then
+sees the reordered stream nearly in order, which is what lets a prompt find its predecessor's prefix in the
+cache. Answers are handed over as they arrive (:meth:`stream`).
 
 What the server says decides what happens, so that a job loses nothing and stops only when it must:
 
@@ -26,10 +29,12 @@ import httpx
 import tenacity
 
 from kvreuse.batch.backend import Completion, PrefixCacheModel
+from kvreuse.batch.chat import chat_messages, check_system
 from kvreuse.errors import BackendError, ConfigError
 
 RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 ROW_STATUS = frozenset({400, 413, 422})
+CHAT_PATH, RAW_PATH = "/v1/chat/completions", "/v1/completions"
 
 
 class _Retry(Exception):
@@ -55,6 +60,7 @@ class OpenAIServerBackend:
     with ``--enable-prompt-tokens-details`` and SGLang with ``--enable-cache-report``; otherwise it is ``None``.
     ``retries`` retries after the first attempt, waiting ``backoff_s``, then twice as long each time.
     ``transport`` replaces httpx's network transport (an ``httpx.MockTransport`` in tests, a proxy, ...).
+    ``chat`` (the default) sends chats, ``system`` being their system turn; ``chat=False`` sends raw text.
     """
 
     # A server does not tell its tokenizer or block size, so orders are planned by GGR alone.
@@ -71,6 +77,8 @@ class OpenAIServerBackend:
         timeout_s: float = 600.0,
         api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        chat: bool = True,
+        system: str | None = None,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"server URL {url!r} must start with http:// or https://")
@@ -88,6 +96,10 @@ class OpenAIServerBackend:
         self.timeout_s = timeout_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._transport = transport
+        self.chat = chat
+        self.system = check_system(system)
+        if system is not None and not chat:
+            raise ConfigError("a system prompt needs chat prompts; leave out --system (system=) with --raw")
 
     def generate(self, prompts: Sequence[str], *, max_tokens: int, progress: bool = False) -> list[Completion]:
         """Completions of ``prompts`` in their order (see :class:`kvreuse.batch.Backend`)."""
@@ -151,14 +163,15 @@ class OpenAIServerBackend:
 
             async def one(position: int, prompt: str) -> None:
                 async with gate:
+                    asked = {"messages": chat_messages(prompt, self.system)} if self.chat else {"prompt": prompt}
                     try:
                         body = await self._request(
                             client,
                             "POST",
-                            "/v1/completions",
+                            CHAT_PATH if self.chat else RAW_PATH,
                             json={
                                 "model": model,
-                                "prompt": prompt,
+                                **asked,
                                 "max_tokens": max_tokens,
                                 "temperature": 0.0,
                                 "n": 1,
@@ -202,7 +215,12 @@ class OpenAIServerBackend:
             message = _error_message(response)
             if response.status_code in RETRIED_STATUS:
                 raise _Retry(f"HTTP {response.status_code}: {message}")
-            if response.status_code in ROW_STATUS and path == "/v1/completions":
+            if path == CHAT_PATH and response.status_code == 400 and "chat template" in message.lower():
+                raise ConfigError(
+                    f"{url} cannot render chats ({message}); send the prompts raw (--raw, chat=False), or start "
+                    "the server with a chat template (vllm serve --chat-template FILE)"
+                )
+            if response.status_code in ROW_STATUS and path in (CHAT_PATH, RAW_PATH):
                 raise RowRefused(response.status_code, message)
             raise BackendError(f"{url} refused the request with HTTP {response.status_code}: {message}")
 
@@ -242,7 +260,9 @@ def _error_message(response: httpx.Response) -> str:
 
 
 def _completion(body: dict) -> Completion:
-    """The first choice's text and the usage counts of one ``/v1/completions`` answer."""
+    """The first choice's text (a chat answer's message content) and the usage counts of one answer."""
     usage = body.get("usage") or {}
     details = usage.get("prompt_tokens_details") or {}
-    return Completion(body["choices"][0]["text"], usage.get("prompt_tokens"), details.get("cached_tokens"))
+    choice = body["choices"][0]
+    text = (choice["message"].get("content") or "") if "message" in choice else choice["text"]
+    return Completion(text, usage.get("prompt_tokens"), details.get("cached_tokens"))

@@ -13,6 +13,10 @@ engine finishes them and flushed at once; when the job completes, the file is re
   with the input's own column types) is written when the job ends, however it ends, and the journal removed.
 * No path: CSV on standard output, in the order rows finish (the row id column says which row each is).
 
+Nothing is created before the first row is written (or the job completes with no row to write): a job that fails
+before answering anything (a wrong model path, an engine argument vLLM refuses, a server that is down) leaves no
+file behind to block the corrected run.
+
 Resuming (``resume=True``) reads the rows already in the output (answered or refused) and leaves them there; the
 front end then asks only the others, so a job run to completion has every input row exactly once. The output must
 have been written by the same job: its columns and each row's input values must match the table's.
@@ -32,7 +36,7 @@ from typing import IO, Any
 
 import pandas as pd
 
-from kvreuse.batch.table_io import csv_text, read_parquet
+from kvreuse.batch.table_io import csv_problem, csv_reader, csv_text, read_parquet
 from kvreuse.errors import TableError
 
 OUTPUT_SUFFIXES = (".csv", ".jsonl", ".parquet")
@@ -74,7 +78,7 @@ class AnswerOutput:
             raise TableError(f"{path} exists; pass --resume to finish the job that wrote it, or choose another --out")
         if path is not None and resume:
             self._resume()
-        self._handle = self._open()
+        self._handle: IO[str] | None = None  # opened by the first write (see the module's description)
 
     # -- writing ---------------------------------------------------------------------------------------------------
     def write(self, row: int, answer: str, error: str | None) -> None:
@@ -82,6 +86,8 @@ class AnswerOutput:
         if row in self.done:
             raise TableError(f"row {row} is answered twice")
         self.done[row] = (answer, error or "")
+        if self._handle is None:
+            self._handle = self._open()
         if self.kind == "parquet":
             record: dict[str, Any] = {self.row_column: row, self.answer_column: answer, self.error_column: error or ""}
             self._handle.write(json.dumps(record) + "\n")
@@ -93,16 +99,20 @@ class AnswerOutput:
 
     def close(self, *, complete: bool = False) -> None:
         """Flush and close; with ``complete`` (every row written) the file is rewritten in the table's order. A
-        Parquet output is written from its journal in either case."""
+        Parquet output is written from its journal in either case. An output nothing was written to stays
+        unwritten unless the job is ``complete`` (a table of no rows gets its header)."""
         if self._closed:
             return
         self._closed = True
-        if self._handle is not sys.stdout:
+        if self._handle is None and complete:
+            self._handle = self._open()
+        if self._handle is not None and self._handle is not sys.stdout:
             self._handle.close()
         if self.path is None:
             return
         if self.kind == "parquet":
-            self._write_parquet(complete)
+            if complete or self.done or self.path.exists():
+                self._write_parquet(complete)
         elif complete:
             self._rewrite_in_table_order()
 
@@ -242,12 +252,14 @@ def _csv_records(path: Path) -> Iterator[list[str] | dict[str, str]]:
     """The header (a list), then every complete record as a dict; a last record cut short is dropped (every
     record written ends with ``\r\n``, so a file that does not, or that ends inside quotes, was cut)."""
     text = _text_of(path)
-    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    reader = csv_reader(io.StringIO(text, newline=""))
     records: list[list[str]] = []
     try:
         records.extend(reader)
         cut = not text.endswith("\r\n")
-    except csv.Error:
+    except csv.Error as error:
+        if str(error).startswith("field larger than field limit"):  # not a cut record: say so, re-ask nothing
+            raise TableError(f"{path}: {csv_problem(error)}") from None
         cut = False  # the record cut inside its quotes is the one that failed, and is not in `records`
     if not records:
         return

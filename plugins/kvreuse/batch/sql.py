@@ -43,9 +43,11 @@ import pandas as pd
 import pyarrow as pa
 
 from kvreuse.batch.backend import MAX_TOKENS, Backend
+from kvreuse.batch.calibrate import Calibration
+from kvreuse.batch.calibrate import calibrate as calibrate_field_order
 from kvreuse.batch.job import BatchFigures, answer_plans, plan_table
 from kvreuse.batch.progress import JobProgress
-from kvreuse.errors import TableError
+from kvreuse.errors import ConfigError, TableError
 from kvreuse.reorder import ReorderConfig, prepare_table
 
 FUNCTION = "llm"
@@ -69,6 +71,7 @@ class QueryAnswers:
     """A query's result with its ``llm()`` answers filled in, what its batches cost, and how often it ran.
 
     ``runs`` is 2 for a query whose ``llm()`` values feed nothing but the result, 1 for a query without ``llm()``.
+    ``calibrations`` has, when calibrated, each ``(fields, instruction)`` batch's :class:`Calibration`.
     """
 
     frame: pd.DataFrame
@@ -77,6 +80,7 @@ class QueryAnswers:
     errors: pd.DataFrame = field(
         default_factory=lambda: pd.DataFrame(columns=["instruction", "fields", "values", "error"])
     )
+    calibrations: dict[tuple[tuple[str, ...], str], Calibration] = field(default_factory=dict)
 
 
 def run_query(
@@ -85,6 +89,7 @@ def run_query(
     *,
     backend: Backend,
     order: str = "ggr",
+    field_order: str = "keep",
     fmt: str = "lines",
     max_tokens: int = MAX_TOKENS,
     pin: Sequence[str] | None = None,
@@ -92,16 +97,23 @@ def run_query(
     progress: bool = False,
     out: str | os.PathLike | None = None,
     resume: bool = False,
+    calibrate: int | None = None,
+    min_agreement: float = 1.0,
 ) -> QueryAnswers:
     """Run a ``SELECT`` whose ``llm(instruction, value, ...)`` calls are answered by ``backend`` in batches.
 
-    See the module's description for how; ``order``, ``fmt`` and ``max_tokens`` are as in
+    See the module's description for how; ``order``, ``field_order`` (default ``"keep"``: each prompt lists the
+    fields in the call's argument order), ``fmt`` and ``max_tokens`` are as in
     :func:`kvreuse.batch.run_table`, except that ``"original"`` means the order in which DuckDB first passed each
     argument tuple (scan order, which DuckDB's threads may vary). ``pin`` names fields (as the call sites name
     them, see :func:`call_sites`) that lead every prompt of each ``llm()`` call that passes them. ``out`` and
-    ``resume`` keep answers in a file as they arrive (see the module's description). The connection is left as it
-    was.
+    ``resume`` keep answers in a file as they arrive (see the module's description). ``calibrate=N`` chooses the
+    field order of each ``llm()`` call's batch as :func:`kvreuse.batch.run_table` does. The connection is left as
+    it was.
     """
+    if calibrate is not None and field_order != "keep":
+        raise ConfigError("give either field_order or calibrate (which chooses the field order)")
+    calibrations: dict[tuple[tuple[str, ...], str], Calibration] = {}
     sites = call_sites(con, query)
     _check_pins(pin, sites)
     figures = BatchFigures(0, 0, 0, 0.0, 0.0)
@@ -121,15 +133,31 @@ def run_query(
             frame = _execute(con, rewritten)
             questions = book.take_new_questions()
             if not questions:
-                return QueryAnswers(frame, figures, run, book.errors())
+                return QueryAnswers(frame, figures, run, book.errors(), calibrations)
             if run == most_runs:
                 break
+            if calibrate is not None:
+                for (fields, instruction), rows in questions.items():
+                    calibrations[(tuple(fields), instruction)] = calibrate_field_order(
+                        pd.DataFrame(list(rows), columns=list(fields), dtype=object),
+                        instruction,
+                        list(fields),
+                        backend=backend,
+                        n=calibrate,
+                        min_agreement=min_agreement,
+                        order=order,
+                        fmt=fmt,
+                        max_tokens=max_tokens,
+                        pin=None if pin is None else [name for name in pin if name in fields],
+                        config=config,
+                    )
             plans = [
                 plan_table(
                     pd.DataFrame(list(rows), columns=list(fields), dtype=object),
                     instruction,
                     list(fields),
                     order=order,
+                    field_order=calibrations[(tuple(fields), instruction)].chosen if calibrations else field_order,
                     fmt=fmt,
                     pin=None if pin is None else [name for name in pin if name in fields],
                     config=config,
@@ -164,6 +192,7 @@ def llm_sql(
     *,
     backend: Backend,
     order: str = "ggr",
+    field_order: str = "keep",
     fmt: str = "lines",
     max_tokens: int = MAX_TOKENS,
     pin: Sequence[str] | None = None,
@@ -171,6 +200,8 @@ def llm_sql(
     progress: bool = False,
     out: str | os.PathLike | None = None,
     resume: bool = False,
+    calibrate: int | None = None,
+    min_agreement: float = 1.0,
 ) -> pd.DataFrame:
     """The result of :func:`run_query` alone, as a DataFrame."""
     return run_query(
@@ -178,6 +209,7 @@ def llm_sql(
         query,
         backend=backend,
         order=order,
+        field_order=field_order,
         fmt=fmt,
         max_tokens=max_tokens,
         pin=pin,
@@ -185,6 +217,8 @@ def llm_sql(
         progress=progress,
         out=out,
         resume=resume,
+        calibrate=calibrate,
+        min_agreement=min_agreement,
     ).frame
 
 

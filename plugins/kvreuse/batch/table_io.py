@@ -6,7 +6,9 @@ allowed), every cell as its exact text. Nothing is guessed: the first line names
 have a name and every name be distinct, and every record must have exactly one field per column; otherwise the
 error names the file, the line and what to fix (a record one field longer than the header usually is a pandas
 index written without a header, which pandas would silently take as the index). Blank lines are skipped. A
-``.parquet`` file keeps its types; an index pandas stored in it comes back as a column.
+``.parquet`` file keeps its types; an index pandas stored in it comes back as a column. A CSV cell may hold up
+to :data:`CSV_FIELD_LIMIT` characters (Python's ``csv`` module stops at 131,072 unless told otherwise, which a
+long document or answer passes); a longer one is an error naming the limit.
 
 Writing. CSV is written with Python's ``csv`` module in the same dialect (line terminator ``\\r\\n``), which quotes
 every field holding a delimiter, a quote, ``\\r`` or ``\\n``: an answer with a bare carriage return reads back as
@@ -17,14 +19,17 @@ from __future__ import annotations
 
 import csv
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
 from kvreuse.errors import TableError
 
 TABLE_SUFFIXES = (".csv", ".parquet")
+# The longest CSV cell read, in characters (a bound, so a file without a closing quote is not read whole as one cell).
+CSV_FIELD_LIMIT = 1 << 28
 # A column pandas' to_csv writes for an index without a name, read back by pandas under this name.
 _PANDAS_UNNAMED = re.compile(r"Unnamed: \d+")
 
@@ -58,7 +63,7 @@ def csv_chunks(path: Path, rows_per_chunk: int = 4096) -> Iterator[pd.DataFrame]
     _check_file(path)
     try:
         with path.open(encoding="utf-8-sig", newline="") as handle:
-            reader = csv.reader(handle, strict=True)
+            reader = csv_reader(handle)
             header = _header(path, reader)
             rows: list[list[str]] = []
             sent = False
@@ -74,9 +79,25 @@ def csv_chunks(path: Path, rows_per_chunk: int = 4096) -> Iterator[pd.DataFrame]
             if rows or not sent:
                 yield pd.DataFrame(rows, columns=header, dtype=object)
     except csv.Error as error:
-        raise TableError(f"{path}, line {reader.line_num}: {error} (read as RFC 4180 CSV)") from None
+        raise TableError(f"{path}, line {reader.line_num}: {csv_problem(error)} (read as RFC 4180 CSV)") from None
     except UnicodeDecodeError as error:
         raise TableError(f"{path} is not UTF-8 text (byte {error.start}: {error.reason})") from None
+
+
+def csv_reader(lines: Iterable[str]) -> Any:
+    """A strict RFC 4180 reader of ``lines`` whose cells may hold up to :data:`CSV_FIELD_LIMIT` characters."""
+    csv.field_size_limit(CSV_FIELD_LIMIT)  # process-wide in the csv module: set for every read
+    return csv.reader(lines, strict=True)
+
+
+def csv_problem(error: csv.Error) -> str:
+    """What a CSV reader's error means, with the fix where there is one."""
+    if str(error).startswith("field larger than field limit"):
+        return (
+            f"a cell is longer than {CSV_FIELD_LIMIT:,} characters, the most kvreuse reads from one CSV cell "
+            "(or a quote is never closed); store a table with such cells as Parquet"
+        )
+    return str(error)
 
 
 def _check_file(path: Path) -> None:

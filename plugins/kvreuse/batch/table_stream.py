@@ -123,6 +123,7 @@ def run_table_on_replicas(
     *,
     pool: ReplicaPool,
     order: str = "ggr",
+    field_order: str = "keep",
     fmt: str = "lines",
     max_tokens: int = MAX_TOKENS,
     pin: Sequence[str] | None = None,
@@ -130,11 +131,11 @@ def run_table_on_replicas(
     resume: bool = False,
     **options: Any,
 ) -> ReplicaTableAnswers:
-    """Like :func:`kvreuse.batch.run_table`, on a pool of replicas: ``order`` picks each row's field order (and
-    a first row order; ``pin``: fields that lead every prompt), then rows are bucketed by prefix and routed (options
-    of ``answer_stream``). ``out`` gets
+    """Like :func:`kvreuse.batch.run_table`, on a pool of replicas: ``order`` and ``field_order`` pick a first row
+    order (and, with ``field_order="free"`` or ``"global"``, each row's field order; ``pin``: fields that lead every
+    prompt), then rows are bucketed by prefix and routed (options of ``answer_stream``). ``out`` gets
     each row as it is answered and ``resume`` asks only the rows it does not hold (as in ``run_table``)."""
-    plan = plan_table(df, instruction, fields, order=order, fmt=fmt, pin=pin)
+    plan = plan_table(df, instruction, fields, order=order, field_order=field_order, fmt=fmt, pin=pin)
     output = None if out is None else AnswerOutput(Path(out), df, resume=resume)
     done = output.done if output is not None else {}
     completions: list[Completion | None] = [None] * len(df)

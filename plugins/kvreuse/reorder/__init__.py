@@ -12,7 +12,7 @@ from kvreuse.reorder.dependencies import discover_fds, merge_fds
 from kvreuse.reorder.measures import BlockHitStats, block_hit_stats, prefix_hit_count
 from kvreuse.reorder.ophr import OPHR_MAX_COLS, OPHR_MAX_ROWS
 from kvreuse.reorder.ordering import Ordering, prompts
-from kvreuse.reorder.pinning import resolve_pin
+from kvreuse.reorder.pinning import FIELD_ORDERS, FieldOrder, field_pin, resolve_pin
 from kvreuse.reorder.rerank import rerank_by_module_sets, total_hamming_distance
 from kvreuse.reorder.solvers import METHODS, Order, solve
 from kvreuse.reorder.stats import ColumnStats, column_stats, fixed_field_order
@@ -20,11 +20,13 @@ from kvreuse.reorder.table import PROMPT_FORMATS, PromptFormat, prepare_table, r
 from kvreuse.reorder.tokens import TokenHitMeasure, token_hit_measure
 
 __all__ = [
+    "FIELD_ORDERS",
     "METHODS",
     "OPHR_MAX_COLS",
     "OPHR_MAX_ROWS",
     "PROMPT_FORMATS",
     "BlockHitStats",
+    "FieldOrder",
     "Order",
     "PromptFormat",
     "ColumnStats",
@@ -35,6 +37,7 @@ __all__ = [
     "bucket_stream",
     "column_stats",
     "discover_fds",
+    "field_pin",
     "fixed_field_order",
     "merge_fds",
     "prefix_hit_count",

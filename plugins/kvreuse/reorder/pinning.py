@@ -17,11 +17,25 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from enum import StrEnum
 
 import numpy as np
+import pandas as pd
 
-from kvreuse.errors import TableError
+from kvreuse.errors import ConfigError, TableError
 from kvreuse.reorder.baselines import sort_rows
+from kvreuse.reorder.stats import column_stats, fixed_field_order
+
+
+class FieldOrder(StrEnum):
+    """Whether reordering may move a row's fields (``--field-order``, ``field_order=``); see :func:`field_pin`."""
+
+    KEEP = "keep"  # every prompt lists the fields as the table (or ``fields``) does: rows move, prompts do not
+    GLOBAL = "global"  # one field order for every row, the statistics-based fixed order
+    FREE = "free"  # each row its own field order, as the method chooses (GGR's per-row orders)
+
+
+FIELD_ORDERS = tuple(FieldOrder)
 
 
 def resolve_pin(pin: Sequence[str] | None, names: Sequence[str]) -> tuple[int, ...]:
@@ -42,6 +56,28 @@ def resolve_pin(pin: Sequence[str] | None, names: Sequence[str]) -> tuple[int, .
             f"{', '.join(map(repr, names))}"
         )
     return tuple(position[name] for name in pin)
+
+
+def field_pin(table: pd.DataFrame, field_order: str, pin: Sequence[str] | None) -> list[str] | None:
+    """The pin that makes a solver honour ``field_order`` on a prepared ``table``, the user's ``pin`` leading in
+    every case.
+
+    ``"keep"`` pins every field, in the table's order after ``pin``: each row's prompt is the one the user wrote,
+    so its greedy answer is the model's answer to it whatever the row order. ``"global"`` pins every field in the
+    statistics-based fixed order (:func:`kvreuse.reorder.stats.fixed_field_order`): every row's fields move the
+    same way. ``"free"`` returns ``pin`` as given and lets the method order each row's other fields.
+    """
+    if field_order not in FIELD_ORDERS:
+        raise ConfigError(f"unknown field order {field_order!r}; field orders: {', '.join(FIELD_ORDERS)}")
+    if field_order == FieldOrder.FREE:
+        return None if pin is None else list(pin)
+    names = [str(c) for c in table.columns]
+    lead = [names[c] for c in resolve_pin(pin, names)]
+    if field_order == FieldOrder.KEEP:
+        rest = names
+    else:
+        rest = [names[c] for c in fixed_field_order(column_stats(table))]
+    return lead + [name for name in rest if name not in lead]
 
 
 def pinned_runs(codes: np.ndarray, lead: Sequence[int]) -> list[np.ndarray]:

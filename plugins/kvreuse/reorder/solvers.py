@@ -67,7 +67,8 @@ def solve(
     (:func:`kvreuse.reorder.tokens.sorted_neighbour_order`: numbers with common leading digits, names with a
     common first word); fields that lead a group together go first by the starts their values share
     (:func:`kvreuse.reorder.tokens.shared_start_order`), so that a group's first prompt shares the most with
-    earlier ones; it replaces GGR on characters among the candidates (one GGR run, not two).
+    earlier ones; GGR on characters stays a candidate (on some tables its groups hit more blocks). A measure
+    built for another table is a ``TableError``.
     """
     if method not in METHODS:
         raise ConfigError(f"unknown reordering method {method!r}; methods: {', '.join(METHODS)}")
@@ -85,12 +86,15 @@ def solve(
     declared = resolve_fds(fds or {}, encoded.names)
     discovered = discover_fds(encoded.codes) if config.discover_fds else {}
     fds_used = merge_fds(discovered, declared)
+    if isinstance(measure, TokenHitMeasure):
+        measure.check_table(encoded)
+    candidates: list[Ordering] = []  # GGR on tokens first: it wins ties
     if isinstance(measure, TokenHitMeasure) and measure.line_tokens is not None:
         tokens = measure.line_tokens
         neighbours = sorted_neighbour_order(encoded, tokens)
         blocks = (tokens.head_tokens, measure.block_size)
         starts = shared_start_order(encoded, tokens, neighbours)
-        ggr = ggr_order(
+        on_tokens = ggr_order(
             encoded,
             fds_used,
             config,
@@ -100,9 +104,9 @@ def solve(
             field_order=neighbours,
             lead_order=starts,
         )
-    else:
-        ggr = ggr_order(encoded, fds_used, config, lead)
+        candidates.append(on_tokens)
+    ggr = ggr_order(encoded, fds_used, config, lead)
     if measure is None:
         return ggr
-    candidates = [ggr, stats_order(encoded, lead), sorted_order(encoded, lead)]
+    candidates += [ggr, stats_order(encoded, lead), sorted_order(encoded, lead)]
     return max(candidates, key=measure)  # max keeps the first on ties

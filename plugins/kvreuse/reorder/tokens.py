@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from kvreuse.errors import TableError
 from kvreuse.reorder.measures import BlockHitStats, block_hit_stats
 from kvreuse.reorder.ordering import Ordering, prompts
 from kvreuse.reorder.stats import EncodedTable, encode_table
@@ -192,8 +193,19 @@ class TokenHitMeasure:
         self.encoded = encode_table(table)
         self.line_tokens = tokenize_lines(table, self.encoded, instruction, tokenize) if fmt == "lines" else None
 
+    def check_table(self, encoded: EncodedTable) -> None:
+        """Raise :class:`~kvreuse.errors.TableError` unless ``encoded`` is the table this measure was built for."""
+        mine = self.encoded
+        if mine.names != encoded.names or not np.array_equal(mine.codes, encoded.codes):
+            raise TableError(
+                f"the token measure was built for another table ({mine.n_rows} rows, fields "
+                f"{', '.join(mine.names)}), not this one ({encoded.n_rows} rows, fields {', '.join(encoded.names)}); "
+                "build it for this table: token_hit_measure(table, ...)"
+            )
+
     def stats(self, ordering: Ordering) -> BlockHitStats:
-        """Prompt, hit and computed tokens of sending ``ordering``."""
+        """Prompt, hit and computed tokens of sending ``ordering`` (an ordering of this measure's table)."""
+        ordering.validate(self.encoded.n_rows, self.encoded.n_cols)
         if self.line_tokens is not None:
             return order_block_hits(self.encoded, self.line_tokens, ordering, self.block_size)
         return block_hit_stats(

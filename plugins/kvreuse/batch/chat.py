@@ -1,0 +1,39 @@
+"""A row's prompt as a chat: what an instruct model needs to answer rather than continue the record.
+
+An instruct model sent a raw record (``instruction``, then ``field: value`` lines) tends to continue it
+(``"\\npick from:\\n* no\\n"``): it was trained on its chat template. So the front ends send each row's prompt as
+the user turn of a chat, after an optional system turn, rendered by the model's own template (in process) or by
+the server (``/v1/chat/completions``). The template's text before the user turn is the same for every row: a
+shared prefix, which planning counts (:attr:`kvreuse.batch.PrefixCacheModel.prefix`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvreuse.errors import ConfigError
+
+# Stands for the user's text while a template is rendered to find what it puts before it (no template or row
+# holds NUL characters and this exact text).
+_MARK = "\x00kvreuse user turn\x00"
+
+
+def chat_messages(prompt: str, system: str | None = None) -> list[dict[str, str]]:
+    """One row's chat: the system turn (if any), then the row's prompt as the user turn."""
+    user = {"role": "user", "content": prompt}
+    return [user] if system is None else [{"role": "system", "content": system}, user]
+
+
+def template_head(render: Callable[[list[dict[str, str]]], str], system: str | None = None) -> str:
+    """The text ``render`` (a chat template, with the generation prompt) puts before every user turn; ``""`` where
+    the template does not write the user's text verbatim (then planning counts the rows' own text alone)."""
+    rendered = render(chat_messages(_MARK, system))
+    head, found, _ = rendered.partition(_MARK)
+    return head if found else ""
+
+
+def check_system(system: object) -> str | None:
+    """A system prompt as given: ``None`` or a non-empty string."""
+    if system is not None and (not isinstance(system, str) or not system.strip()):
+        raise ConfigError(f"a system prompt must be non-empty text, not {system!r}")
+    return system
