@@ -189,8 +189,17 @@ def supervise(tmp_path: Path, mode: str, ready_url: str | None = None) -> tuple[
 
 
 def gone(processes: list[psutil.Process], timeout: float = 10) -> bool:
+    """Whether every process has exited within ``timeout``. A zombie has exited: a process whose parent was killed
+    with it is reparented to the machine's init, which reaps it when it will (a container's may not at all)."""
     _, alive = psutil.wait_procs(processes, timeout=timeout)
-    return not alive
+    return all(_exited(process) for process in alive)
+
+
+def _exited(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
