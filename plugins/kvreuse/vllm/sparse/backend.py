@@ -151,30 +151,31 @@ def page_sketch(kv_cache: torch.Tensor, head_size: int) -> KeySketch:
     """The key sketch kept in the padding rows after each block's tokens: codes ``[num_blocks, block_size,
     num_kv_heads, head_size]`` int8, then scales ``[num_blocks, block_size, num_kv_heads]`` fp32.
 
-    ``kv_cache`` is vLLM's per-layer ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` view of an LBNHC
-    cache whose pages ``customize_spec`` padded: token ``n`` of a page starts ``n * stride(2)`` elements into it,
-    so the padding starts at row ``block_size``. The views reinterpret those bytes (no copy).
+    ``kv_cache`` is vLLM's per-layer ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` view of a cache
+    whose pages ``customize_spec`` padded, in either layout the backend uses: LBNHC (token rows of every head's
+    K|V) or CPU_ATTN's LBHNC (per KV head a key tile then a value tile). Either way a block's K and V are its page's
+    first ``block_size * num_kv_heads * 2 * head_size`` elements, and the padding starts after them. The views
+    reinterpret those bytes (no copy).
     """
     num_blocks, num_kv_heads, block_size, width = kv_cache.shape
     block_stride, head_stride, token_stride, channel_stride = kv_cache.stride()
     element = kv_cache.element_size()
     codes_bytes = block_size * num_kv_heads * head_size
+    kv_span = block_size * num_kv_heads * width  # elements of a block's K and V
     if (
         width != 2 * head_size
         or channel_stride != 1
-        or head_stride != width
-        or token_stride != num_kv_heads * width
-        or block_stride * element
-        < block_size * token_stride * element + sketch_bytes(block_size, num_kv_heads, head_size)
+        or (head_stride, token_stride) not in ((width, num_kv_heads * width), (block_size * width, width))
+        or block_stride * element < kv_span * element + sketch_bytes(block_size, num_kv_heads, head_size)
         or (block_stride * element) % 4
-        or (kv_cache.storage_offset() + block_size * token_stride) * element % 4
+        or (kv_cache.storage_offset() + kv_span) * element % 4
     ):
         raise ConfigError(
             f"the kvreuse sparse attention backend keeps its key sketch in padding rows after each KV page, but "
             f"this KV cache view (shape {list(kv_cache.shape)}, strides {list(kv_cache.stride())}) has no such "
-            f"rows: vLLM did not use the backend's page size (a hybrid model, or another layout than LBNHC)"
+            f"rows: vLLM did not use the backend's page size (a hybrid model, or another layout than LBNHC/LBHNC)"
         )
-    start = (kv_cache.storage_offset() + block_size * token_stride) * element  # bytes
+    start = (kv_cache.storage_offset() + kv_span) * element  # bytes
     page = block_stride * element
     storage = kv_cache.untyped_storage()
     codes = torch.empty(0, dtype=torch.int8, device=kv_cache.device).set_(storage)
