@@ -86,6 +86,12 @@ class SparseConfig:
     sample_recovery: int = config.setting(
         0, "every this many decode steps, measure the share of dense attention mass kept (0 = never)", low=0
     )
+    engine_kernel: bool = config.setting(
+        True,
+        "vLLM's CPU build: exact attention by vLLM's own CPU attention ops on CPU_ATTN's KV layout, DIPR choosing "
+        "the blocks each KV head reads (false: kvreuse's own PyTorch attention on the plain layout; read at start; "
+        "with the module cache's connector always false)",
+    )
 
     def __post_init__(self) -> None:
         self.layer_beta_overrides  # noqa: B018 (parsed, hence checked, at construction)
