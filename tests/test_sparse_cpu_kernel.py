@@ -224,3 +224,31 @@ def test_prune_block_table_lists_each_heads_read_blocks_in_order_and_counts_thei
     assert pruned.seq_lens.tolist() == [[88, 70], [32, 6]]
     assert pruned.kept.tolist() == [[3, 3], [1, 1]]
     assert pruned.block_table.dtype == torch.int32 and pruned.block_table.is_contiguous()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_prune_block_table_equals_a_row_by_row_construction_on_random_reads(seed):
+    g = torch.Generator().manual_seed(seed)
+    n, kv, width, block = 5, 3, 9, 16
+    lens = torch.randint(1, width * block + 1, (n,), generator=g)
+    table = torch.randint(0, 1000, (n, width), generator=g, dtype=torch.int32)
+    read = torch.rand(n, kv, width, generator=g) < 0.4
+    read &= torch.arange(width)[None, None, :] < ((lens + block - 1) // block)[:, None, None]
+    pruned = prune_block_table(read, table, lens, block)
+    for i in range(n):
+        for h in range(kv):
+            kept = read[i, h].nonzero().flatten()
+            assert pruned.block_table[h, i, : len(kept)].tolist() == table[i, kept].tolist()
+            tokens = sum(min(block, int(lens[i]) - int(b) * block) for b in kept)
+            assert int(pruned.seq_lens[h, i]) == tokens and int(pruned.kept[h, i]) == len(kept)
+            assert bool((pruned.block_table[h, i, len(kept) :] == table[i, 0]).all())
+
+
+def test_a_layout_with_kv_heads_inside_token_rows_prunes_the_union_of_the_heads_blocks():
+    """FlashAttention's and FlashInfer's paged layouts (a block's token rows hold every KV head) can skip a block
+    only for all heads: the GPU path's table is ``prune_block_table`` of the union, one table per sequence."""
+    table = torch.tensor([[4, 5, 6, 7]], dtype=torch.int32)
+    read = torch.tensor([[[True, False, False, True], [False, False, True, True]]])  # [1 sequence, 2 KV heads, 4]
+    pruned = prune_block_table(read.any(1, keepdim=True), table, torch.tensor([100]), 32)
+    assert pruned.block_table.shape == (1, 1, 4) and pruned.block_table[0, 0, :3].tolist() == [4, 6, 7]
+    assert pruned.seq_lens.tolist() == [[68]]  # two full blocks and the last block's 4 tokens
