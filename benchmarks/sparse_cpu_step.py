@@ -9,7 +9,9 @@ every layer writes the token's key and value and attends:
   ``[num_blocks, kv_heads, block_size, head_dim]`` per K and V;
 - ``sparse beta=X``: ``SparseAttention.write`` and ``attend`` on the backend's padded pages (``[num_blocks,
   block_size + sketch rows, kv_heads, K|V]``, the key sketch in the padding rows), with beta ``X`` in every layer
-  but the first (the default policy).
+  but the first (the default policy);
+- ``filter beta=X``: the same on CPU_ATTN's pages (the key sketch in their padding), every exact attention through
+  vLLM's op and DIPR only choosing each KV head's blocks (``sparse.engine_kernel``, the CPU default).
 
 The keys are the real ones of ``tests/data/smollm2_keys.pt`` (SmolLM2's layers 4 and 20 on a 1K-token retrieval
 prompt, alternated over the layers and repeated along the context), the query the last decode query of the same

@@ -30,7 +30,8 @@ that a run cut short can be completed by another. ``--stock-only`` runs the stoc
 that runs with ``--stock-cases`` get their agreement with stock afterwards: ``--combine`` joins the records of one
 case (length and index) from several runs, and where the stock engine and the sparse arms ran in different runs,
 agreement is that of the completion texts (16 tokens that decode to the same text; within one run the token ids are
-compared). Timings are ratios taken side by side, but still noisy.
+compared). Timings are ratios taken side by side, but still noisy. ``--betas inf,4`` chooses the sparse arms,
+``--model`` another build of the model, ``--sparse '{"engine_kernel": false}'`` kvreuse's own CPU attention.
 """
 
 from __future__ import annotations
