@@ -9,7 +9,9 @@ every layer writes the token's key and value and attends:
   ``[num_blocks, kv_heads, block_size, head_dim]`` per K and V;
 - ``sparse beta=X``: ``SparseAttention.write`` and ``attend`` on the backend's padded pages (``[num_blocks,
   block_size + sketch rows, kv_heads, K|V]``, the key sketch in the padding rows), with beta ``X`` in every layer
-  but the first (the default policy).
+  but the first (the default policy);
+- ``filter beta=X``: the same on CPU_ATTN's pages (the key sketch in their padding), every exact attention through
+  vLLM's op and DIPR only choosing each KV head's blocks (``sparse.engine_kernel``, the CPU default).
 
 The keys are the real ones of ``tests/data/smollm2_keys.pt`` (SmolLM2's layers 4 and 20 on a 1K-token retrieval
 prompt, alternated over the layers and repeated along the context), the query the last decode query of the same
@@ -97,6 +99,34 @@ class Sparse:
             self.attention.attend(layer, queries[layer][None], key_cache, value_cache, sketch, batch, out)
 
 
+class Filter(Sparse):
+    """The sparse backend on vLLM's CPU_ATTN layout (``KVREUSE_SPARSE_CPU_BACKEND=1`` without the module cache):
+    LBHNC pages with the key sketch in their padding, every exact attention through vLLM's op, DIPR choosing each
+    KV head's blocks (``SparseAttention(paged_kernel=CPUAttentionKernel(...))``)."""
+
+    def __init__(self, keys, values, length: int, beta: float):
+        from kvreuse.vllm.sparse.backend import page_sketch, sketch_bytes
+        from kvreuse.vllm.sparse.cpu_kernel import CPUAttentionKernel
+
+        self.blocks = -(-(length + 1) // BLOCK) + 1
+        kernel = CPUAttentionKernel(torch.float32, BLOCK, DIM, DIM**-0.5)
+        self.attention = SparseAttention(
+            Q_HEADS, KV_HEADS, DIM, BLOCK, DIM**-0.5, SparseConfig(beta=beta, min_context=0), paged_kernel=kernel
+        )
+        self.layers = []
+        prefill = torch.arange(length, dtype=torch.int64)
+        kv_elements = KV_HEADS * BLOCK * 2 * DIM
+        pad = -(-sketch_bytes(BLOCK, KV_HEADS, DIM) // 4)
+        for k, v in zip(keys, values):
+            pages = torch.zeros(self.blocks, kv_elements + pad)
+            kv_cache = pages[:, :kv_elements].view(self.blocks, KV_HEADS, BLOCK, 2 * DIM)
+            key_cache, value_cache = kv_cache.view(self.blocks, KV_HEADS, 2 * BLOCK, DIM).chunk(2, dim=2)
+            sketch = page_sketch(kv_cache, DIM)
+            self.attention.write(k[:length], v[:length], key_cache, value_cache, sketch, prefill)
+            self.layers.append((key_cache, value_cache, sketch))
+        self.block_table = torch.arange(self.blocks, dtype=torch.int32)[None]
+
+
 class Stock:
     """vLLM's CPU_ATTN side: its cache layout and ops, called as ``CPUAttentionBackendImpl`` calls them."""
 
@@ -137,7 +167,11 @@ class Stock:
 def measure(length: int, steps: int, profile: bool) -> dict:
     keys, values, queries = real_kv(length)
     stock = Stock(keys, values, length)
-    sides = {"stock": stock, **{f"beta={b:g}": Sparse(keys, values, length, b) for b in BETAS}}
+    sides = {
+        "stock": stock,
+        **{f"beta={b:g}": Sparse(keys, values, length, b) for b in BETAS},
+        **{f"filter beta={b:g}": Filter(keys, values, length, b) for b in BETAS},
+    }
     times: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(2):  # warm-up
         for side in sides.values():
@@ -157,7 +191,7 @@ def measure(length: int, steps: int, profile: bool) -> dict:
             read = sum(r["blocks_read"] for r in rows) / max(1, sum(r["blocks_total"] for r in rows))
             row[f"{name}_blocks"] = read
     if profile:
-        for name in ("beta=inf", "beta=4"):
+        for name in ("beta=inf", "beta=4", "filter beta=inf", "filter beta=4"):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 for _ in range(3):
                     sides[name].step(length, keys, values, queries)
@@ -177,7 +211,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = [measure(int(n), args.steps, args.profile) for n in args.lengths.split(",")]
-    names = [f"beta={b:g}" for b in BETAS]
+    names = [f"{side}beta={b:g}" for side in ("", "filter ") for b in BETAS]
     print("| context | stock ms/step | " + " | ".join(f"{n} / stock (blocks read)" for n in names) + " |")
     print("|---:|---:|" + "---:|" * len(names))
     for r in rows:

@@ -30,7 +30,8 @@ that a run cut short can be completed by another. ``--stock-only`` runs the stoc
 that runs with ``--stock-cases`` get their agreement with stock afterwards: ``--combine`` joins the records of one
 case (length and index) from several runs, and where the stock engine and the sparse arms ran in different runs,
 agreement is that of the completion texts (16 tokens that decode to the same text; within one run the token ids are
-compared). Timings are ratios taken side by side, but still noisy.
+compared). Timings are ratios taken side by side, but still noisy. ``--betas inf,4`` chooses the sparse arms,
+``--model`` another build of the model, ``--sparse '{"engine_kernel": false}'`` kvreuse's own CPU attention.
 """
 
 from __future__ import annotations
@@ -105,13 +106,15 @@ def run(
     timed: int = TIMED,
     start_at: dict[int, int] | None = None,
     stock_only: bool = False,
+    betas: list[float] = BETAS,
+    model: Path = MODEL,
 ) -> dict:
     from vllm import LLM, SamplingParams
 
     from kvreuse.localmodel import local_engine_args
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc sends the closures above
-    args = local_engine_args(MODEL, max_model_len=8192, kv_cache_memory_bytes=KV_CACHE_BYTES)
+    args = local_engine_args(model, max_model_len=8192, kv_cache_memory_bytes=KV_CACHE_BYTES)
     stock = LLM(**args) if stock_cases != 0 else None
     os.environ["KVREUSE_SPARSE_CPU_BACKEND"] = "1"  # read by the sparse engine's processes when they start
     sparse = LLM(**args) if not stock_only else None
@@ -134,7 +137,7 @@ def run(
                 alone = start < first + timed_here
                 group = cases[start : start + (1 if alone else size)]
                 with_stock = stock_cases is None or start < stock_cases
-                run_group(group, stock if with_stock else None, sparse, sampling, settings, result, alone)
+                run_group(group, stock if with_stock else None, sparse, sampling, settings, result, alone, betas)
                 partial.write_text(json.dumps(result, indent=1))  # a long run can be read while it goes
             print(f"{length} tokens: {len(cases)} cases in {time.time() - started:.0f} s", flush=True)
     finally:
@@ -144,7 +147,16 @@ def run(
     return result
 
 
-def run_group(cases: list[RetrievalCase], stock, sparse, sampling, settings: dict, result: dict, timed: bool) -> None:
+def run_group(
+    cases: list[RetrievalCase],
+    stock,
+    sparse,
+    sampling,
+    settings: dict,
+    result: dict,
+    timed: bool,
+    betas: list[float] = BETAS,
+) -> None:
     """The cases through the stock engine (unless ``stock`` is None), then through the sparse one once per beta
     (unless ``sparse`` is None), each engine given them all at once. A case alone is timed; for a group, only
     answers and figures count (the requests share the steps)."""
@@ -173,7 +185,7 @@ def run_group(cases: list[RetrievalCase], stock, sparse, sampling, settings: dic
                 "prefill_s": prefill,
                 "decode_s": decode,
             }
-    for i, beta in enumerate(BETAS if sparse is not None else []):
+    for i, beta in enumerate(betas if sparse is not None else []):
         arm = f"beta={beta:g}"
         sparse.collective_rpc(_configure(beta, settings))
         outs = sparse.generate([c.prompt for c in cases], sampling, use_tqdm=False)
@@ -356,6 +368,8 @@ def main() -> None:
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--name", default="sparse_qa")
     parser.add_argument("--sparse", default="{}", help="sparse settings besides beta, e.g. '{\"min_context\": 0}'")
+    parser.add_argument("--betas", default=",".join(f"{b:g}" for b in BETAS), help="the sparse engine's arms")
+    parser.add_argument("--model", type=Path, default=MODEL, help="the model folder (default: build/models/smollm2)")
     parser.add_argument(
         "--stock-cases", type=int, help="run the stock engine on the first N cases of each length only (N >= 6)"
     )
@@ -387,7 +401,11 @@ def main() -> None:
         partial = RESULTS / f"{args.name}.tmp"
         start_at = {int(n): int(i) for n, i in (item.split(":") for item in args.start_at.split(",") if item)}
         settings = json.loads(args.sparse)
-        records = run(lengths, per_length, settings, partial, args.stock_cases, args.timed, start_at, args.stock_only)
+        betas = [float(b) for b in args.betas.split(",")]
+        records = run(
+            lengths, per_length, settings, partial, args.stock_cases, args.timed, start_at, args.stock_only, betas,
+            args.model,
+        )  # fmt: skip
     rows = summarise(records)
     print(format_table(rows))
     (RESULTS / f"{args.name}.json").write_text(json.dumps({"rows": rows, **records}, indent=1))

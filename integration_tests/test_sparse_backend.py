@@ -2,10 +2,11 @@
 
 Two engines: the stock one (CPU_ATTN) answers first and is stopped, then one with the sparse backend, DIPR in every
 layer (``dense_layers = 0``, ``min_context = 0``), which is reconfigured between tests through ``collective_rpc``
-(``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` lets it send a function). The second also runs the figures' connector
-``KVReuseSparseFigures``, which takes the figures into vLLM's metrics and must change no answer, and has
-``TRITON_INTERPRET=1``, so that one test can switch its worker to the Triton path a GPU runs (the cache write,
-key sketch, paged causal and DIPR kernels, in Triton's interpreter) on vLLM's own tensors and metadata.
+(``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` lets it send a function). The backend runs as it does by default on vLLM's
+CPU build: CPU_ATTN's KV layout and vLLM's own attention ops, DIPR choosing the blocks each KV head reads
+(``sparse.engine_kernel``); ``test_sparse_backend_own_kernels.py`` runs kvreuse's own kernels on the plain layout.
+The engine also runs the figures' connector ``KVReuseSparseFigures``, which takes the figures into vLLM's metrics
+and must change no answer.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from greedy import LOGPROBS, assert_decided, assert_same_greedy_path
+from greedy import LOGPROBS, assert_same_greedy_path
 from real_engine import start_llm, stop_llm
 
 pytestmark = pytest.mark.engine
@@ -37,16 +38,14 @@ def greedy(llm, prompts, max_tokens=MAX_TOKENS):
     return [o.outputs[0] for o in outs], [len(o.prompt_token_ids) for o in outs]
 
 
-def _configure(flags, kernels=None):
-    """A function for ``collective_rpc``: new sparse settings, empty figures, and the Triton kernels on or off
-    (``None``: on CUDA tensors only, i.e. off here) in the worker."""
+def _configure(flags):
+    """A function for ``collective_rpc``: new sparse settings and empty figures in the worker."""
 
     def call(worker):
         from kvreuse.vllm import runtime
 
         runtime.configure_sparse(flags)
         runtime.reset_sparse_figures()
-        runtime.sparse_attention().kernels = kernels
 
     return call
 
@@ -85,9 +84,10 @@ def _kv_layout(worker):
     )
     kv_cache = layer.kv_cache
     key_cache, _, sketch = layer.impl._views[1]
+    keys = layer.impl.attention.paged_kernel.plain_keys(key_cache)  # CPU_ATTN's packed key tiles, read in place
     written = (sketch.scales > 0).all(-1).all(-1)  # blocks whose every slot holds a sketched key
     first = int(written.nonzero()[0])
-    codes, scales = sketch_reference(key_cache[first])
+    codes, scales = sketch_reference(keys[first])
     return {
         "num_blocks": kv_cache.shape[0],
         "block_stride_bytes": kv_cache.stride(0) * kv_cache.element_size(),
@@ -116,7 +116,6 @@ def sparse_llm(small_model, stock_tokens):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVREUSE_SPARSE_CPU_BACKEND", "1")
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        mp.setenv("TRITON_INTERPRET", "1")  # read when the worker first imports a kernel
         llm = start_llm(
             small_model, additional_config={"kvreuse": {"sparse": EXACT}}, kv_transfer_config=FIGURES_CONNECTOR
         )
@@ -146,8 +145,10 @@ def test_registration_names_the_backend_custom_and_leaves_cpu_attn_alone_without
 
 
 def test_beta_inf_in_every_layer_gives_the_stock_engines_greedy_tokens(sparse_llm, stock_tokens):
-    """The stock engine (CPU_ATTN) is the reference; the backend attends with other operations (the PyTorch
-    references), so its logits differ by rounding: same tokens at every decided step (``greedy.py``)."""
+    """At beta = inf every attention is the stock kernel's call on the stock layout. Not bit for bit the stock
+    engine's generations all the same: the op splits a sequence's keys over the worker's threads, and its sums
+    change in the last bits with their number (measured: 2e-7 between one and two threads), so two engines agree as
+    two implementations do: same tokens at every decided step (``greedy.py``)."""
     sparse_llm.collective_rpc(_configure(EXACT))
     outputs, prompt_lens = greedy(sparse_llm, PROMPTS)
     assert min(prompt_lens) > 100 and prompt_lens == stock_tokens[1]
@@ -165,10 +166,12 @@ def test_finite_beta_runs_and_reports_what_each_layer_attended(sparse_llm):
     rows = _figures(sparse_llm)
     assert [r["layer"] for r in rows] == [0, 1]
     for row in rows:
-        # Random weights give keys without structure: DIPR attends ~0.22-0.24 of the tokens, spread over every block,
-        # and keeps ~0.71 of the dense attention mass at beta = 2.
+        # The engine's kernel attends every token of the blocks each KV head reads: the token fraction is the block
+        # fraction but for the sequences' partly filled last blocks (always read). The sampled recovery is that of
+        # the Triton kernel's attended set (window and tokens at or above tau: ~0.71 of the dense mass at beta = 2
+        # on random weights' keys), a lower bound on the filter's.
         assert 0.0 < row["block_fraction"] <= 1.0
-        assert 0.0 < row["token_fraction"] < 0.5
+        assert row["block_fraction"] - 0.05 < row["token_fraction"] <= row["block_fraction"]
         assert row["samples"] > 0 and 0.0 < row["recovery_min"] <= row["recovery_mean"] <= 1.0
 
 
@@ -208,33 +211,6 @@ def test_the_figures_and_decode_counts_reach_llm_get_metrics_per_layer_through_t
         assert grown("recovery_samples", layer) == row["samples"] > 0
         assert grown("recovery_kept_ppm", layer) / 1e6 / row["samples"] == pytest.approx(row["recovery_mean"], rel=1e-5)
         assert grown("dipr_decodes", layer) == row["dipr_decodes"] == 7  # 8 tokens: the first comes from prefill
-
-
-def test_the_triton_path_in_the_engine_gives_the_pytorch_paths_tokens_and_figures(sparse_llm):
-    """The kernels a GPU runs, fed by the real engine: the greedy tokens and attended fractions of the CPU path (the
-    reference), at a finite beta with DIPR in every layer. (Random weights; about 20 s in the interpreter.) The
-    kernels sum in other orders than the PyTorch references: tokens agree at every decided step (``greedy.py``); the
-    fractions agree but for DIPR decisions within rounding of their threshold, which may flip
-    (``tests/numerics.py``, rule 2): a logit moves by ~1e-5 at most, and with logits spread over several units a
-    flip touches well under 1e-3 of the decisions, the tolerance on token_fraction."""
-    prompts = [PROMPTS[1], LONG_PROMPT[:900]]
-    flags = {**EXACT, "beta": 2.0}
-    results = {}
-    for kernels in (False, True):
-        sparse_llm.collective_rpc(_configure(flags, kernels))
-        sparse_llm.reset_prefix_cache()
-        results[kernels] = (greedy(sparse_llm, prompts, max_tokens=6), _figures(sparse_llm))
-    sparse_llm.collective_rpc(_configure(EXACT))
-    (outputs, prompt_lens), rows = results[True]
-    (references, reference_lens), _ = results[False]
-    assert min(prompt_lens) > 200 and prompt_lens == reference_lens
-    for i, (reference, ours) in enumerate(zip(references, outputs)):
-        assert_decided(reference, f"prompt {i}")  # so the two generate the same queries, which the fractions count
-        assert assert_same_greedy_path(reference, ours, f"prompt {i}") == 6
-    assert [r["layer"] for r in rows] == [0, 1]
-    for ours, theirs in zip(rows, results[False][1]):
-        assert ours["block_fraction"] == pytest.approx(theirs["block_fraction"])
-        assert ours["token_fraction"] == pytest.approx(theirs["token_fraction"], abs=1e-3)
 
 
 def _poison_kv_cache(worker):

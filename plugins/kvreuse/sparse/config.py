@@ -92,6 +92,12 @@ class SparseConfig:
         low=0,
         high=config.MAX_TOKENS,
     )
+    engine_kernel: bool = config.setting(
+        True,
+        "vLLM's CPU build: exact attention by vLLM's own CPU attention ops on CPU_ATTN's KV layout, DIPR choosing "
+        "the blocks each KV head reads (false: kvreuse's own PyTorch attention on the plain layout; read at start; "
+        "with the module cache's connector always false)",
+    )
 
     def __post_init__(self) -> None:
         self.layer_beta_overrides  # noqa: B018 (parsed, hence checked, at construction)

@@ -143,8 +143,6 @@ def store_and_sketch(
     """``store_kv_reference`` then ``sketch_written_reference`` (``kvreuse.kernels``), in one pass: the tokens with
     a non-negative slot are stored, and their keys, as stored (in the cache's dtype), sketched from the step's
     tensor instead of read back from the cache."""
-    from kvreuse.kernels.key_sketch import sketch_reference
-
     n = min(len(slot_mapping), len(key))
     slots = slot_mapping[:n].long()
     valid = slots >= 0
@@ -159,6 +157,25 @@ def store_and_sketch(
     stored = key.to(key_cache.dtype)
     key_cache[blocks, offsets] = stored
     value_cache[blocks, offsets] = value.to(value_cache.dtype)
+    _sketch_at(stored, sketch, blocks, offsets)
+
+
+def write_sketch(stored: torch.Tensor, sketch: KeySketch, slot_mapping: torch.Tensor, block_size: int) -> None:
+    """Sketch the keys ``stored[tokens, kv_heads, d]`` (as the cache holds them, in its dtype) into ``sketch`` at
+    ``slot_mapping`` (negative: skip): the sketch write that goes with an engine's own cache write."""
+    n = min(len(slot_mapping), len(stored))
+    slots = slot_mapping[:n].long()
+    valid = slots >= 0
+    if len(slots) and bool(valid.all()):
+        _sketch_at(stored[:n], sketch, slots // block_size, slots % block_size)
+    elif bool(valid.any()):
+        slots = slots[valid]
+        _sketch_at(stored[:n][valid], sketch, slots // block_size, slots % block_size)
+
+
+def _sketch_at(stored: torch.Tensor, sketch: KeySketch, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
+    from kvreuse.kernels.key_sketch import sketch_reference
+
     codes, scales = sketch_reference(stored)
     sketch.codes[blocks, offsets] = codes
     sketch.scales[blocks, offsets] = scales
@@ -310,6 +327,45 @@ def sketch_estimates(
     return (estimate + (half - margin)) * scales, (estimate - (half + margin)) * scales, 2 * margin * scales
 
 
+def dipr_read_blocks(
+    q: torch.Tensor, sketch: KeySketch, blocks: torch.Tensor, seq_len: int, beta: float, sink: int, local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks DIPR reads for the scaled query ``q[kv, g, d]`` over a sequence of ``seq_len`` tokens in
+    ``blocks`` (its first ``ceil(seq_len / block_size)`` block ids, int64), decided from the key sketch alone:
+    ``(read[kv, n_blocks] bool, tau[kv, g, 1])``, the kernel's decisions (see ``dipr_decode``).
+
+    ``tau = max_j L_j - beta``; a block is read by a KV head if it holds a window token or a key whose upper bound
+    ``U_j`` reaches ``tau`` for one of the head's queries. Every bound is first bracketed by ``sketch_estimates``
+    within a width ``w_j``; the few decisions the brackets leave open are taken on the bounds as the reference
+    computes them (``sketch_bounds_at``). No key is read: this is the filter a paged attention kernel can run
+    behind (``kvreuse.sparse.pruned``), and every key whose logit is within ``beta`` of the largest lies in a read
+    block of its KV head."""
+    kv, group = q.shape[0], q.shape[1]
+    block_size = sketch.codes.shape[1]
+    n_blocks = len(blocks)
+    upper, lower, width = sketch_estimates(q, sketch, blocks)  # [kv, g, n]
+    upper[..., seq_len:] = lower[..., seq_len:] = NEG_INF  # the last block's slots past the sequence: anything
+    width[..., seq_len:] = 0.0  # (their sketch may be a NaN a freed block kept)
+    width = width.amax(-1, keepdim=True)  # [kv, g, 1]: the widest bracket, which settles as much as each token's
+    # tau: the largest lower bound, attained among the tokens whose estimated lower bound may be the largest
+    near = lower >= lower.amax(-1, keepdim=True) - width
+    at = near.any(1).any(0).nonzero().flatten()
+    tau = sketch_bounds_at(q, sketch, blocks, at)[1].masked_fill_(~near[..., at], NEG_INF).amax(-1, keepdim=True)
+    tau = tau - beta  # [kv, g, 1]
+    # blocks read: an upper bound that reaches tau; a block whose estimates leave it open (its largest upper - tau
+    # within the widest bracket below 0) is decided on the bounds of its tokens
+    reach = (upper - tau).view(kv, group, n_blocks, block_size).amax(-1).amax(1)  # [kv, n_blocks]
+    read = reach >= 0
+    open_ = (reach + width.amax(1) >= 0) & ~read
+    undecided = open_.any(0).nonzero().flatten()
+    if len(undecided):
+        at = (undecided[:, None] * block_size + torch.arange(block_size)).flatten()
+        hit = (sketch_bounds_at(q, sketch, blocks, at)[0] >= tau).any(1) & (at < seq_len)  # [kv, len(at)]
+        read[:, undecided] |= hit.view(kv, len(undecided), block_size).any(-1) & open_[:, undecided]
+    read[:, window_positions(seq_len, sink, local) // block_size] = True
+    return read, tau
+
+
 def dipr_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -346,26 +402,7 @@ def dipr_decode(
         return DecodeResult(
             out, torch.full((kv,), n_blocks, dtype=torch.int64), torch.full((kv * group,), seq_len, dtype=torch.int64)
         )
-    upper, lower, width = sketch_estimates(q, sketch, blocks)  # [kv, g, n]
-    upper[..., seq_len:] = lower[..., seq_len:] = NEG_INF  # the last block's slots past the sequence: anything
-    width[..., seq_len:] = 0.0  # (their sketch may be a NaN a freed block kept)
-    width = width.amax(-1, keepdim=True)  # [kv, g, 1]: the widest bracket, which settles as much as each token's
-    # tau: the largest lower bound, attained among the tokens whose estimated lower bound may be the largest
-    near = lower >= lower.amax(-1, keepdim=True) - width
-    at = near.any(1).any(0).nonzero().flatten()
-    tau = sketch_bounds_at(q, sketch, blocks, at)[1].masked_fill_(~near[..., at], NEG_INF).amax(-1, keepdim=True)
-    tau = tau - beta  # [kv, g, 1]
-    # blocks read: an upper bound that reaches tau; a block whose estimates leave it open (its largest upper - tau
-    # within the widest bracket below 0) is decided on the bounds of its tokens
-    reach = (upper - tau).view(kv, group, n_blocks, block_size).amax(-1).amax(1)  # [kv, n_blocks]
-    read = reach >= 0
-    open_ = (reach + width.amax(1) >= 0) & ~read
-    undecided = open_.any(0).nonzero().flatten()
-    if len(undecided):
-        at = (undecided[:, None] * block_size + torch.arange(block_size)).flatten()
-        hit = (sketch_bounds_at(q, sketch, blocks, at)[0] >= tau).any(1) & (at < seq_len)  # [kv, len(at)]
-        read[:, undecided] |= hit.view(kv, len(undecided), block_size).any(-1) & open_[:, undecided]
-    read[:, window_positions(seq_len, sink, local) // block_size] = True
+    read, tau = dipr_read_blocks(q, sketch, blocks, seq_len, beta, sink, local)
     # exact logits and values of the blocks some KV head reads
     needed = read.any(0).nonzero().flatten()
     keys, values = gather_kv(key_cache, value_cache, blocks[needed])

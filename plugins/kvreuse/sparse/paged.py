@@ -36,20 +36,61 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kvreuse.errors import ConfigError
 from kvreuse.errors import check_kernel_argument as _check
 from kvreuse.sparse import cpu_attention
 from kvreuse.sparse.ape import ApeSpans, ape_attend
 from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.figures import AttendedFractions, sample_recovery, should_sample
 from kvreuse.sparse.policy import INF, RuleBasedPolicy
+from kvreuse.sparse.pruned import prune_block_table
 
 if TYPE_CHECKING:  # the kernels' modules import Triton, which the CPU path needs only at call time
     from kvreuse.kernels.dipr_decode import DIPRCounters, DIPRDecode
     from kvreuse.kernels.key_sketch import KeySketch
+
+
+class PagedKernel(Protocol):
+    """An engine's own paged attention kernel and cache write, which ``SparseAttention`` runs behind DIPR's filter
+    (``kvreuse.vllm.sparse.cpu_kernel`` for vLLM's CPU_ATTN ops). Caches are the engine's ``[num_blocks,
+    kv_heads, block_size, head_dim]`` views (their inner layout is the kernel's own); ``key_cache[:, h : h + 1]``
+    must present KV head ``h`` alone."""
+
+    def write(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store ``key``/``value[tokens, kv_heads, head_dim]`` at ``slot_mapping`` (negative: skip)."""
+
+    def schedule(
+        self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int
+    ) -> object:
+        """The kernel's plan for one call over a batch (int32 ``query_start_loc[n + 1]``, ``seq_lens[n]``)."""
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        out: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        schedule: object,
+    ) -> None:
+        """Causal attention of ``query[tokens, heads, head_dim]`` over the first ``seq_lens[i]`` slots of each
+        sequence's ``block_table[i]`` blocks (int32) into ``out`` (contiguous)."""
+
+    def plain_keys(self, key_cache: torch.Tensor) -> torch.Tensor:
+        """``key_cache`` as a ``[num_blocks, block_size, kv_heads, head_dim]`` view (for sampled recovery)."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +208,8 @@ class SparseAttention:
 
     ``configure`` swaps the settings between steps (e.g. to sweep beta on one engine); ``figures`` accumulates the
     attended fractions per layer. ``kernels``: run the Triton kernels (``None``: on CUDA tensors only).
+    ``paged_kernel``: the engine's own kernel and cache write, which then do all exact attention over the engine's
+    cache layout, DIPR being a filter in front (``_attend_filtered``); ``kernels`` is then not used.
     """
 
     def __init__(
@@ -179,6 +222,7 @@ class SparseAttention:
         config: SparseConfig | None = None,
         *,
         kernels: bool | None = None,
+        paged_kernel: PagedKernel | None = None,
     ):
         _check(
             num_kv_heads >= 1 and num_q_heads % num_kv_heads == 0,
@@ -192,6 +236,10 @@ class SparseAttention:
         )
         self.scale = float(scale)
         self.kernels = kernels
+        # Where set, the engine's own kernel computes every exact attention over the engine's cache layout, and
+        # DIPR only decides which blocks each decode's KV heads read (``_attend_filtered``).
+        self.paged_kernel = paged_kernel
+        self._schedule: tuple[PagedBatch, object] | None = None  # the kernel's plan of the current step's batch
         self.log = logging.getLogger("kvreuse.sparse")  # an adapter may hand its engine's logger instead
         self.figures = AttendedFractions()
         self._dipr_steps: dict[int, int] = {}  # DIPR decode calls per layer, for sample_recovery
@@ -230,7 +278,10 @@ class SparseAttention:
     ) -> None:
         """Store a step's keys and values and sketch the keys."""
         slots = slot_mapping[: len(key)]
-        if self._use_kernels(key_cache):
+        if self.paged_kernel is not None:
+            self.paged_kernel.write(key, value, key_cache, value_cache, slots)
+            cpu_attention.write_sketch(key.to(key_cache.dtype), sketch, slots, self.block_size)
+        elif self._use_kernels(key_cache):
             from kvreuse.kernels.key_sketch import KeySketchWrite
             from kvreuse.kernels.paged_write import PagedKVWrite
 
@@ -254,6 +305,9 @@ class SparseAttention:
         out: torch.Tensor,
     ) -> torch.Tensor:
         """Attention of every real token of ``batch`` in ``layer``, written into ``out[num_tokens, hq, d]``."""
+        if self.paged_kernel is not None:
+            self._attend_filtered(layer, query, key_cache, value_cache, sketch, batch, out, self.paged_kernel)
+            return out
         plan = self._plan(batch, self.dense_layer(layer))
         count, blocks, tokens = plan.dense_decodes
         if count:
@@ -476,3 +530,172 @@ class SparseAttention:
             sub.seq_lens.clone(),
         )
         return torch.stack([r.out for r in results]), counters
+
+    # -- DIPR as a filter in front of the engine's kernel ----------------------------------------------------------
+
+    def _attend_filtered(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        sketch: KeySketch,
+        batch: PagedBatch,
+        out: torch.Tensor,
+        kernel: PagedKernel,
+    ) -> None:
+        """``attend`` through the engine's kernel: a layer without DIPR decodes (a dense layer, beta = inf, every
+        decode under ``min_context``, prefill) is one call of the kernel over the whole batch, as the stock backend
+        makes it; otherwise the dense requests are one call and the DIPR decodes read, per KV head, only the blocks
+        the sketch keeps (``_pruned_decode``)."""
+        if batch.ape is not None or batch.query_positions is not None:
+            raise ConfigError(
+                "the engine's own attention kernel cannot mask by position or apply APE (the module cache's "
+                "recompute and APE need kvreuse's own attention path)"
+            )
+        plan = self._plan(batch, self.dense_layer(layer))
+        count, blocks, tokens = plan.dense_decodes
+        if count:
+            self.figures.add_dense(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads, count)
+        beta = self.policy.layer_beta(layer)
+        n = batch.num_actual_tokens
+        if plan.dipr is None or beta == INF:
+            if self._schedule is None or self._schedule[0] is not batch:
+                self._schedule = (
+                    batch,
+                    kernel.schedule(batch.query_start_loc, batch.seq_lens, self.num_q_heads, self.num_kv_heads),
+                )
+            kernel.attend(
+                query[:n],
+                key_cache,
+                value_cache,
+                out[:n],
+                batch.query_start_loc,
+                batch.seq_lens,
+                batch.block_table,
+                self._schedule[1],
+            )
+            if plan.dipr is not None:  # DIPR decodes at beta = inf read everything
+                self.figures.add(layer, self._full_counters(plan.dipr))
+            return
+        if plan.dense is not None:
+            self._dense_through(kernel, query, key_cache, value_cache, plan.dense, out)
+        self._pruned_decode(layer, beta, query, key_cache, value_cache, sketch, plan.dipr, out, kernel)
+
+    def _full_counters(self, sub: SubBatch) -> DIPRCounters:
+        from kvreuse.kernels.dipr_decode import DIPRCounters
+
+        blocks = (sub.seq_lens + self.block_size - 1) // self.block_size
+        return DIPRCounters(
+            blocks[:, None].expand(-1, self.num_kv_heads).to(torch.int32),
+            blocks,
+            sub.seq_lens[:, None].expand(-1, self.num_q_heads).to(torch.int32),
+            sub.seq_lens.clone(),
+        )
+
+    def _dense_through(
+        self,
+        kernel: PagedKernel,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        sub: SubBatch,
+        out: torch.Tensor,
+    ) -> None:
+        """The dense requests of a step that also has DIPR decodes: their rows gathered, one kernel call."""
+        starts, ends = sub.query_starts.tolist(), sub.query_ends.tolist()
+        rows = torch.cat([torch.arange(a, b) for a, b in zip(starts, ends)]).to(query.device)
+        lengths = torch.tensor([b - a for a, b in zip(starts, ends)], dtype=torch.int32)
+        query_start_loc = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
+        result = torch.empty((len(rows), *query.shape[1:]), dtype=query.dtype, device=query.device)
+        schedule = kernel.schedule(query_start_loc, sub.seq_lens, self.num_q_heads, self.num_kv_heads)
+        kernel.attend(
+            query.index_select(0, rows),
+            key_cache,
+            value_cache,
+            result,
+            query_start_loc,
+            sub.seq_lens,
+            sub.block_table,
+            schedule,
+        )
+        out.index_copy_(0, rows, result.to(out.dtype))
+
+    def _pruned_decode(
+        self,
+        layer: int,
+        beta: float,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        sketch: KeySketch,
+        sub: SubBatch,
+        out: torch.Tensor,
+        kernel: PagedKernel,
+    ) -> None:
+        """DIPR decodes through the engine's kernel: the sketch decides, per sequence and KV head, which blocks to
+        read (``cpu_attention.dipr_read_blocks``: window blocks and those with a key whose upper bound reaches
+        ``tau``), and the kernel attends every token of those blocks, one call per KV head on the one-head view
+        ``key_cache[:, h : h + 1]`` with that head's pruned block tables (``prune_block_table``). Every key within
+        beta of the largest logit is in a read block, so it is attended; the kernel also attends the read blocks'
+        other tokens (a superset of the Triton kernel's set, at no extra bytes read)."""
+        from kvreuse.kernels.dipr_decode import DIPRCounters
+
+        rows = sub.query_starts.long()
+        q = query.index_select(0, rows)  # [m, hq, d]
+        m, kv = len(rows), self.num_kv_heads
+        group = self.num_q_heads // kv
+        scaled = q.float().view(m, kv, group, self.head_dim) * self.scale
+        width = sub.block_table.shape[1]
+        read = torch.zeros(m, kv, width, dtype=torch.bool)
+        sink, local = self.config.sink, self.config.local
+        for i, seq_len in enumerate(sub.seq_lens.tolist()):
+            n_blocks = -(-seq_len // self.block_size)
+            blocks = sub.block_table[i, :n_blocks].long()
+            read[i, :, :n_blocks] = cpu_attention.dipr_read_blocks(
+                scaled[i], sketch, blocks, seq_len, beta, sink, local
+            )[0]
+        pruned = prune_block_table(read, sub.block_table, sub.seq_lens, self.block_size)
+        starts = torch.arange(m + 1, dtype=torch.int32)
+        result = torch.empty_like(q)
+        for h in range(kv):
+            heads = slice(h * group, (h + 1) * group)
+            head_out = torch.empty((m, group, self.head_dim), dtype=q.dtype)
+            kernel.attend(
+                q[:, heads],
+                key_cache[:, h : h + 1],
+                value_cache[:, h : h + 1],
+                head_out,
+                starts,
+                pruned.seq_lens[h],
+                pruned.block_table[h],
+                kernel.schedule(starts, pruned.seq_lens[h], group, 1),
+            )
+            result[:, heads] = head_out
+        out.index_copy_(0, rows, result.to(out.dtype))
+        step = self._dipr_steps.get(layer, 0)
+        self._dipr_steps[layer] = step + 1
+        if should_sample(step, self.config.sample_recovery):
+            self.figures.add_recovery(
+                layer,
+                sample_recovery(
+                    q.float(),
+                    kernel.plain_keys(key_cache),
+                    sketch,
+                    sub.block_table,
+                    sub.seq_lens,
+                    beta,
+                    self.scale,
+                    sink,
+                    local,
+                ),
+            )
+        self.figures.add(
+            layer,
+            DIPRCounters(
+                pruned.kept.T.to(torch.int32),
+                (sub.seq_lens + self.block_size - 1) // self.block_size,
+                pruned.seq_lens.T.repeat_interleave(group, dim=1),
+                sub.seq_lens.clone(),
+            ),
+        )

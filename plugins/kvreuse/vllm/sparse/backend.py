@@ -43,9 +43,10 @@ from kvreuse.patches import vllm_0_32
 from kvreuse.sparse.ape import ApeSpans
 from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.paged import PagedBatch, SparseAttention
-from kvreuse.vllm.names import SPARSE_CPU_SWITCH
-from kvreuse.vllm.runtime import runtime, sparse_figures
+from kvreuse.vllm.names import SPARSE_CPU_SWITCH, ConnectorName
+from kvreuse.vllm.runtime import runtime, sparse_attention, sparse_figures
 from kvreuse.vllm.settings import kvreuse_flags
+from kvreuse.vllm.sparse.cpu_kernel import CPUAttentionKernel
 
 logger = logging.getLogger("vllm.plugins.kvreuse")
 
@@ -72,6 +73,17 @@ def log_sparse_figures() -> None:
         )
 
 
+def runs_engine_kernel(vllm_config: VllmConfig, config: SparseConfig) -> bool:
+    """Whether the backend runs DIPR as a filter in front of vLLM's own CPU attention ops, on CPU_ATTN's cache
+    layout: on vLLM's CPU build with ``sparse.engine_kernel`` (the default), unless the module cache's connector is
+    on. That connector copies K|V token rows out of the plain layout and its recompute and APE need kvreuse's own
+    attention (masks by position, an APE bias), so with it the backend keeps the plain layout and its own PyTorch
+    attention (``kvreuse.sparse.cpu_attention``), as it does with ``engine_kernel`` false."""
+    transfer = vllm_config.kv_transfer_config
+    module_cache = transfer is not None and transfer.kv_connector == ConnectorName.MODULE_CACHE
+    return config.engine_kernel and vllm_0_32.device_type(vllm_config) == "cpu" and not module_cache
+
+
 def _shared_attention(num_heads: int, num_kv_heads: int, head_size: int, scale: float) -> SparseAttention:
     """The process's ``SparseAttention`` for the engine being built (see ``ProcessRuntime.sparse_attention_for``)."""
     vllm_config = vllm_0_32.current_vllm_config()
@@ -79,9 +91,18 @@ def _shared_attention(num_heads: int, num_kv_heads: int, head_size: int, scale: 
     def build() -> SparseAttention:
         config = SparseConfig.load(kvreuse_flags(vllm_config.additional_config, "sparse"))
         block_size = vllm_config.cache_config.block_size
-        attention = SparseAttention(num_heads, num_kv_heads, head_size, block_size, scale, config)
+        kernel = (
+            CPUAttentionKernel(vllm_config.model_config.dtype, block_size, head_size, scale)
+            if runs_engine_kernel(vllm_config, config)
+            else None
+        )
+        attention = SparseAttention(num_heads, num_kv_heads, head_size, block_size, scale, config, paged_kernel=kernel)
         attention.log = logger
-        logger.info("kvreuse sparse attention: %s", config)
+        logger.info(
+            "kvreuse sparse attention: %s, exact attention by %s",
+            config,
+            "vLLM's CPU attention ops" if kernel is not None else "kvreuse's own kernels",
+        )
         return attention
 
     return runtime().sparse_attention_for(vllm_config, build)
@@ -126,8 +147,13 @@ class SparseAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # Block, token, head, channel: the per-layer view [B, H, N, 2D] transposed is [B, N, H, 2D], whose key and
-        # value halves are the kernels' key_cache/value_cache[num_blocks, block_size, num_kv_heads, head_dim].
+        # vLLM asks the process that built the model's layers (and so the SparseAttention). In front of vLLM's CPU
+        # ops: CPU_ATTN's block, head, token, channel. Else block, token, head, channel: the per-layer view [B, H,
+        # N, 2D] transposed is [B, N, H, 2D], whose key and value halves are the kernels' key_cache/value_cache
+        # [num_blocks, block_size, num_kv_heads, head_dim].
+        attention = sparse_attention()
+        if attention is not None and attention.paged_kernel is not None:
+            return (KVCacheLayout.LBHNC,)
         return (KVCacheLayout.LBNHC,)
 
 
@@ -151,30 +177,31 @@ def page_sketch(kv_cache: torch.Tensor, head_size: int) -> KeySketch:
     """The key sketch kept in the padding rows after each block's tokens: codes ``[num_blocks, block_size,
     num_kv_heads, head_size]`` int8, then scales ``[num_blocks, block_size, num_kv_heads]`` fp32.
 
-    ``kv_cache`` is vLLM's per-layer ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` view of an LBNHC
-    cache whose pages ``customize_spec`` padded: token ``n`` of a page starts ``n * stride(2)`` elements into it,
-    so the padding starts at row ``block_size``. The views reinterpret those bytes (no copy).
+    ``kv_cache`` is vLLM's per-layer ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` view of a cache
+    whose pages ``customize_spec`` padded, in either layout the backend uses: LBNHC (token rows of every head's
+    K|V) or CPU_ATTN's LBHNC (per KV head a key tile then a value tile). Either way a block's K and V are its page's
+    first ``block_size * num_kv_heads * 2 * head_size`` elements, and the padding starts after them. The views
+    reinterpret those bytes (no copy).
     """
     num_blocks, num_kv_heads, block_size, width = kv_cache.shape
     block_stride, head_stride, token_stride, channel_stride = kv_cache.stride()
     element = kv_cache.element_size()
     codes_bytes = block_size * num_kv_heads * head_size
+    kv_span = block_size * num_kv_heads * width  # elements of a block's K and V
     if (
         width != 2 * head_size
         or channel_stride != 1
-        or head_stride != width
-        or token_stride != num_kv_heads * width
-        or block_stride * element
-        < block_size * token_stride * element + sketch_bytes(block_size, num_kv_heads, head_size)
+        or (head_stride, token_stride) not in ((width, num_kv_heads * width), (block_size * width, width))
+        or block_stride * element < kv_span * element + sketch_bytes(block_size, num_kv_heads, head_size)
         or (block_stride * element) % 4
-        or (kv_cache.storage_offset() + block_size * token_stride) * element % 4
+        or (kv_cache.storage_offset() + kv_span) * element % 4
     ):
         raise ConfigError(
             f"the kvreuse sparse attention backend keeps its key sketch in padding rows after each KV page, but "
             f"this KV cache view (shape {list(kv_cache.shape)}, strides {list(kv_cache.stride())}) has no such "
-            f"rows: vLLM did not use the backend's page size (a hybrid model, or another layout than LBNHC)"
+            f"rows: vLLM did not use the backend's page size (a hybrid model, or another layout than LBNHC/LBHNC)"
         )
-    start = (kv_cache.storage_offset() + block_size * token_stride) * element  # bytes
+    start = (kv_cache.storage_offset() + kv_span) * element  # bytes
     page = block_stride * element
     storage = kv_cache.untyped_storage()
     codes = torch.empty(0, dtype=torch.int8, device=kv_cache.device).set_(storage)
@@ -291,8 +318,19 @@ class SparseAttentionImpl(AttentionImpl[SparseAttentionMetadata]):
         the keys it stores, so the sketch needs no setting up."""
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride())
         if self._views is None or self._views[0] != key:
-            key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-            self.attention.block_size = key_cache.shape[1]  # the kernel block size vLLM chose (a multiple of 16)
+            num_blocks, num_kv_heads, block_size, width = kv_cache.shape
+            if self.attention.paged_kernel is not None:
+                if kv_cache.stride(1) != block_size * width:
+                    raise ConfigError(
+                        f"the kvreuse sparse attention backend runs vLLM's CPU attention ops, which need the LBHNC "
+                        f"KV cache layout, but vLLM gave this layer strides {list(kv_cache.stride())} (another "
+                        f"layout was requested, e.g. VLLM_KV_CACHE_LAYOUT)"
+                    )
+                # CPU_ATTN's view: per block and KV head a key tile then a value tile, [heads, tokens] each
+                key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+            else:
+                key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+            self.attention.block_size = block_size  # the kernel block size vLLM chose (a multiple of 16)
             self._views = (key, (key_cache, value_cache, page_sketch(kv_cache, self.head_size)))
         return self._views[1]
 

@@ -1,0 +1,266 @@
+"""DIPR as a filter in front of vLLM's own CPU attention ops (``kvreuse.vllm.sparse.cpu_kernel``), without an engine.
+
+The caches are CPU_ATTN's (LBHNC pages: per block and KV head a packed key tile, then a value tile) with the key
+sketch in each page's padding, as the backend lays them out on vLLM's CPU build; the kernel is vLLM's C++ op.
+Shapes: head_dim 64, 6 query heads on 3 KV heads, block size 32 (CPU_ATTN's "vec" variant on this machine).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvreuse.sparse.config import SparseConfig
+from kvreuse.sparse.cpu_attention import dipr_read_blocks
+from kvreuse.sparse.paged import PagedBatch, SparseAttention
+from kvreuse.sparse.pruned import prune_block_table
+from kvreuse.vllm.sparse.backend import page_sketch, sketch_bytes
+from kvreuse.vllm.sparse.cpu_kernel import CPUAttentionKernel
+
+BLOCK, KV_HEADS, Q_HEADS, DIM, POOL = 32, 3, 6, 64, 48
+GROUP = Q_HEADS // KV_HEADS
+SCALE = DIM**-0.5
+
+
+def stock_caches(fill: float = 0.0):
+    """CPU_ATTN's per-layer view of padded pages, its key and value caches and the sketch in the padding."""
+    kv_elements = KV_HEADS * BLOCK * 2 * DIM
+    pad = -(-sketch_bytes(BLOCK, KV_HEADS, DIM) // 4)
+    pages = torch.full((POOL, kv_elements + pad), fill)
+    kv_cache = pages[:, :kv_elements].view(POOL, KV_HEADS, BLOCK, 2 * DIM)
+    key_cache, value_cache = kv_cache.view(POOL, KV_HEADS, 2 * BLOCK, DIM).chunk(2, dim=2)
+    return key_cache, value_cache, page_sketch(kv_cache, DIM)
+
+
+def kernel() -> CPUAttentionKernel:
+    return CPUAttentionKernel(torch.float32, BLOCK, DIM, SCALE)
+
+
+def test_vllm_picks_the_vec_variant_whose_key_tiles_kvreuse_knows():
+    assert kernel().isa == "vec"  # the other tests read keys through plain_keys, which knows this variant
+
+
+def test_the_op_stores_each_key_where_plain_keys_reads_it_and_values_in_plain_rows():
+    key_cache, value_cache, _ = stock_caches()
+    g = torch.Generator().manual_seed(0)
+    slots = torch.randperm(POOL * BLOCK, generator=g)[:100]
+    k, v = torch.randn(2, 100, KV_HEADS, DIM, generator=g)
+    kernel().write(k, v, key_cache, value_cache, slots)
+    blocks, offsets = slots // BLOCK, slots % BLOCK
+    assert torch.equal(kernel().plain_keys(key_cache)[blocks, offsets], k)
+    assert torch.equal(value_cache[blocks, :, offsets], v)
+
+
+class Engine:
+    """Requests prefilled into a shuffled block pool, then decoded, through ``SparseAttention`` on the op."""
+
+    def __init__(self, config: SparseConfig, prompts: list[int], seed: int = 0):
+        self.g = torch.Generator().manual_seed(seed)
+        self.key_cache, self.value_cache, self.sketch = stock_caches()
+        self.attention = SparseAttention(Q_HEADS, KV_HEADS, DIM, BLOCK, SCALE, config, paged_kernel=kernel())
+        self.order = torch.randperm(POOL, generator=self.g).to(torch.int32)
+        self.table = torch.zeros(len(prompts), 24, dtype=torch.int32)
+        self.lens = [0] * len(prompts)
+        self.used = 0
+        # strong keys at positions 0 and 200 along one direction per KV head, the rest small: DIPR prunes
+        self.direction = torch.randn(KV_HEADS, DIM, generator=self.g)
+        self.prompts = prompts
+
+    def _slot(self, req: int, pos: int) -> int:
+        if pos % BLOCK == 0:
+            self.table[req, pos // BLOCK] = self.order[self.used]
+            self.used += 1
+        return int(self.table[req, pos // BLOCK]) * BLOCK + pos % BLOCK
+
+    def step(self, new_tokens: list[int]):
+        slots, keys = [], []
+        for req, n in enumerate(new_tokens):
+            start = self.lens[req]
+            slots += [self._slot(req, start + i) for i in range(n)]
+            k = 0.05 * torch.randn(n, KV_HEADS, DIM, generator=self.g)
+            for pos, strength in ((0, 1.0), (200, 1.1)):
+                if start <= pos < start + n:
+                    k[pos - start] = strength * self.direction
+            keys.append(k)
+            self.lens[req] += n
+        total = sum(new_tokens)
+        key = torch.cat(keys)
+        value = torch.randn(total, KV_HEADS, DIM, generator=self.g)
+        query = 4 * self.direction.repeat_interleave(GROUP, 0)[None] + 0.1 * torch.randn(
+            total, Q_HEADS, DIM, generator=self.g
+        )
+        starts = torch.tensor([0, *new_tokens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        lens = torch.tensor(self.lens, dtype=torch.int32)
+        batch = PagedBatch(
+            starts, starts, lens, lens, self.table.clone(), torch.tensor(slots), total, max(self.lens)
+        )  # fmt: skip
+        self.attention.write(key, value, self.key_cache, self.value_cache, self.sketch, batch.slot_mapping)
+        return query, batch
+
+    def attend(self, layer: int, query: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        out = torch.empty_like(query)
+        return self.attention.attend(layer, query, self.key_cache, self.value_cache, self.sketch, batch, out)
+
+    def stock(self, query: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        """The stock backend's call of the op over the whole batch."""
+        op = kernel()
+        out = torch.empty_like(query)
+        schedule = op.schedule(batch.query_start_loc, batch.seq_lens, Q_HEADS, KV_HEADS)
+        op.attend(
+            query, self.key_cache, self.value_cache, out, batch.query_start_loc, batch.seq_lens, batch.block_table,
+            schedule,
+        )  # fmt: skip
+        return out
+
+    def tokens(self, req: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request ``req``'s keys and values ``[seq_len, kv, d]`` in float64, read back from the caches."""
+        n = self.lens[req]
+        blocks = self.table[req, : -(-n // BLOCK)].long()
+        keys = kernel().plain_keys(self.key_cache)[blocks].reshape(-1, KV_HEADS, DIM)[:n]
+        values = self.value_cache[blocks].transpose(1, 2).reshape(-1, KV_HEADS, DIM)[:n]
+        return keys.double(), values.double()
+
+
+def sparse(beta: float, **settings) -> SparseConfig:
+    return SparseConfig(beta=beta, dense_layers=0, min_context=0, **settings)
+
+
+@pytest.mark.parametrize("beta", [float("inf"), 4.0])
+def test_prefill_is_the_stock_kernels_call_bit_for_bit(beta):
+    engine = Engine(sparse(beta), [300, 45])
+    query, batch = engine.step([300, 45])
+    assert torch.equal(engine.attend(1, query, batch), engine.stock(query, batch))
+
+
+def test_decodes_at_beta_inf_are_the_stock_kernels_call_bit_for_bit_and_read_everything():
+    engine = Engine(sparse(float("inf")), [300, 45])
+    engine.step([300, 45])
+    for _ in range(3):
+        query, batch = engine.step([1, 1])
+        assert torch.equal(engine.attend(1, query, batch), engine.stock(query, batch))
+    row = engine.attention.figures.rows()[0]
+    assert row["block_fraction"] == 1.0 and row["token_fraction"] == 1.0 and row["dipr_decodes"] == 6
+
+
+def test_a_finite_beta_attends_every_token_of_the_blocks_each_kv_head_reads_and_no_other():
+    engine = Engine(sparse(4.0, sink=4, local=8), [300, 450])
+    engine.step([300, 450])
+    query, batch = engine.step([1, 1])
+    out = engine.attend(1, query, batch)
+    for req in range(2):
+        n = engine.lens[req]
+        keys, values = engine.tokens(req)
+        q = query[req].double().view(KV_HEADS, GROUP, DIM) * SCALE
+        blocks = engine.table[req, : -(-n // BLOCK)].long()
+        read, _ = dipr_read_blocks(q.float(), engine.sketch, blocks, n, 4.0, 4, 8)
+        logits = torch.einsum("hgd,nhd->hgn", q, keys)
+        # no key within beta of its query head's largest logit lies in a block its KV head skips
+        near = logits >= logits.amax(-1, keepdim=True) - 4.0
+        kept = read.repeat_interleave(BLOCK, dim=1)[:, None, :n]  # [kv, 1, n]
+        assert bool((kept | ~near).all())
+        weights = torch.softmax(logits.masked_fill(~kept, -math.inf), -1)
+        expected = torch.einsum("hgn,nhd->hgd", weights, values).reshape(Q_HEADS, DIM)
+        torch.testing.assert_close(out[req].double(), expected, rtol=1e-4, atol=1e-5)
+    row = engine.attention.figures.rows()[0]
+    # per KV head, the sink block, block 6 (position 200) and the window's last blocks: 1 of 301 tokens' 10 blocks,
+    # 2 of 451 tokens' 15 (the last 8 tokens, 443-450, span blocks 13 and 14)
+    assert row["blocks_read"] == KV_HEADS * (3 + 4) and row["blocks_total"] == KV_HEADS * (10 + 15)
+
+
+def test_a_step_with_a_prefill_and_dipr_decodes_gives_the_prefill_the_stock_kernels_rows():
+    engine = Engine(sparse(4.0, sink=4, local=8), [300, 45])
+    engine.step([300, 0])
+    query, batch = engine.step([1, 45])
+    out = engine.attend(1, query, batch)
+    assert torch.equal(out[1:], engine.stock(query, batch)[1:])
+
+
+def test_the_op_masks_keys_past_a_sequences_length_and_reads_no_block_past_its_table():
+    """NaN in the keys of the last block's slots past the sequence and in every block after it leave the output
+    finite, for the whole cache and for one KV head's view with a pruned table. (The op does multiply the last
+    block's values past the length by zero weights, as the stock backend does: stale NaN there is not masked.)"""
+    key_cache, value_cache, _ = stock_caches()
+    g = torch.Generator().manual_seed(1)
+    n = 45  # one full block and 13 tokens of the next
+    k, v = torch.randn(2, n, KV_HEADS, DIM, generator=g)
+    op = kernel()
+    op.write(k, v, key_cache, value_cache, torch.arange(n) + 7 * BLOCK)
+    op.plain_keys(key_cache)[8, n - BLOCK :] = float("nan")
+    key_cache[9:], value_cache[9:] = float("nan"), float("nan")
+    q = torch.randn(1, Q_HEADS, DIM, generator=g)
+    starts, lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([n], dtype=torch.int32)
+    table = torch.tensor([[7, 8, 9]], dtype=torch.int32)
+    out = torch.empty_like(q)
+    op.attend(q, key_cache, value_cache, out, starts, lens, table, op.schedule(starts, lens, Q_HEADS, KV_HEADS))
+    logits = torch.einsum("hd,nhd->hn", q[0], k.repeat_interleave(GROUP, 1))
+    expected = torch.einsum("hn,nhd->hd", torch.softmax(logits * SCALE, -1), v.repeat_interleave(GROUP, 1))
+    torch.testing.assert_close(out[0], expected, rtol=1e-4, atol=1e-5)
+    # KV head 1 alone, its table pruned to the partial last block
+    head = torch.empty(1, GROUP, DIM)
+    lens = torch.tensor([n - BLOCK], dtype=torch.int32)
+    op.attend(
+        q[:, GROUP : 2 * GROUP], key_cache[:, 1:2], value_cache[:, 1:2], head, starts, lens,
+        torch.tensor([[8, 9]], dtype=torch.int32), op.schedule(starts, lens, GROUP, 1),
+    )  # fmt: skip
+    weights = torch.softmax(q[0, GROUP : 2 * GROUP] @ k[BLOCK:, 1].T * SCALE, -1)
+    torch.testing.assert_close(head[0], weights @ v[BLOCK:, 1], rtol=1e-4, atol=1e-5)
+
+
+def test_prune_block_table_lists_each_heads_read_blocks_in_order_and_counts_their_tokens():
+    table = torch.tensor([[10, 11, 12, 13, 0], [20, 21, 22, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([120, 70])  # 4 blocks (the last holds 24 tokens), 3 blocks (the last holds 6)
+    read = torch.zeros(2, 2, 5, dtype=torch.bool)
+    read[0, 0, [0, 2, 3]] = True  # the partial last block kept: 2 full blocks + 24 tokens
+    read[0, 1, [1]] = True  # one full block
+    read[1, 0, [0, 1, 2]] = True  # everything
+    read[1, 1, [2]] = True  # the last block alone: 6 tokens
+    pruned = prune_block_table(read, table, lens, 32)
+    assert pruned.block_table[0, 0, :3].tolist() == [10, 12, 13]
+    assert pruned.block_table[1, 0, :1].tolist() == [11]
+    assert pruned.block_table[0, 1, :3].tolist() == [20, 21, 22]
+    assert pruned.block_table[1, 1, :1].tolist() == [22]
+    assert pruned.seq_lens.tolist() == [[88, 70], [32, 6]]
+    assert pruned.kept.tolist() == [[3, 3], [1, 1]]
+    assert pruned.block_table.dtype == torch.int32 and pruned.block_table.is_contiguous()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_prune_block_table_equals_a_row_by_row_construction_on_random_reads(seed):
+    g = torch.Generator().manual_seed(seed)
+    n, kv, width, block = 5, 3, 9, 16
+    lens = torch.randint(1, width * block + 1, (n,), generator=g)
+    table = torch.randint(0, 1000, (n, width), generator=g, dtype=torch.int32)
+    read = torch.rand(n, kv, width, generator=g) < 0.4
+    read &= torch.arange(width)[None, None, :] < ((lens + block - 1) // block)[:, None, None]
+    pruned = prune_block_table(read, table, lens, block)
+    for i in range(n):
+        for h in range(kv):
+            kept = read[i, h].nonzero().flatten()
+            assert pruned.block_table[h, i, : len(kept)].tolist() == table[i, kept].tolist()
+            tokens = sum(min(block, int(lens[i]) - int(b) * block) for b in kept)
+            assert int(pruned.seq_lens[h, i]) == tokens and int(pruned.kept[h, i]) == len(kept)
+            assert bool((pruned.block_table[h, i, len(kept) :] == table[i, 0]).all())
+
+
+def test_a_layout_with_kv_heads_inside_token_rows_prunes_the_union_of_the_heads_blocks():
+    """FlashAttention's and FlashInfer's paged layouts (a block's token rows hold every KV head) can skip a block
+    only for all heads: the GPU path's table is ``prune_block_table`` of the union, one table per sequence."""
+    table = torch.tensor([[4, 5, 6, 7]], dtype=torch.int32)
+    read = torch.tensor([[[True, False, False, True], [False, False, True, True]]])  # [1 sequence, 2 KV heads, 4]
+    pruned = prune_block_table(read.any(1, keepdim=True), table, torch.tensor([100]), 32)
+    assert pruned.block_table.shape == (1, 1, 4) and pruned.block_table[0, 0, :3].tolist() == [4, 6, 7]
+    assert pruned.seq_lens.tolist() == [[68]]  # two full blocks and the last block's 4 tokens
+
+
+def test_a_step_zeroes_the_blocks_it_starts_without_filling_them():
+    """Issue 26: a freed block's old values past a new request's tokens must not reach CPU_ATTN's kernel (which
+    weighs them with 0: ``0 * NaN`` is NaN). Blocks started (slot 0 written) and not filled are zeroed; a block
+    filled in the step, one continued from an earlier step and padding slots (-1) are left alone."""
+    from kvreuse.vllm.sparse.cpu_kernel import fresh_partial_blocks
+
+    block = 4
+    slots = torch.tensor([8, 9, 10, 11, 12, 13, -1, 21, 24])  # block 2 filled, 3 started, 5 continued, 6 started
+    assert fresh_partial_blocks(slots, block).tolist() == [3, 6]
+    assert fresh_partial_blocks(torch.tensor([-1, -1]), block).tolist() == []
