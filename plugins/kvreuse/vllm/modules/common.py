@@ -303,6 +303,8 @@ class ModuleCacheWorkerMeta(KVConnectorWorkerMetadata):
     dropped: set[ModuleKey] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)  # module (name, namespace label) -> why it was not stored
     scores: dict[ModuleKey, tuple[float, ...]] = field(default_factory=dict)  # probed modules: per token
+    # stored modules: the position each was encoded at and its context's fingerprint (EncodedModule.start, .context)
+    placed: dict[ModuleKey, tuple[int, str]] = field(default_factory=dict)
 
     def aggregate(self, other: ModuleCacheWorkerMeta) -> ModuleCacheWorkerMeta:
         return ModuleCacheWorkerMeta(
@@ -314,4 +316,5 @@ class ModuleCacheWorkerMeta(KVConnectorWorkerMetadata):
                 for key, mine in self.scores.items()
                 if key in other.scores
             },
+            placed={key: where for key, where in self.placed.items() if key in other.placed},
         )
