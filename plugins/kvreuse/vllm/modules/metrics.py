@@ -12,6 +12,9 @@ Prometheus logger, adds them to these counters:
   (label ``tier``), ``kvreuse:module_drops_total``;
 * ``kvreuse:module_splice_skipped_total`` (label ``reason``, see ``kvreuse.modules.splice.SkipReason``) and
   ``kvreuse:module_writes_refused_total`` (label ``reason``, see ``kvreuse.vllm.modules.scheduler.WriteRefusal``),
+  counted by the scheduler side;
+* ``kvreuse:module_shadow_checks_total`` and ``kvreuse:module_shadow_agreed_total``: shadow pairs compared (a
+  spliced request and its full-prefill copy, ``kvreuse.vllm.modules.shadow``) and those whose first tokens agreed,
   counted by the scheduler side.
 
 Every counter of :data:`STARTUP_KEYS` shows on ``/metrics`` at 0 from the engine's start (a Prometheus counter with
@@ -57,6 +60,16 @@ MODULE_COUNTERS: dict[str, tuple[str, str, str | None]] = {
         "Encode requests whose module was not stored: no valid write proof (unproven, expired, replayed, "
         "nonces_full), or malformed parameters",
         "reason",
+    ),
+    "shadow_checks": (
+        "kvreuse:module_shadow_checks_total",
+        "Shadow pairs compared: a spliced request and the same prompt computed in full",
+        None,
+    ),
+    "shadow_agreed": (
+        "kvreuse:module_shadow_agreed_total",
+        "Shadow pairs whose first output tokens agreed with full prefill's",
+        None,
     ),
 }
 

@@ -53,6 +53,7 @@ from kvreuse.kernels.rerotate import rope_spec_from_hf_config
 from kvreuse.modules.blend import ranking
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.namespace import namespace_label, namespace_of
+from kvreuse.modules.shadow import ShadowPairs
 from kvreuse.modules.splice import (
     Piece,
     allot_first_tokens,
@@ -83,6 +84,7 @@ from kvreuse.vllm.modules.common import (
     marks_encode,
     recompute_first,
     recompute_share,
+    shadow_half,
     write_verdict,
 )
 from kvreuse.vllm.names import SPARSE_CPU_SWITCH, ConnectorName
@@ -203,6 +205,8 @@ class ModuleScheduler:
         self._encodes: dict[str, tuple[ModuleWrite, tuple[int, ...]]] = {}  # req id -> write, prompt
         self.skipped: Counter[str] = Counter()  # modules found but not spliced, by reason (since take_stats)
         self.refused: Counter[str] = Counter()  # encode requests not stored, by WriteRefusal (since take_stats)
+        self.shadows = ShadowPairs()  # finished halves of shadow checks waiting for the other half
+        self.shadow_counts: Counter[str] = Counter()  # shadow_checks, shadow_agreed (since take_stats)
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM (KVConnectorBase_V1.bind_kv_cache_manager)
 
     # -- vLLM's calls ---------------------------------------------------------------------------------------------
@@ -382,13 +386,29 @@ class ModuleScheduler:
             logger.error("kvreuse module %s was not stored: %s", name, why)
 
     def take_stats(self) -> dict[str, int]:
-        """The skipped-module and refused-write counts since the last call, as stats keys
-        ``splice_skipped:<reason>`` and ``writes_refused:<reason>``."""
+        """The skipped-module, refused-write and shadow-check counts since the last call, as stats keys
+        ``splice_skipped:<reason>``, ``writes_refused:<reason>``, ``shadow_checks`` and ``shadow_agreed``."""
         stats = {f"splice_skipped:{reason}": count for reason, count in self.skipped.items() if count}
         stats.update({f"writes_refused:{reason}": count for reason, count in self.refused.items() if count})
+        stats.update({name: count for name, count in self.shadow_counts.items() if count})
         self.skipped.clear()
         self.refused.clear()
+        self.shadow_counts.clear()
         return stats
+
+    def shadow_finished(self, request: Request) -> None:
+        """``request`` finished: if it is half of a shadow check whose other half finished already, count the check
+        and whether their output tokens agreed (``kvreuse.modules.shadow``)."""
+        try:
+            half = shadow_half(request.kv_transfer_params)
+        except RequestParameterError:  # refused by vLLM's front end; a request that came another way is no check
+            return
+        if half is None:
+            return
+        agreed = self.shadows.finished(half[0], half[1], request.output_token_ids)
+        if agreed is not None:
+            self.shadow_counts["shadow_checks"] += 1
+            self.shadow_counts["shadow_agreed"] += agreed
 
     def finished(self, request_id: str) -> None:
         for state in (self._looks, self._plans, self._writes, self._encodes, self._prompt_lens, self._ape):
