@@ -540,7 +540,7 @@ class ModuleScheduler:
 
     def _in_place(self, piece: Piece, prompt: Sequence[int]) -> bool:
         """Whether the spliced module of ``piece`` was encoded where it stands, after the prompt's own tokens."""
-        placement = self.placements.get(piece.name)  # type: ignore[call-overload]
+        placement = self.placements.get(piece.name)
         return placement is not None and in_place(placement, piece.module_start, prompt)
 
     def _count_skipped(
