@@ -10,7 +10,7 @@ import pytest
 from test_module_connector_pieces import module_scheduler
 
 from kvreuse.errors import RequestParameterError
-from kvreuse.modules.shadow import ShadowPairs
+from kvreuse.modules.shadow import COMPARED_TOKENS, ShadowPairs
 from kvreuse.vllm.modules.common import check_transfer_params, shadow_half
 
 
@@ -20,6 +20,12 @@ def test_a_pair_agrees_when_both_halves_give_the_same_tokens_as_far_as_the_short
     assert pairs.finished("p", True, [1, 2, 3]) is True and len(pairs) == 0
     assert pairs.finished("q", True, [1, 2]) is None
     assert pairs.finished("q", False, [1, 5, 6]) is False
+
+
+def test_only_the_first_tokens_of_a_half_are_kept_and_compared():
+    pairs = ShadowPairs()
+    pairs.finished("p", False, [1] * COMPARED_TOKENS + [2])
+    assert pairs.finished("p", True, [1] * COMPARED_TOKENS + [3]) is True  # they differ after the compared tokens
 
 
 def test_a_pair_with_nothing_to_compare_or_two_halves_of_one_kind_is_no_check():

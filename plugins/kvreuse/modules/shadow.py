@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 PENDING_PAIRS = 4096  # halves waiting for their other half (a lost half, e.g. an aborted request, ages out)
+COMPARED_TOKENS = 64  # first output tokens kept and compared per half: what is waiting stays bounded
 
 
 class ShadowPairs:
@@ -26,16 +27,17 @@ class ShadowPairs:
     def finished(self, pair: str, full: bool, tokens: Sequence[int]) -> bool | None:
         """Half ``pair`` (the full prefill if ``full``, else the spliced request) finished with output ``tokens``.
         When the other half has finished too: whether both output the same tokens as far as the shorter goes
-        (each stops at its own length or end of turn); ``None`` until then, and for a pair with an empty half
-        (nothing to compare) or two halves of the same kind (a client's mistake: not a check)."""
+        (each stops at its own length or end of turn), at most the first :data:`COMPARED_TOKENS`; ``None`` until
+        then, and for a pair with an empty half (nothing to compare) or two halves of the same kind (a client's
+        mistake: not a check)."""
         other = self._waiting.pop(pair, None)
         if other is None:
-            self._waiting[pair] = (full, tuple(tokens))
+            self._waiting[pair] = (full, tuple(tokens[:COMPARED_TOKENS]))
             while len(self._waiting) > self.limit:
                 self._waiting.popitem(last=False)
             return None
         other_full, other_tokens = other
-        compared = min(len(tokens), len(other_tokens))
+        compared = min(len(tokens), len(other_tokens), COMPARED_TOKENS)
         if other_full == full or not compared:
             return None
         return tuple(tokens[:compared]) == other_tokens[:compared]
