@@ -9,9 +9,10 @@ stopping at ``<|im_end|>``; ``full`` is the same engine with ``skip_reading_pref
 prefix cache ignored, every token computed).
 
 The ``legolink-K`` arms are the engine's selective recompute (``modules.recompute_first``, here per request with
-``kv_transfer_params {"kvreuse_recompute_first": K}``) over the naive encodings: the first K tokens of each spliced
-module (the header's too) computed with the whole prompt before them. The ``blend-*`` arms are CacheBlend's token
-choice made at encode time (``modules.recompute_share``, here per request with ``kv_transfer_params
+``kv_transfer_params {"kvreuse_recompute_first": K}``) over the naive encodings: K first tokens per spliced module
+computed with the whole prompt before them, the header's K going to the other modules (its spliced KV is exact at
+the prompt's start, so it recomputes none: ``kvreuse.modules.splice.allot_first_tokens``). The ``blend-*`` arms are
+CacheBlend's token choice made at encode time (``modules.recompute_share``, here per request with ``kv_transfer_params
 {"kvreuse_recompute_share": R}``): the modules encoded with ``encode_modules(..., probe=header)``, the header
 without (its spliced KV is exact), the top R of each module's tokens by the probe's ranking recomputed.
 

@@ -152,16 +152,16 @@ def full(llm, prompt):
 
 
 def test_recomputing_every_inexact_spliced_token_gives_the_full_prefill(llm, prompt, full):
-    """k = len(B): all of B and A's first len(B) tokens are computed inside the run (at positions before and after
-    loaded ones), A's tail keeps its loaded KV, which is a full prefill's. The result must be the full prefill's: a
-    wrong position, slot, token or mask for any recomputed token would move it by far more than rounding."""
+    """k = len(B): all of B is computed inside the run, after A's loaded KV; A (and the special prefix) were encoded
+    where they stand, so their KV is a full prefill's and none of it is recomputed (their budget finds no more
+    tokens in B). The result must be the full prefill's: a wrong position, slot, token or mask for any recomputed
+    token would move it by far more than rounding."""
     prefix, ids, tokens = prompt
     run = len(prefix) + len(ids["A"]) + len(ids["B"])
     before = loaded(llm)
     out = legolink(llm, tokens, recompute_first=len(ids["B"]))
     assert loaded(llm) - before == run  # the whole run is loaded; the forward overwrote the recomputed tokens
-    recomputed = 2 * len(ids["B"]) + min(len(prefix), len(ids["B"]))
-    assert out.num_cached_tokens == run - recomputed  # vLLM counted only the tokens kept from the splice
+    assert out.num_cached_tokens == run - len(ids["B"])  # vLLM counted only the tokens kept from the splice
     assert_same_greedy_path(full.outputs[0], out.outputs[0], "recompute of every inexact spliced token")
     assert gap(full, out) <= LOGPROB_TOLERANCE
 
@@ -209,18 +209,22 @@ def test_a_requests_own_recompute_first_0_is_the_plain_splice_under_the_engines_
     assert loaded(llm) - before == zero.num_cached_tokens == run
     by_default = legolink(llm, tokens)
     asked = legolink(llm, tokens, recompute_first=default)
-    recomputed = sum(min(len(part), default) for part in (prefix, ids["A"], ids["B"]))
+    # the prefix's and A's budget goes to B (their KV is exact where they stand)
+    recomputed = min(len(ids["B"]), sum(min(len(part), default) for part in (prefix, ids["A"], ids["B"])))
     assert by_default.num_cached_tokens == asked.num_cached_tokens == run - recomputed
     assert by_default.outputs[0].token_ids == asked.outputs[0].token_ids
     assert gap(by_default, asked) == 0.0
     assert gap(zero, by_default) > 0.0  # the default's recompute changed what the question saw
 
 
-def test_recomputing_every_module_token_loads_nothing_and_is_the_full_prefill(llm, prompt, full):
-    """k at least a module's length: the whole run is computed, so nothing is loaded (100% recompute)."""
+def test_recomputing_every_inexact_module_token_loads_only_the_exact_ones_and_is_the_full_prefill(llm, prompt, full):
+    """k at least a module's length: every module whose KV is not exact (B) is computed, so only the modules encoded
+    where they stand (the special prefix and A, whose KV is a full prefill's) are kept from the splice."""
+    prefix, ids, tokens = prompt
     before = loaded(llm)
-    out = legolink(llm, prompt[2], recompute_first=10_000)
-    assert loaded(llm) == before and out.num_cached_tokens == 0
+    out = legolink(llm, tokens, recompute_first=10_000)
+    assert loaded(llm) - before == len(prefix) + len(ids["A"]) + len(ids["B"])  # B loaded, then overwritten
+    assert out.num_cached_tokens == len(prefix) + len(ids["A"])
     assert_same_greedy_path(full.outputs[0], out.outputs[0], "100% recompute")
 
 

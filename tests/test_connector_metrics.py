@@ -235,3 +235,24 @@ def test_figures_connector_moves_no_kv_and_refuses_workers_whose_figures_would_b
     monkeypatch.setattr(runtime(), "module_worker", object())
     with pytest.raises(ConfigError, match="KVReuseModuleCache already reports the sparse figures"):
         worker.register_kv_caches({})
+
+
+def test_the_module_counters_show_at_0_from_start_up():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    from kvreuse.vllm import register
+
+    register()  # names the connector for vLLM's config check, as vLLM's plugin loader does
+    config = VllmConfig(kv_transfer_config=KVTransferConfig(kv_connector="KVReuseModuleCache", kv_role="kv_both"))
+    registry = CollectorRegistry()
+    types = {kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    KVReusePromMetrics(config, types, ["engine"], {0: ["0"]})
+    get = registry.get_sample_value
+    assert get("kvreuse:module_tokens_loaded_total", {"engine": "0"}) == 0
+    assert get("kvreuse:module_misses_total", {"engine": "0"}) == 0
+    assert get("kvreuse:module_splice_skipped_total", {"engine": "0", "reason": "not_stored"}) == 0
+    other = CollectorRegistry()  # another connector's engine (the sparse figures alone): no module counter shows
+    types = {kind: functools.partial(kind, registry=other) for kind in (Counter, Gauge, Histogram)}
+    KVReusePromMetrics(VllmConfig(), types, ["engine"], {0: ["0"]})
+    assert other.get_sample_value("kvreuse:module_tokens_loaded_total", {"engine": "0"}) is None

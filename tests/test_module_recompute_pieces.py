@@ -13,10 +13,10 @@ import torch
 from test_module_connector_pieces import module_scheduler
 
 from kvreuse.errors import RequestParameterError
-from kvreuse.modules.splice import Piece, first_tokens, true_positions
-from kvreuse.modules.store import ModuleKey
+from kvreuse.modules.splice import Piece, allot_first_tokens, first_tokens, in_place, true_positions
+from kvreuse.modules.store import NO_CONTEXT, ModuleKey, context_fingerprint
 from kvreuse.sparse import cpu_attention
-from kvreuse.vllm.modules.common import ModuleCacheMetadata, recompute_first
+from kvreuse.vllm.modules.common import ModuleCacheMetadata, ModuleCacheWorkerMeta, recompute_first
 
 
 def test_first_tokens_are_each_modules_first_k_of_the_run():
@@ -25,6 +25,51 @@ def test_first_tokens_are_each_modules_first_k_of_the_run():
     assert first_tokens(pieces, 2) == (2, 3, 7, 8)  # c's first two tokens are in the engine's hit already
     assert first_tokens(pieces, 3) == (2, 3, 4, 7, 8, 9, 10)
     assert first_tokens(pieces, 100) == tuple(range(2, 14))
+
+
+def test_first_tokens_take_each_modules_own_count_where_allotted():
+    pieces = [Piece("a", 0, 2, 5), Piece("b", 0, 7, 3), Piece("c", 2, 10, 4)]  # c's module starts at 8
+    assert first_tokens(pieces, {2: 0, 7: 3, 8: 4}) == (7, 8, 9, 10, 11)  # c: its tokens 2, 3 of the first 4
+    assert first_tokens(pieces, {7: 1}) == (7,)  # a module missing from the allotment recomputes none
+
+
+def test_a_module_encoded_alone_is_in_place_only_at_the_prompts_start():
+    prompt = [5, 6, 7, 1, 2, 3]
+    assert in_place((0, NO_CONTEXT), 0, prompt)
+    assert not in_place((0, NO_CONTEXT), 3, prompt)  # moved: its tokens never saw 5, 6, 7
+
+
+def test_a_module_encoded_after_the_prompts_own_tokens_before_it_is_in_place():
+    prompt = [5, 6, 7, 1, 2, 3]
+    assert in_place((3, context_fingerprint([5, 6, 7])), 3, prompt)
+    assert not in_place((3, context_fingerprint([5, 6, 8])), 3, prompt)  # another context of the same length
+    assert not in_place((2, context_fingerprint([6, 7])), 3, prompt)  # a context that is only the prompt's tail
+
+
+def test_recompute_first_gives_an_exact_modules_budget_to_the_other_modules():
+    # header h (5 tokens, exact), documents a (6) and b (4): 2 per module is 6 tokens, all for a and b.
+    run = [Piece("h", 0, 0, 5), Piece("a", 0, 5, 6), Piece("b", 0, 11, 4)]
+    exact = {0}.__contains__
+
+    def allot(k):
+        return allot_first_tokens(run, k, lambda piece: exact(piece.module_start))
+
+    assert allot(2) == {0: 0, 5: 3, 11: 3}
+    assert allot(3) == {0: 0, 5: 5, 11: 4}  # 9 tokens: b is full at 4, a takes the other 5
+    assert allot(4) == {0: 0, 5: 6, 11: 4}  # 12 tokens asked, a and b have 10: both recomputed whole
+    assert allot(0) == {0: 0, 5: 0, 11: 0}
+
+
+def test_recompute_first_spreads_a_remainder_one_token_each_in_prompt_order():
+    run = [Piece("h", 0, 0, 4), Piece("a", 0, 4, 6), Piece("b", 0, 10, 6), Piece("c", 0, 16, 6)]
+    counts = allot_first_tokens(run, 2, lambda piece: piece.name == "h")  # 8 tokens over three documents
+    assert counts == {0: 0, 4: 3, 10: 3, 16: 2} and sum(counts.values()) == 8
+
+
+def test_recompute_first_without_an_exact_module_is_k_per_module():
+    run = [Piece("a", 0, 0, 6), Piece("b", 0, 6, 3), Piece("c", 0, 9, 20)]
+    assert allot_first_tokens(run, 4, lambda piece: False) == {0: 4, 6: 3, 9: 4}  # b has only 3 tokens
+    assert allot_first_tokens(run, 4, lambda piece: True) == {0: 0, 6: 0, 9: 0}  # all exact: nothing
 
 
 def test_true_positions_move_the_first_scheduled_tokens_and_keep_the_rest():
@@ -99,6 +144,61 @@ def test_a_request_without_its_own_recompute_first_takes_the_engines():
     scheduler, request = _splice_request(None, recompute_first=2)
     assert scheduler.matched_tokens(request, 0) == 10 - 4
     assert scheduler._plans["r"].recompute == (0, 1, 6, 7)
+
+
+def _place(scheduler, **placements):
+    """The workers report modules a and b of ``_splice_request`` stored, encoded at these (position, context)."""
+    keys = {"a": ModuleKey("a", 1), "b": ModuleKey("b", 2)}
+    tokens = {"a": (1, 2, 3, 4, 5, 6), "b": (7, 8, 9, 10)}
+    scheduler.worker_reported(
+        ModuleCacheWorkerMeta(
+            stored={keys[n]: tokens[n] for n in placements}, placed={keys[n]: p for n, p in placements.items()}
+        )
+    )
+
+
+def test_a_module_at_the_prompts_start_encoded_alone_is_not_recomputed_and_its_budget_goes_to_the_next():
+    scheduler, request = _splice_request(2)
+    _place(scheduler, a=(0, NO_CONTEXT), b=(0, NO_CONTEXT))  # a is exact where it stands, b (at 6) is not
+    assert scheduler.matched_tokens(request, 0) == 10 - 4
+    assert scheduler._plans["r"].recompute == (6, 7, 8, 9)  # a's 2 tokens and b's 2: all of b
+
+
+def test_a_module_encoded_after_the_prompts_own_tokens_before_it_is_not_recomputed():
+    scheduler, request = _splice_request(1)
+    _place(scheduler, a=(0, NO_CONTEXT), b=(6, context_fingerprint([1, 2, 3, 4, 5, 6])))  # both exact
+    assert scheduler.matched_tokens(request, 0) == 10
+    assert scheduler._plans["r"].recompute == ()
+
+
+def test_a_module_encoded_elsewhere_is_recomputed_as_before():
+    scheduler, request = _splice_request(2)
+    _place(scheduler, a=(3, context_fingerprint([9, 9, 9])), b=(0, NO_CONTEXT))  # neither where it stands
+    assert scheduler.matched_tokens(request, 0) == 10 - 4
+    assert scheduler._plans["r"].recompute == (0, 1, 6, 7)
+
+
+def test_the_allotment_is_the_runs_wherever_vllms_prefix_hit_ended_in_it():
+    scheduler, request = _splice_request(2)
+    _place(scheduler, a=(0, NO_CONTEXT), b=(0, NO_CONTEXT))
+    assert scheduler.matched_tokens(request, 4) == 2 + 4 - 4  # a's last 2 tokens loaded, b's 4 recomputed
+    assert scheduler._plans["r"].recompute == (6, 7, 8, 9)
+
+
+def test_each_modules_allotted_count_names_its_blocks_in_vllms_prefix_cache(monkeypatch):
+    from kvreuse.patches import vllm_0_32
+
+    folded = {}
+    monkeypatch.setattr(vllm_0_32, "caches_prefixes", lambda manager: True)
+    monkeypatch.setattr(vllm_0_32, "prefix_cache_hit", lambda manager, request: 0)
+    monkeypatch.setattr(vllm_0_32, "fold_into_block_hashes", lambda c, m, r, first, keys: folded.update(keys) or True)
+    scheduler, request = _splice_request(2)
+    scheduler.kv_cache_manager = object()
+    _place(scheduler, a=(0, NO_CONTEXT), b=(0, NO_CONTEXT))
+    scheduler.matched_tokens(request, 0)
+    a, b = ModuleKey("a", 1).identity, ModuleKey("b", 2).identity
+    # Blocks of 4: a's block 0 holds KV exactly as a plain splice's (shared with one); b's count names its blocks.
+    assert folded == {0: (a,), 1: (a, b, "recompute_first=4"), 2: (b, "recompute_first=4")}
 
 
 def test_a_chunked_or_shortened_recompute_falls_back_to_loading_the_runs_first_tokens():

@@ -145,9 +145,9 @@ def test_with_a_real_tokenizer_a_module_followed_by_whitespace_is_a_near_miss_no
         assert [m.name for m in trie.near_misses(prompt, found)] == (["movies"] if merged else []), after
 
 
-def test_block_modules_names_every_module_whose_tokens_lie_in_a_block_from_the_first_block_on():
-    matches = [ModuleMatch("a", 0, 6), ModuleMatch("b", 6, 9), ModuleMatch("c", 12, 13)]
+def test_block_modules_gives_every_module_whose_tokens_lie_in_a_block_from_the_first_block_on():
+    a, b, c = matches = [ModuleMatch("a", 0, 6), ModuleMatch("b", 6, 9), ModuleMatch("c", 12, 13)]
     # blocks of 4 tokens: a covers 0-1, b 1-2, c 3; the prompt has 3 full blocks (c's block is not full)
-    assert block_modules(matches, 4, 0, 3) == {0: ("a",), 1: ("a", "b"), 2: ("b",)}
-    assert block_modules(matches, 4, 2, 4) == {2: ("b",), 3: ("c",)}
+    assert block_modules(matches, 4, 0, 3) == {0: (a,), 1: (a, b), 2: (b,)}
+    assert block_modules(matches, 4, 2, 4) == {2: (b,), 3: (c,)}
     assert block_modules([], 4, 0, 3) == {}

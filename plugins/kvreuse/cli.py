@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="name", required=True, metavar="COMMAND")
     _add_run(commands)
     _add_serve(commands)
+    _add_calibrate_modules(commands)
     return parser
 
 
@@ -260,6 +261,47 @@ def _serve(args: argparse.Namespace) -> int:
     return code
 
 
+def _add_calibrate_modules(commands: argparse._SubParsersAction) -> None:
+    calibrate = commands.add_parser(
+        "calibrate-modules",
+        help="pick the cheapest module-splice recompute whose answers agree with full prefill's on a floor",
+        description="Start vLLM on --model with the module cache, encode --modules, run every --prompts line with "
+        "full prefill and with each candidate (modules.recompute_first 0/16/32/64, each with every --shares), print "
+        "the curve and the cheapest setting that keeps --min-agreement, as --additional-config and per request "
+        "(kvreuse.vllm.modules.calibrate). On vLLM's CPU build set KVREUSE_SPARSE_CPU_BACKEND=1.",
+    )
+    calibrate.add_argument("--model", required=True, help="the model (path or name)")
+    calibrate.add_argument("--modules", required=True, type=Path, help="JSON object: module name -> text")
+    calibrate.add_argument("--prompts", required=True, type=Path, help="one JSON string per line: sample prompts")
+    calibrate.add_argument("--min-agreement", type=float, default=0.95, help="the floor, 0 to 1 (default: 0.95)")
+    calibrate.add_argument(
+        "--shares", type=_share_list, default=[], help="recompute_share candidates, comma-separated, e.g. 0.1,0.2"
+    )
+    calibrate.add_argument("--probe", help="text the modules are probed after (needed for --shares)")
+    calibrate.add_argument("--engine-args", type=_engine_args, default={}, help="JSON object of vLLM engine arguments")
+    calibrate.set_defaults(command=_calibrate_modules)
+
+
+def _calibrate_modules(args: argparse.Namespace) -> int:
+    """``kvreuse calibrate-modules``: check the inputs, then calibrate in a new engine and print the report."""
+    from kvreuse.vllm.modules.calibrate import calibrate_in_new_engine, read_calibration_inputs
+
+    if not 0.0 <= args.min_agreement <= 1.0:
+        raise ConfigError(f"--min-agreement must be between 0 and 1, got {args.min_agreement}")
+    modules, prompts = read_calibration_inputs(args.modules, args.prompts)
+    found = calibrate_in_new_engine(
+        args.model,
+        modules,
+        prompts,
+        args.min_agreement,
+        shares=args.shares,
+        probe=args.probe,
+        engine_args=args.engine_args,
+    )
+    print(found.report())
+    return 0
+
+
 def _field_list(text: str) -> list[str]:
     return [name.strip() for name in text.split(",")]
 
@@ -278,6 +320,16 @@ def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return int(text)
+
+
+def _share_list(text: str) -> list[float]:
+    try:
+        shares = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not all(0.0 < share <= 1.0 for share in shares):
+        raise argparse.ArgumentTypeError(f"{text!r}: each share must be above 0 and at most 1")
+    return shares
 
 
 def _engine_args(text: str) -> dict:

@@ -18,7 +18,7 @@ so is a module the prompt holds all but the last token of (``ModuleTrie.near_mis
 with its last token, so its tokens differ from the module's and it cannot be found at all.
 
 An engine's prefix cache must never give a block that holds spliced KV to a request that did not ask for exactly
-that module entry: :func:`block_modules` names, per cache block, the modules whose tokens lie in it, so an adapter
+that module entry: :func:`block_modules` gives, per cache block, the modules whose tokens lie in it, so an adapter
 can fold their entries' keys into the block's hash (the blocks after them chain from that hash).
 """
 
@@ -32,7 +32,7 @@ from enum import StrEnum
 import torch
 
 from kvreuse.kernels.rerotate import RopeSpec, move_keys
-from kvreuse.modules.store import EncodedModule
+from kvreuse.modules.store import EncodedModule, context_fingerprint
 from kvreuse.modules.trie import ModuleMatch
 
 
@@ -48,6 +48,12 @@ class Piece:
     @property
     def prompt_end(self) -> int:
         return self.prompt_start + self.length
+
+    @property
+    def module_start(self) -> int:
+        """The prompt position where the piece's module starts (before ``prompt_start`` where the piece starts
+        inside its module: an engine's prefix hit ended there)."""
+        return self.prompt_start - self.offset
 
     def delta(self, module_start: int) -> int:
         """Positions to move the piece's keys by, for a module encoded at ``module_start``."""
@@ -95,15 +101,64 @@ def run_start(matches: Sequence[ModuleMatch], position: int, available: Callable
     return chain if chain is not None and end >= position else position
 
 
-def first_tokens(pieces: Sequence[Piece], k: int) -> tuple[int, ...]:
+def first_tokens(pieces: Sequence[Piece], k: int | Mapping[int, int]) -> tuple[int, ...]:
     """Prompt positions of the pieces' tokens that are among the first ``k`` tokens of their module, ascending: the
     tokens LegoLink recomputes (Hu et al. 2024, "EPIC: Efficient Position-Independent Context Caching", section 4).
 
     A module's first tokens carry the attention sink that encoding it alone put there; recomputed with the whole
     prompt before them, they attend across modules again. A piece that starts inside its module (the engine's
     prefix hit ended there) recomputes only those of its tokens that are still among the module's first ``k``.
+    ``k`` may differ per module: a mapping from the prompt position where a module starts (``Piece.module_start``)
+    to its count, as :func:`allot_first_tokens` gives it (a module missing from it recomputes none).
     """
-    return tuple(piece.prompt_start + i for piece in pieces for i in range(max(0, min(piece.length, k - piece.offset))))
+    counts = [k if isinstance(k, int) else k.get(piece.module_start, 0) for piece in pieces]
+    return tuple(
+        piece.prompt_start + i
+        for piece, count in zip(pieces, counts)
+        for i in range(max(0, min(piece.length, count - piece.offset)))
+    )
+
+
+def in_place(placement: tuple[int, str], start: int, prompt: Sequence[int]) -> bool:
+    """Whether a module encoded at position ``placement[0]`` after tokens whose :func:`context_fingerprint` is
+    ``placement[1]`` (``EncodedModule.start`` and ``.context``) has, where it starts at prompt token ``start``, the
+    very KV a full prefill computes: it was encoded at that position after the prompt's own tokens before it. A
+    module encoded alone (position 0, no context) is so at the prompt's start."""
+    position, context = placement
+    return position == start and context == context_fingerprint(prompt[:start])
+
+
+def allot_first_tokens(run: Sequence[Piece], k: int, exact: Callable[[Piece], bool]) -> dict[int, int]:
+    """How many of its first tokens each module of a spliced ``run`` recomputes (by :attr:`Piece.module_start`),
+    given ``k`` per module (``modules.recompute_first``): a module whose KV is already a full prefill's (``exact``,
+    e.g. :func:`in_place`) recomputes none, and the budget ``k`` gave it goes to the others, spread as evenly as
+    their lengths allow (water-filling: every other module takes the same count, a short one all its tokens, the
+    few tokens left over one each to the first modules that can take more). The total is what ``k`` per module
+    recomputes; where every module is exact, nothing is.
+
+    The allotment depends on the whole run, not on where an engine's prefix hit ended inside it: callers pass the
+    run from its first module (:func:`run_start`), so a module's count is the same for every request that splices
+    the same run, and can name the module's cache blocks (an adapter folds it into their hashes).
+    """
+    budget = sum(min(piece.length + piece.offset, k) for piece in run)
+    others = [piece for piece in run if not exact(piece)]
+    counts = dict.fromkeys((piece.module_start for piece in run), 0)
+    sizes = {piece.module_start: piece.length + piece.offset for piece in others}  # tokens each can recompute
+    left = min(budget, sum(sizes.values()))
+    level = 0
+    for n, size in enumerate(sorted(sizes.values())):  # raise every open module's count together
+        rise = min(size - level, left // (len(sizes) - n))
+        level += rise
+        left -= rise * (len(sizes) - n)
+        if size > level:
+            break
+    for start, size in sizes.items():
+        counts[start] = min(size, level)
+    for start, size in sizes.items():  # the remainder, one token each, in prompt order
+        if left and size > level:
+            counts[start] += 1
+            left -= 1
+    return counts
 
 
 def chosen_tokens(pieces: Sequence[Piece], rankings: Mapping[Hashable, Sequence[int]], share: float) -> tuple[int, ...]:
@@ -197,16 +252,16 @@ def skipped_modules(
 
 def block_modules(
     matches: Sequence[ModuleMatch], block_size: int, first_block: int, num_blocks: int
-) -> dict[int, tuple[Hashable, ...]]:
+) -> dict[int, tuple[ModuleMatch, ...]]:
     """For each block ``first_block <= b < num_blocks`` (tokens ``[b * block_size, (b + 1) * block_size)``) that
-    holds tokens of a module of ``matches`` (sorted and disjoint), the names of those modules in prompt order."""
-    blocks: dict[int, list[Hashable]] = {}
+    holds tokens of a module of ``matches`` (sorted and disjoint), those modules in prompt order."""
+    blocks: dict[int, list[ModuleMatch]] = {}
     for match in matches:
         first = max(match.start // block_size, first_block)
         last = min((match.end - 1) // block_size, num_blocks - 1)
         for block in range(first, last + 1):
-            blocks.setdefault(block, []).append(match.name)
-    return {block: tuple(names) for block, names in blocks.items()}
+            blocks.setdefault(block, []).append(match)
+    return {block: tuple(found) for block, found in blocks.items()}
 
 
 def token_slots(block_ids: Sequence[int], block_size: int, start: int, stop: int) -> list[int]:

@@ -27,7 +27,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvreuse.patches import vllm_0_32
-from kvreuse.vllm.modules.metrics import MODULE_COUNTERS
+from kvreuse.vllm.modules.metrics import MODULE_COUNTERS, STARTUP_KEYS
+from kvreuse.vllm.names import ConnectorName
 from kvreuse.vllm.sparse.metrics import PREFIX as SPARSE_PREFIX
 from kvreuse.vllm.sparse.metrics import SPARSE_COUNTERS, sparse_fractions
 
@@ -81,6 +82,12 @@ class KVReusePromMetrics(KVConnectorPromMetrics):
             name: counter_cls(name=prom, documentation=doc, labelnames=list(labelnames) + ([label] if label else []))
             for name, (prom, doc, label) in CONNECTOR_COUNTERS.items()
         }
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        if transfer is not None and transfer.kv_connector == ConnectorName.MODULE_CACHE:
+            for labels in per_engine_labelvalues.values():  # the module counters show at 0 from start-up
+                for key in STARTUP_KEYS:
+                    name, _, label = key.partition(":")
+                    self._counters[name].labels(*labels, *([label] if label else []))  # a child made at 0
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = list(self.per_engine_labelvalues.get(engine_idx, []))

@@ -36,6 +36,7 @@ ENCODE_PROBE = "kvreuse_probe"  # the module's tokens after a probe context: ran
 RECOMPUTE_FIRST = "kvreuse_recompute_first"  # a request's own modules.recompute_first
 RECOMPUTE_SHARE = "kvreuse_recompute_share"  # a request's own modules.recompute_share
 APE = "kvreuse_ape"  # a request's own modules.ape_temperature / ape_scale: {"temperature": T, "scale": S}
+SHADOW = "kvreuse_shadow"  # one half of a shadow check: {"pair": NAME, "full": true|false} (kvreuse.modules.shadow)
 
 
 def encode_params(name: str, context_tokens: int = 0, *, replace: bool = False, probe: bool = False) -> dict[str, Any]:
@@ -67,6 +68,7 @@ KNOWN = (
     RECOMPUTE_FIRST,
     RECOMPUTE_SHARE,
     APE,
+    SHADOW,
     WRITE_PROOF,
 )
 FIELD = "kv_transfer_params"
@@ -130,6 +132,31 @@ def ape_setting(params: object, default: tuple[float, float]) -> tuple[float, fl
         raise RequestParameterError(f"{FIELD}.{APE}.{field}", str(why)) from None
 
 
+def shadow_half(params: object) -> tuple[str, bool] | None:
+    """The shadow pair a request is one half of, and whether it is the full-prefill half: its
+    ``kv_transfer_params``' :data:`SHADOW`, else ``None``.
+
+    Raises :class:`RequestParameterError` for a value that is not ``{"pair": NAME, "full": true|false}`` with a name
+    of 1-128 characters.
+    """
+    if not isinstance(params, Mapping) or SHADOW not in params:
+        return None
+    value = params[SHADOW]
+    if (
+        not isinstance(value, Mapping)
+        or set(value) != {"pair", "full"}
+        or not isinstance(value["pair"], str)
+        or not 1 <= len(value["pair"]) <= 128
+        or not isinstance(value["full"], bool)
+    ):
+        raise RequestParameterError(
+            f"{FIELD}.{SHADOW}",
+            f'{SHADOW} must be an object {{"pair": NAME (1-128 characters), "full": true or false}}, '
+            f"got {_shown(value)}",
+        )
+    return value["pair"], value["full"]
+
+
 def check_transfer_params(params: object) -> None:
     """Every kvreuse key of a request's ``kv_transfer_params`` well formed and within its bounds, so that nothing a
     request carries reaches the engine's arithmetic unchecked (issue 26): vLLM's front end refuses the request with
@@ -149,6 +176,7 @@ def check_transfer_params(params: object) -> None:
     recompute_first(params, 0)
     recompute_share(params, 0.0)
     ape_setting(params, OFF)
+    shadow_half(params)
     if not marks_encode(params):
         return
     try:
@@ -303,6 +331,8 @@ class ModuleCacheWorkerMeta(KVConnectorWorkerMetadata):
     dropped: set[ModuleKey] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)  # module (name, namespace label) -> why it was not stored
     scores: dict[ModuleKey, tuple[float, ...]] = field(default_factory=dict)  # probed modules: per token
+    # stored modules: the position each was encoded at and its context's fingerprint (EncodedModule.start, .context)
+    placed: dict[ModuleKey, tuple[int, str]] = field(default_factory=dict)
 
     def aggregate(self, other: ModuleCacheWorkerMeta) -> ModuleCacheWorkerMeta:
         return ModuleCacheWorkerMeta(
@@ -314,4 +344,5 @@ class ModuleCacheWorkerMeta(KVConnectorWorkerMetadata):
                 for key, mine in self.scores.items()
                 if key in other.scores
             },
+            placed={key: where for key, where in self.placed.items() if key in other.placed},
         )

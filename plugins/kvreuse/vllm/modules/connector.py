@@ -109,6 +109,7 @@ class KVReuseModuleCache(KVReuseMetrics, KVConnectorBase_V1):
             self._scheduler.worker_reported(meta)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.shadow_finished(request)
         self._scheduler.finished(request.request_id)
         return False, None
 
@@ -136,7 +137,7 @@ class KVReuseModuleCache(KVReuseMetrics, KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVReuseStats | None:
         # vLLM asks both sides: the workers hold the store's (and the sparse backend's) figures, the scheduler side
-        # the modules it found but did not splice.
+        # the modules it found but did not splice, the writes it refused and the shadow checks.
         if self.role == KVConnectorRole.WORKER:
             return self._worker.take_increments()
         skipped = self._scheduler.take_stats()

@@ -12,7 +12,13 @@ Prometheus logger, adds them to these counters:
   (label ``tier``), ``kvreuse:module_drops_total``;
 * ``kvreuse:module_splice_skipped_total`` (label ``reason``, see ``kvreuse.modules.splice.SkipReason``) and
   ``kvreuse:module_writes_refused_total`` (label ``reason``, see ``kvreuse.vllm.modules.scheduler.WriteRefusal``),
+  counted by the scheduler side;
+* ``kvreuse:module_shadow_checks_total`` and ``kvreuse:module_shadow_agreed_total``: shadow pairs compared (a
+  spliced request and its full-prefill copy, ``kvreuse.vllm.modules.shadow``) and those whose first tokens agreed,
   counted by the scheduler side.
+
+Every counter of :data:`STARTUP_KEYS` shows on ``/metrics`` at 0 from the engine's start (a Prometheus counter with
+labels shows nothing until a child is made), so an operator can tell "none yet" from "not counted".
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from kvreuse.modules.splice import SkipReason
 from kvreuse.modules.store import StoreFigures
 
 # Stats name -> (Prometheus name, documentation, label name or None). A labelled counter's stats keys are
@@ -54,6 +61,16 @@ MODULE_COUNTERS: dict[str, tuple[str, str, str | None]] = {
         "nonces_full), or malformed parameters",
         "reason",
     ),
+    "shadow_checks": (
+        "kvreuse:module_shadow_checks_total",
+        "Shadow pairs compared: a spliced request and the same prompt computed in full",
+        None,
+    ),
+    "shadow_agreed": (
+        "kvreuse:module_shadow_agreed_total",
+        "Shadow pairs whose first output tokens agreed with full prefill's",
+        None,
+    ),
 }
 
 
@@ -65,3 +82,11 @@ def module_counter_values(figures: Any, store: StoreFigures) -> dict[str, int]:
         for label, value in getattr(store, name).items():
             out[f"{name}:{label}"] = value
     return out
+
+
+# Stats keys whose counters show at 0 from start-up: every counter without a label of its own, and the skipped
+# splices by each reason (the other labels' values, tiers and moves, depend on the store's configuration).
+STARTUP_KEYS: tuple[str, ...] = (
+    *(name for name, (_, _, label) in MODULE_COUNTERS.items() if label is None),
+    *(f"splice_skipped:{reason}" for reason in SkipReason),
+)

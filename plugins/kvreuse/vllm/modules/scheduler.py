@@ -43,7 +43,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, TypeVar
 
@@ -53,11 +53,14 @@ from kvreuse.kernels.rerotate import rope_spec_from_hf_config
 from kvreuse.modules.blend import ranking
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.namespace import namespace_label, namespace_of
+from kvreuse.modules.shadow import ShadowPairs
 from kvreuse.modules.splice import (
     Piece,
+    allot_first_tokens,
     block_modules,
     chosen_tokens,
     first_tokens,
+    in_place,
     merge_positions,
     plan_splice,
     run_start,
@@ -81,6 +84,7 @@ from kvreuse.vllm.modules.common import (
     marks_encode,
     recompute_first,
     recompute_share,
+    shadow_half,
     write_verdict,
 )
 from kvreuse.vllm.names import SPARSE_CPU_SWITCH, ConnectorName
@@ -109,9 +113,11 @@ class WriteRefusal(StrEnum):
 @dataclass(frozen=True)
 class _Look:
     """What the scheduler found in a waiting request's prompt, and the entries folded into its block hashes from
-    block ``first_block`` on, with the tokens per module it recomputes (``recompute_first``; ``recompute_share``
-    of each module's ``rankings``, as they were when folded; folded too) and the modules its later tokens attend to
-    with APE (its setting folded into the first block after them)."""
+    block ``first_block`` on, with the tokens per module it recomputes (``recompute_first``, allotted over the
+    spliced run as ``first``; ``recompute_share`` of each module's ``rankings``, as they were when folded; folded
+    too), the modules whose KV is a full prefill's already (``exact``, by prompt position: nothing of them is
+    recomputed) and the modules its later tokens attend to with APE (its setting folded into the first block
+    after them)."""
 
     matches: list[ModuleMatch]
     first_block: int
@@ -120,13 +126,22 @@ class _Look:
     recompute_share: float = 0.0
     rankings: Mapping[Hashable, tuple[int, ...]] = field(default_factory=dict)  # by ModuleKey
     ape: ApeSpans | None = None  # the spliced run's modules and APE's setting, where APE is on
+    first: Mapping[int, int] = field(default_factory=dict)  # module start -> first tokens (allot_first_tokens)
+    exact: frozenset[int] = frozenset()  # starts of the run's modules encoded in place (splice.in_place)
+
+    def first_count(self, module_start: int) -> int:
+        """The first tokens the module at ``module_start`` recomputes: its allotment, or ``recompute_first`` for a
+        module outside the run allotted when the request was folded (vLLM's hit moved past it since)."""
+        return self.first.get(module_start, self.recompute_first)
 
     def recompute(self, pieces: Sequence[Piece]) -> tuple[int, ...]:
-        """Prompt positions of ``pieces`` to recompute: LegoLink's first tokens and the encode-time choice."""
-        first = first_tokens(pieces, self.recompute_first)
+        """Prompt positions of ``pieces`` to recompute: LegoLink's first tokens, as allotted, and the encode-time
+        choice, none of either in a module whose KV is exact."""
+        first = first_tokens(pieces, {piece.module_start: self.first_count(piece.module_start) for piece in pieces})
         if not self.recompute_share:
             return first
-        return merge_positions(first, chosen_tokens(pieces, self.rankings, self.recompute_share))
+        inexact = [piece for piece in pieces if piece.module_start not in self.exact]
+        return merge_positions(first, chosen_tokens(inexact, self.rankings, self.recompute_share))
 
 
 @dataclass(frozen=True)
@@ -170,6 +185,8 @@ class ModuleScheduler:
         self.available: set[ModuleKey] = set()
         # Probed modules: their tokens, most deviating first (kvreuse.modules.blend), for modules.recompute_share.
         self.rankings: dict[ModuleKey, tuple[int, ...]] = {}
+        # Stored modules: the position each was encoded at and its context's fingerprint (splice.in_place).
+        self.placements: dict[ModuleKey, tuple[int, str]] = {}
         self._unranked: set[ModuleKey] = set()  # modules without a ranking that a request asked for (logged once)
         self._looks: dict[str, _Look] = {}
         self._counted: set[str] = set()  # requests whose skipped modules were counted
@@ -188,6 +205,8 @@ class ModuleScheduler:
         self._encodes: dict[str, tuple[ModuleWrite, tuple[int, ...]]] = {}  # req id -> write, prompt
         self.skipped: Counter[str] = Counter()  # modules found but not spliced, by reason (since take_stats)
         self.refused: Counter[str] = Counter()  # encode requests not stored, by WriteRefusal (since take_stats)
+        self.shadows = ShadowPairs()  # finished halves of shadow checks waiting for the other half
+        self.shadow_counts: Counter[str] = Counter()  # shadow_checks, shadow_agreed (since take_stats)
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM (KVConnectorBase_V1.bind_kv_cache_manager)
 
     # -- vLLM's calls ---------------------------------------------------------------------------------------------
@@ -342,6 +361,7 @@ class ModuleScheduler:
         for key in report.dropped:  # first: a module encoded again comes back under a new version, same tokens
             self.trie.remove(key, namespace=key.namespace)
             self.rankings.pop(key, None)
+            self.placements.pop(key, None)
         for key, token_ids in report.stored.items():
             try:
                 self.trie.add(key, token_ids, namespace=key.namespace)
@@ -349,6 +369,8 @@ class ModuleScheduler:
                 logger.error("kvreuse module %r is stored but cannot be found in prompts: %s", key.name, why)
                 continue
             self.available.add(key)
+            if key in report.placed:
+                self.placements[key] = report.placed[key]
             logger.info(
                 "kvreuse module %r of namespace %s (%d tokens) is cached",
                 key.name,
@@ -364,13 +386,29 @@ class ModuleScheduler:
             logger.error("kvreuse module %s was not stored: %s", name, why)
 
     def take_stats(self) -> dict[str, int]:
-        """The skipped-module and refused-write counts since the last call, as stats keys
-        ``splice_skipped:<reason>`` and ``writes_refused:<reason>``."""
+        """The skipped-module, refused-write and shadow-check counts since the last call, as stats keys
+        ``splice_skipped:<reason>``, ``writes_refused:<reason>``, ``shadow_checks`` and ``shadow_agreed``."""
         stats = {f"splice_skipped:{reason}": count for reason, count in self.skipped.items() if count}
         stats.update({f"writes_refused:{reason}": count for reason, count in self.refused.items() if count})
+        stats.update({name: count for name, count in self.shadow_counts.items() if count})
         self.skipped.clear()
         self.refused.clear()
+        self.shadow_counts.clear()
         return stats
+
+    def shadow_finished(self, request: Request) -> None:
+        """``request`` finished: if it is half of a shadow check whose other half finished already, count the check
+        and whether their output tokens agreed (``kvreuse.modules.shadow``)."""
+        try:
+            half = shadow_half(request.kv_transfer_params)
+        except RequestParameterError:  # refused by vLLM's front end; a request that came another way is no check
+            return
+        if half is None:
+            return
+        agreed = self.shadows.finished(half[0], half[1], request.output_token_ids)
+        if agreed is not None:
+            self.shadow_counts["shadow_checks"] += 1
+            self.shadow_counts["shadow_agreed"] += agreed
 
     def finished(self, request_id: str) -> None:
         for state in (self._looks, self._plans, self._writes, self._encodes, self._prompt_lens, self._ape):
@@ -458,30 +496,35 @@ class ModuleScheduler:
         APE changes no module's KV, only that of the tokens after the run, so APE's setting (and the spans) is
         folded into the block holding the first of them: blocks of module tokens alone stay shared with plain
         splices, and every block from there on (its hash chains) is told apart from a plain splice's and another
-        setting's."""
+        setting's.
+
+        ``recompute`` first tokens per module are allotted over that same run (``allot_first_tokens``): a module
+        encoded in place (``in_place``: at the prompt's start with no context, or after the prompt's own tokens)
+        recomputes none, the others share its budget. Each module's count is folded into its blocks."""
         rankings = self._rankings(request, matches, share)
+        available = self.available.__contains__
+        prompt = request.prompt_token_ids or ()
+        run = plan_splice(matches, run_start(matches, first_block * self.block_size, available), stop, available)
+        exact = frozenset(piece.module_start for piece in run if self._in_place(piece, prompt))
+        first = allot_first_tokens(run, recompute, lambda piece: piece.module_start in exact)
         spans = None
         if ape != OFF:
-            available = self.available.__contains__
-            start = run_start(matches, first_block * self.block_size, available)
-            run = plan_splice(matches, start, stop, available)
             ranges = tuple((p.prompt_start, p.prompt_end) for p in run if not (p.prompt_start == 0 and p.offset == 0))
             spans = ApeSpans(ranges, *ape) if ranges else None
+        look = _Look(matches, first_block, frozenset(), recompute, share, rankings, spans, first, exact)
         manager = self.kv_cache_manager
         if manager is None or not vllm_0_32.caches_prefixes(manager):
-            # nothing is cached: no block to tell apart
-            return _Look(matches, first_block, frozenset(), recompute, share, rankings, spans)
+            return look  # nothing is cached: no block to tell apart
         stored = [match for match in matches if match.name in self.available]
         num_blocks = request.num_tokens // self.block_size
         blocks = block_modules(stored, self.block_size, first_block, num_blocks)
-        extra: tuple[str, ...] = (f"recompute_first={recompute}",) if recompute else ()
-        if share:
-            extra += (f"recompute_share={share!r}",)
+        shared: tuple[str, ...] = (f"recompute_share={share!r}",) if share else ()
         keys = {
-            block: tuple(key.identity for key in names)
-            + extra
-            + tuple(_ranking_digest(rankings[key]) for key in names if share and key in rankings)
-            for block, names in blocks.items()
+            block: tuple(match.name.identity for match in found)
+            + tuple(f"recompute_first={look.first_count(m.start)}" for m in found if look.first_count(m.start))
+            + shared
+            + tuple(_ranking_digest(rankings[m.name]) for m in found if share and m.name in rankings)
+            for block, found in blocks.items()
         }
         if spans is not None and spans.after // self.block_size < num_blocks:
             after = spans.after // self.block_size
@@ -493,8 +536,12 @@ class ModuleScheduler:
                 request.request_id,
             )
             return _Look([], first_block, frozenset(), recompute, share)
-        folded = frozenset(key for names in blocks.values() for key in names)
-        return _Look(matches, first_block, folded, recompute, share, rankings, spans)
+        return replace(look, folded=frozenset(match.name for found in blocks.values() for match in found))
+
+    def _in_place(self, piece: Piece, prompt: Sequence[int]) -> bool:
+        """Whether the spliced module of ``piece`` was encoded where it stands, after the prompt's own tokens."""
+        placement = self.placements.get(piece.name)
+        return placement is not None and in_place(placement, piece.module_start, prompt)
 
     def _count_skipped(
         self,

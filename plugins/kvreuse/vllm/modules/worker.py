@@ -260,6 +260,7 @@ class ModuleWorker:
                 self.figures.encode_failures += 1
                 continue
             self._report.stored[module.key] = module.token_ids
+            self._report.placed[module.key] = (module.start, module.context)
             self._known.add(module.key)
             self.figures.modules_encoded += 1
             logger.info(
@@ -306,6 +307,7 @@ class ModuleWorker:
         self._known -= lost
         self._report.dropped |= lost
         self._report.stored = {k: v for k, v in self._report.stored.items() if k not in lost}
+        self._report.placed = {k: v for k, v in self._report.placed.items() if k not in lost}
         report = self._report
         self._report = ModuleCacheWorkerMeta()
         report.scores = {k: v for k, v in report.scores.items() if k not in lost}

@@ -1,0 +1,98 @@
+"""Choosing a splice's recompute setting from a sample of a user's own prompts: the cheapest that keeps a floor.
+
+How much of a spliced prompt must be recomputed for its answers to stay a full prefill's depends on the model and on
+the prompts (their layout, the modules' lengths, what is asked). An adapter runs a sample of the user's prompts once
+with full prefill and once per candidate :class:`Setting`, counts how many give full prefill's answer
+(:class:`Measured`), and :func:`cheapest` picks the setting that computes the fewest prompt tokens among those that
+agree on at least the floor. The sample's agreement is an estimate: :func:`agreement_lower_bound` is the one-sided
+Wilson score bound (Wilson 1927) that the true agreement exceeds with the given confidence, and
+:func:`prompts_needed` the sample size for which a setting that agrees on every sampled prompt is shown to keep the
+floor at that confidence.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from statistics import NormalDist
+
+# recompute_first that recomputes every module token of any prompt vLLM takes (its positions are int32): full
+# prefill's answers, no splice; what calibration gives when no candidate keeps the floor.
+ALL_TOKENS = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A candidate setting of the module cache's recompute: ``modules.recompute_first`` and ``recompute_share``."""
+
+    recompute_first: int
+    recompute_share: float = 0.0
+
+    def transfer_params(self) -> dict[str, int | float]:
+        """The per-request form: a request's ``kv_transfer_params``."""
+        return {"kvreuse_recompute_first": self.recompute_first, "kvreuse_recompute_share": self.recompute_share}
+
+    def additional_config(self) -> dict[str, dict[str, dict[str, int | float]]]:
+        """The engine's form: vLLM's ``--additional-config``."""
+        return {
+            "kvreuse": {"modules": {"recompute_first": self.recompute_first, "recompute_share": self.recompute_share}}
+        }
+
+    def __str__(self) -> str:
+        first = "all" if self.recompute_first == ALL_TOKENS else str(self.recompute_first)
+        return f"recompute_first {first}, recompute_share {self.recompute_share:g}"
+
+
+@dataclass(frozen=True)
+class Measured:
+    """``setting`` gave full prefill's answer for ``agreed`` of ``prompts`` sampled prompts, computing ``computed``
+    of their prompt tokens (0 to 1; the rest came from modules)."""
+
+    setting: Setting
+    agreed: int
+    prompts: int
+    computed: float
+
+    @property
+    def agreement(self) -> float:
+        return self.agreed / self.prompts if self.prompts else 0.0
+
+    def lower_bound(self, confidence: float = 0.95) -> float:
+        return agreement_lower_bound(self.agreed, self.prompts, confidence)
+
+
+def agreement_lower_bound(agreed: int, prompts: int, confidence: float = 0.95) -> float:
+    """The one-sided Wilson score lower bound of an agreement rate seen as ``agreed`` of ``prompts``: the true rate
+    is above it with probability ``confidence`` (0 for no prompts). Wilson's interval keeps its coverage near 0 and 1,
+    where an agreement floor sits, unlike the normal approximation."""
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence {confidence!r} is not between 0 and 1")
+    if not 0 <= agreed <= prompts:
+        raise ValueError(f"{agreed} agreements of {prompts} prompts")
+    if not prompts:
+        return 0.0
+    z = NormalDist().inv_cdf(confidence)
+    p = agreed / prompts
+    centre = p + z * z / (2 * prompts)
+    spread = z * math.sqrt(p * (1 - p) / prompts + z * z / (4 * prompts * prompts))
+    return max(0.0, (centre - spread) / (1 + z * z / prompts))
+
+
+def prompts_needed(floor: float, confidence: float = 0.95) -> int:
+    """How many sampled prompts, all agreeing, show an agreement of at least ``floor`` at ``confidence``: the
+    smallest ``n`` with ``n / (n + z^2) >= floor`` (the Wilson bound at full agreement)."""
+    if not 0.0 < floor < 1.0:
+        raise ValueError(f"agreement floor {floor!r} is not between 0 and 1")
+    z = NormalDist().inv_cdf(confidence)
+    n = math.ceil(floor * z * z / (1 - floor))
+    return n if agreement_lower_bound(n, n, confidence) >= floor else n + 1
+
+
+def cheapest(measured: Sequence[Measured], min_agreement: float) -> Measured | None:
+    """The measured setting that computes the fewest prompt tokens among those whose sampled agreement is at least
+    ``min_agreement`` (0 to 1); on a tie, the one listed first. ``None`` where none keeps the floor."""
+    if not 0.0 <= min_agreement <= 1.0:
+        raise ValueError(f"agreement floor {min_agreement!r} is not between 0 and 1")
+    keeping = [m for m in measured if m.agreement >= min_agreement]
+    return min(keeping, key=lambda m: m.computed) if keeping else None
