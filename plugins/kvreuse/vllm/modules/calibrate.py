@@ -25,6 +25,7 @@ from kvreuse.modules.calibrate import (
     cheapest,
     prompts_needed,
 )
+from kvreuse.patches import vllm_0_32
 
 FIRSTS = (0, 16, 32, 64)  # recompute_first candidates: the plain splice to a quarter of a ~250-token module
 
@@ -168,4 +169,4 @@ def calibrate_in_new_engine(
         encode_modules(llm, modules, probe=probe_ids)
         return calibrate_modules(llm, prompts, min_agreement, shares=shares)
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        vllm_0_32.shutdown_llm(llm)
