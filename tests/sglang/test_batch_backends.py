@@ -49,8 +49,8 @@ def sglang_server(cache_report: bool, cached: dict[str, int], seen: list[dict]) 
 
 def test_an_sglang_server_url_works_and_reports_cached_tokens_with_enable_cache_report():
     seen: list[dict] = []
-    backend = OpenAIServerBackend(
-        "http://127.0.0.1:30000", concurrency=1, transport=sglang_server(True, {"ab": 0, "abc": 2}, seen)
+    backend = OpenAIServerBackend(  # raw text (--raw): the completions endpoint, which reports cached tokens
+        "http://127.0.0.1:30000", concurrency=1, chat=False, transport=sglang_server(True, {"ab": 0, "abc": 2}, seen)
     )
     got = backend.generate(["ab", "abc"], max_tokens=4)
     assert got == [Completion("<ab>", 2, 0), Completion("<abc>", 3, 2)]
@@ -59,7 +59,7 @@ def test_an_sglang_server_url_works_and_reports_cached_tokens_with_enable_cache_
 
 
 def test_without_enable_cache_report_cached_tokens_are_unknown():
-    backend = OpenAIServerBackend("http://127.0.0.1:30000", transport=sglang_server(False, {"ab": 2}, []))
+    backend = OpenAIServerBackend("http://127.0.0.1:30000", chat=False, transport=sglang_server(False, {"ab": 2}, []))
     assert backend.generate(["ab"], max_tokens=4) == [Completion("<ab>", 2, None)]
 
 
