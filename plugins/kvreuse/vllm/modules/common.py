@@ -177,10 +177,18 @@ def check_transfer_params(params: object) -> None:
     recompute_share(params, 0.0)
     ape_setting(params, OFF)
     shadow_half(params)
-    if not marks_encode(params):
-        return
+    if marks_encode(params):
+        write_fields(params)
+
+
+def write_fields(params: Mapping[str, Any]) -> tuple[str, int, bool, bool]:
+    """An encode request's ``(name, context, replace, probe)``, each of its type and within the bounds that do not
+    depend on the prompt (a context of at most :data:`MAX_TOKENS`; :func:`encode_request` adds the prompt's).
+
+    Raises :class:`RequestParameterError` naming the field.
+    """
     try:
-        check_module_name(params[ENCODE_MODULE])
+        name = check_module_name(params[ENCODE_MODULE])
     except ModuleRegistrationError as why:
         raise RequestParameterError(f"{FIELD}.{ENCODE_MODULE}", f"{ENCODE_MODULE}: {why}") from None
     context = params.get(ENCODE_CONTEXT, 0)
@@ -190,9 +198,11 @@ def check_transfer_params(params: object) -> None:
             f"{ENCODE_CONTEXT} must be an integer from 0 to {MAX_TOKENS} (tokens before the module), got "
             f"{_shown(context)}",
         )
-    for flag in (ENCODE_REPLACE, ENCODE_PROBE):
-        if not isinstance(params.get(flag, False), bool):
-            raise RequestParameterError(f"{FIELD}.{flag}", f"{flag} must be true or false, got {_shown(params[flag])}")
+    replace, probe = params.get(ENCODE_REPLACE, False), params.get(ENCODE_PROBE, False)
+    for flag, value in ((ENCODE_REPLACE, replace), (ENCODE_PROBE, probe)):
+        if not isinstance(value, bool):
+            raise RequestParameterError(f"{FIELD}.{flag}", f"{flag} must be true or false, got {_shown(value)}")
+    return name, context, replace, probe
 
 
 def transfer_params_refusal(params: object) -> tuple[str, str] | None:
@@ -242,22 +252,18 @@ def encode_request(params: object, num_prompt_tokens: int, namespace: str = GLOB
     if not marks_encode(params):
         return None
     assert isinstance(params, Mapping)
-    name = check_module_name(params[ENCODE_MODULE])
-    context = params.get(ENCODE_CONTEXT, 0)
-    if isinstance(context, bool) or not isinstance(context, int) or not 0 <= context < num_prompt_tokens:
+    try:
+        name, context, replace, probe = write_fields(params)
+    except RequestParameterError as why:
+        raise ModuleRegistrationError(str(why)) from None
+    if context >= num_prompt_tokens:
         raise ModuleRegistrationError(
             f"{ENCODE_CONTEXT} of module {name!r} must be an integer in "
             f"0..{num_prompt_tokens - 1} (the prompt has {num_prompt_tokens} tokens), "
-            f"got {repr(context)[:32]}"
+            f"got {context}"
         )
-    replace = params.get(ENCODE_REPLACE, False)
-    if not isinstance(replace, bool):
-        raise ModuleRegistrationError(f"{ENCODE_REPLACE} of module {name!r} must be true or false")
-    probe = params.get(ENCODE_PROBE, False)
-    if not isinstance(probe, bool) or (probe and replace):
-        raise ModuleRegistrationError(
-            f"{ENCODE_PROBE} of module {name!r} must be true or false, and a probe replaces nothing"
-        )
+    if probe and replace:
+        raise ModuleRegistrationError(f"{ENCODE_PROBE} of module {name!r}: a probe replaces nothing")
     return ModuleWrite(name, context, namespace, replace, probe)
 
 

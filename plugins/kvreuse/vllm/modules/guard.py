@@ -49,13 +49,7 @@ from kvreuse.modules.writes import (
     write_proof,
 )
 from kvreuse.patches import vllm_0_32
-from kvreuse.vllm.modules.common import (
-    ENCODE_CONTEXT,
-    ENCODE_MODULE,
-    ENCODE_PROBE,
-    ENCODE_REPLACE,
-    check_transfer_params,
-)
+from kvreuse.vllm.modules.common import ENCODE_MODULE, check_transfer_params, write_fields
 
 logger = logging.getLogger("vllm.plugins.kvreuse")
 
@@ -151,16 +145,19 @@ class ModuleWriteGuard:
         salt = document.get("cache_salt") if isinstance(document, dict) else None
         namespace = salt if isinstance(salt, str) and salt else GLOBAL
         for params in writes:
-            name, context, replace = (
-                params[ENCODE_MODULE],
-                params.get(ENCODE_CONTEXT, 0),
-                params.get(ENCODE_REPLACE, False),
-            )  # checked above (check_transfer_params)
-            params[WRITE_PROOF] = self._prove(document, params, name, context, namespace, replace)
+            name, context, replace, probe = write_fields(params)  # passed check_transfer_params above
+            params[WRITE_PROOF] = self._prove(document, params, name, context, namespace, replace, probe)
         return json.dumps(document).encode()
 
     def _prove(
-        self, document: Any, params: dict[str, Any], name: str, context: int, namespace: str, replace: bool
+        self,
+        document: Any,
+        params: dict[str, Any],
+        name: str,
+        context: int,
+        namespace: str,
+        replace: bool,
+        probe: bool,
     ) -> str:
         """The write's proof, naming the token ids the engine will compute: the body's top-level ``prompt``, which
         must be a list of token ids for the body's own (top-level) ``kv_transfer_params``; 400 otherwise."""
@@ -183,7 +180,6 @@ class ModuleWriteGuard:
                 "a module write is a completion whose prompt is token ids (the context's, then the module's): its "
                 "proof names the token ids the engine computes, and text would be tokenized after the proof is made",
             )
-        probe = bool(params.get(ENCODE_PROBE, False))  # a boolean: check_transfer_params
         return write_proof(self.key, WriteClaim(name, context, namespace, replace, probe, content_digest(prompt)))
 
 
