@@ -18,6 +18,7 @@ from kvreuse.modules.splice import Piece, chosen_tokens, merge_positions, piece_
 from kvreuse.modules.store import EncodedModule, ModuleKey
 from kvreuse.vllm.modules.common import (
     ModuleCacheWorkerMeta,
+    check_transfer_params,
     encode_params,
     encode_request,
     recompute_share,
@@ -92,6 +93,9 @@ def test_a_probe_is_an_encode_request_that_replaces_nothing():
     assert not encode_request(encode_params("doc", 3), 10).probe
     with pytest.raises(ModuleRegistrationError, match="a probe replaces nothing"):
         encode_request(encode_params("doc", 3, replace=True, probe=True), 10)
+    with pytest.raises(RequestParameterError, match="a probe replaces nothing") as refused:
+        check_transfer_params(encode_params("doc", 3, replace=True, probe=True))
+    assert refused.value.field == "kv_transfer_params.kvreuse_probe"
     with pytest.raises(ModuleRegistrationError, match="kvreuse_probe"):
         encode_request({"kvreuse_module": "doc", "kvreuse_probe": "yes"}, 10)
 

@@ -182,8 +182,9 @@ def check_transfer_params(params: object) -> None:
 
 
 def write_fields(params: Mapping[str, Any]) -> tuple[str, int, bool, bool]:
-    """An encode request's ``(name, context, replace, probe)``, each of its type and within the bounds that do not
-    depend on the prompt (a context of at most :data:`MAX_TOKENS`; :func:`encode_request` adds the prompt's).
+    """An encode request's ``(name, context, replace, probe)``, each of its type, not both ``replace`` and ``probe``
+    (a probe measures the stored entry and writes nothing), and within the bounds that do not depend on the prompt
+    (a context of at most :data:`MAX_TOKENS`; :func:`encode_request` adds the prompt's).
 
     Raises :class:`RequestParameterError` naming the field.
     """
@@ -202,6 +203,11 @@ def write_fields(params: Mapping[str, Any]) -> tuple[str, int, bool, bool]:
     for flag, value in ((ENCODE_REPLACE, replace), (ENCODE_PROBE, probe)):
         if not isinstance(value, bool):
             raise RequestParameterError(f"{FIELD}.{flag}", f"{flag} must be true or false, got {_shown(value)}")
+    if probe and replace:
+        raise RequestParameterError(
+            f"{FIELD}.{ENCODE_PROBE}",
+            f"{ENCODE_PROBE} of module {name!r}: a probe replaces nothing ({ENCODE_REPLACE} must be false)",
+        )
     return name, context, replace, probe
 
 
@@ -262,8 +268,6 @@ def encode_request(params: object, num_prompt_tokens: int, namespace: str = GLOB
             f"0..{num_prompt_tokens - 1} (the prompt has {num_prompt_tokens} tokens), "
             f"got {context}"
         )
-    if probe and replace:
-        raise ModuleRegistrationError(f"{ENCODE_PROBE} of module {name!r}: a probe replaces nothing")
     return ModuleWrite(name, context, namespace, replace, probe)
 
 
