@@ -27,16 +27,12 @@ import argparse
 import json
 import math
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +40,9 @@ from typing import Any
 import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration_tests"))
+from served import healthy, vllm_serve  # noqa: E402  (a server for tests and benchmarks alike)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SERVED = "smollm2"
@@ -215,13 +214,6 @@ def greedy_text(url: str, prompt: str, salt: str, max_tokens: int = 8) -> str:
     return str(response.json()["choices"][0]["text"])
 
 
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=10).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
 def register_module(url: str) -> None:
     """The operator's global module, written with the module-write key (after no context): a write's prompt is
     token ids (its proof names them), from the server's own tokenizer."""
@@ -305,7 +297,7 @@ def run_campaign(
         failed = status >= 500 or status == 0
         figures.server_errors += status >= 500
         figures.transport_errors += status == 0
-        if not (alive() and healthy(url)):
+        if not (alive() and healthy(url, timeout_s=10)):
             figures.server_deaths += 1
             failed = True
         if failed and len(figures.examples) < 5:
@@ -338,36 +330,6 @@ def _shown(params: Any) -> Any:
 # -- the benchmark ------------------------------------------------------------------------------------------------
 
 
-@contextmanager
-def served(arguments: Sequence[str], env: Mapping[str, str], scratch: Path) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``(url, process)`` of ``vllm serve`` on a free port, run in ``scratch`` (never the repository root, where
-    ``triton_kernels/`` would shadow the package vLLM probes for), stopped with its engine processes after."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log = (scratch / f"server-{port}.log").open("w")
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen(
-        [*command, *arguments], stdout=log, stderr=subprocess.STDOUT, cwd=scratch, env=dict(env), start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 900
-        while not healthy(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve did not start; see {log.name}")
-            time.sleep(2)
-        yield url, process
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        log.close()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=1000, help="fuzz requests at most (default 1000)")
@@ -383,9 +345,9 @@ def main() -> None:
             *("--kv-cache-memory-bytes", str(256 << 20), "--dtype", "float32", "--max-model-len", "1024"),
             *("--seed", "0", "--api-key", API_KEY),
         ]
-        with served(stock_arguments, os.environ, Path(scratch)) as (url, _):
+        with vllm_serve(stock_arguments, Path(scratch)) as (url, _):
             stock = victim_baseline(url)
-        with served(serve_arguments(model), serve_environment(), Path(scratch)) as (url, process):
+        with vllm_serve(serve_arguments(model), Path(scratch), serve_environment()) as (url, process):
             register_module(url)
             baseline = victim_baseline(url)
             figures = run_campaign(

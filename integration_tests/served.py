@@ -1,6 +1,8 @@
-"""``vllm serve`` for a test: start it on a free port, wait until it answers, stop it and its children after.
+"""``vllm serve`` for a test or a benchmark: start it on a free port, wait until it answers, stop it and its
+children after.
 
-Kept out of ``conftest.py`` so tests can import it by a name that no other test folder's module shadows.
+Kept out of ``conftest.py`` so tests can import it by a name that no other test folder's module shadows; benchmarks
+import it too (``benchmarks/request_fuzz.py``), so it does not depend on pytest.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import pytest
 
 # Only bounds a failure: the real model on a loaded 2-core machine can take minutes to start.
 START_TIMEOUT_S = 600
@@ -28,19 +29,20 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def healthy(url: str) -> bool:
+def healthy(url: str, timeout_s: float = 2) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        return httpx.get(f"{url}/health", timeout=timeout_s).status_code == 200
     except httpx.TransportError:
         return False
 
 
 def wait_until_healthy(url: str, process: subprocess.Popen, log: Path) -> None:
-    """Return once ``url`` answers; fail the test with the end of ``log`` if the process exits or time runs out."""
+    """Return once ``url`` answers; raise ``RuntimeError`` with the end of ``log`` if the process exits or time runs
+    out."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while not healthy(url):
         if process.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"the server did not start:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"the server did not start:\n{log.read_text()[-3000:]}")
         time.sleep(1)
 
 
