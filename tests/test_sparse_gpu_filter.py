@@ -10,6 +10,8 @@ and 150 tokens scattered over a shuffled block pool.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from numerics import DEVICE, assert_close_to_exact, settled_dipr_selection
@@ -271,3 +273,32 @@ def test_the_backend_runs_dense_steps_as_one_kernel_call_and_dipr_decodes_throug
     query, _, _, batch = engine.step([1, 1])
     engine.attend(1, query, batch)
     assert calls == [(2, 1, KV_HEADS)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_the_filter_and_its_tables_replay_from_a_cuda_graph_with_new_queries():
+    """The path a GPU engine captures in its decode graphs: the scan, the mask and the tables (and FlashAttention
+    where it runs), replayed on new queries, give what an eager run gives."""
+    query, keys, values, sketch, table, seq_lens = paged(LENS, torch.float16, peaked=True, seed=8)
+    kernel = flash_attention() or (lambda *args: None)  # without FlashAttention: the scan and the tables alone
+    decode = FilteredDecode(
+        Q_HEADS, KV_HEADS, DIM, BLOCK, SCALE, max_seqs=MAX_SEQS, max_blocks=MAX_BLOCKS, kernel=kernel
+    )
+    step_query, out = query.clone(), torch.empty_like(query)
+    run = partial(decode.run, step_query, keys, values, sketch, seq_lens, table, max(LENS), 2.0, SINK, LOCAL, out)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # compiles the scan and makes the buffers, off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        counts = run()
+    for seed in (1, 2):
+        step_query.copy_(torch.randn(query.shape, generator=torch.Generator().manual_seed(seed)).to(query))
+        graph.replay()
+        assert decode.tables is not None
+        replayed = (decode.tables.block_table.clone(), counts.blocks_read.clone(), out.clone())
+        eager = run()
+        assert torch.equal(replayed[0], decode.tables.block_table) and torch.equal(replayed[1], eager.blocks_read)
+        assert torch.equal(replayed[2], out)
