@@ -211,6 +211,18 @@ def test_a_step_reuses_the_buffers_it_hands_the_kernel():
     assert decode.filter is first_filter
 
 
+def test_an_engine_table_wider_than_the_buffers_is_read_up_to_the_steps_longest_sequence():
+    query, keys, values, sketch, table, seq_lens = paged(LENS, torch.float32, peaked=True)
+    wide = torch.cat([table, torch.zeros(len(LENS), 40, dtype=torch.int32, device=DEVICE)], dim=1)  # 52 columns
+    narrow_out, wide_out = torch.empty_like(query), torch.empty_like(query)
+    for t, out in ((table, narrow_out), (wide, wide_out)):
+        decode = FilteredDecode(
+            Q_HEADS, KV_HEADS, DIM, BLOCK, SCALE, max_seqs=MAX_SEQS, max_blocks=10, kernel=paged_attention_reference
+        )
+        decode.run(query, keys, values, sketch, seq_lens, t, max(LENS), 2.0, SINK, LOCAL, out)
+    assert torch.equal(narrow_out, wide_out)
+
+
 def test_a_batch_larger_than_the_buffers_is_refused_naming_the_limit():
     query, keys, values, sketch, table, seq_lens = paged(LENS, torch.float32)
     decode = FilteredDecode(

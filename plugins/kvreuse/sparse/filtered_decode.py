@@ -159,6 +159,9 @@ class FilteredDecode:
             f"query {list(query.shape)} and out {list(out.shape)} must be contiguous and alike",
         )
         block_filter, tables = self._buffers(query.device)
+        # the engine's table may be wider than any sequence of the step (and than the buffers): its first columns
+        # hold every block a sequence has
+        block_table = block_table[:, : min(block_table.shape[1], -(-max_seq_len // self.block_size))]
         read = block_filter.run(query, sketch, seq_lens, block_table, beta, sink, local)
         keys, per_block = one_head_view(key_cache)
         values, value_per_block = one_head_view(value_cache)
