@@ -20,7 +20,7 @@ from test_sparse_kernels import BLOCK, DIM, KV_HEADS, LENS, LOCAL, Q_HEADS, SINK
 from kvreuse.kernels.block_filter import DIPRBlockFilter
 from kvreuse.kernels.dipr_decode import dense_decode_reference, dipr_selection_reference, masked_decode_reference
 from kvreuse.sparse.filtered_decode import FilteredDecode, paged_attention_reference
-from kvreuse.sparse.pruned import FlatPrunedTables, one_head_view
+from kvreuse.sparse.pruned import one_head_view, prune_block_table
 
 SCALE = DIM**-0.5
 MAX_SEQS, MAX_BLOCKS = 8, 16
@@ -71,15 +71,30 @@ def block_filter(block: int = BLOCK) -> DIPRBlockFilter:
 @pytest.mark.parametrize("beta", [0.5, 2.0, 4.0, float("inf")])
 def test_the_scan_reads_exactly_the_blocks_of_the_reference(peaked, beta):
     query, keys, _, sketch, table, seq_lens = paged(LENS, torch.float32, peaked=peaked, seed=2)
-    read = block_filter().run(query, sketch, seq_lens, table, beta, SINK, LOCAL)
+    read = block_filter().run(query, sketch, seq_lens, table, beta, SINK, LOCAL, KV_HEADS).read
     selection = settled_dipr_selection(query, keys, sketch, table, seq_lens, beta, SCALE, SINK, LOCAL)
     assert torch.equal(read, read_of(selection, len(LENS), table.shape[1]))
+
+
+@pytest.mark.parametrize("beta", [0.5, 2.0])
+def test_a_group_of_three_query_heads_per_kv_head_reads_the_blocks_of_the_reference(beta):
+    # SmolLM2's shape: 3 query heads per KV head, so the kernels' tile of the group has a padding row
+    query, keys, _, sketch, table, seq_lens = paged(LENS, torch.float32, peaked=True, seed=2)
+    pairs = query.view(len(LENS), KV_HEADS, 2, DIM)  # each KV head's two planted queries, and a third between them
+    query = torch.cat([pairs, pairs.mean(2, keepdim=True)], dim=2).view(len(LENS), 3 * KV_HEADS, DIM)
+    scan = DIPRBlockFilter(
+        3 * KV_HEADS, KV_HEADS, DIM, BLOCK, scale=SCALE, max_seqs=MAX_SEQS, max_blocks=MAX_BLOCKS, device=DEVICE
+    )
+    read = scan.run(query, sketch, seq_lens, table, beta, SINK, LOCAL, KV_HEADS).read
+    selection = settled_dipr_selection(query, keys, sketch, table, seq_lens, beta, SCALE, SINK, LOCAL)
+    assert torch.equal(read, read_of(selection, len(LENS), table.shape[1]))
+    assert not bool(read[2, :, : -(-LENS[2] // BLOCK)].all())  # something pruned: a padding row reading all would show
 
 
 @pytest.mark.parametrize(("peaked", "beta"), [(False, 0.25), (False, 0.5), (True, 2.0), (True, 4.0)])
 def test_every_block_holding_a_key_within_beta_of_the_largest_is_read(peaked, beta):
     query, keys, _, sketch, table, seq_lens = paged(LENS, torch.float16, peaked=peaked, seed=4)
-    read = block_filter().run(query, sketch, seq_lens, table, beta, SINK, LOCAL)
+    read = block_filter().run(query, sketch, seq_lens, table, beta, SINK, LOCAL, KV_HEADS).read
     selection = settled_dipr_selection(query, keys, sketch, table, seq_lens, beta, SCALE, SINK, LOCAL)
     pruned_any = False
     for i, exact in enumerate(selection.exact):  # [q_heads, seq_len]: the tokens within beta of the largest
@@ -95,38 +110,37 @@ def test_every_block_holding_a_key_within_beta_of_the_largest_is_read(peaked, be
 def test_the_mask_is_false_past_each_sequence_and_ignores_stale_bounds_of_a_longer_batch():
     query, _, _, sketch, table, seq_lens = paged(LENS, torch.float32, peaked=True)
     scan = block_filter()
-    scan.run(query, sketch, seq_lens, table, 0.5, SINK, LOCAL)  # a step that fills the upper bounds of 10 blocks
+    scan.run(query, sketch, seq_lens, table, 0.5, SINK, LOCAL, KV_HEADS)  # fills the bounds and mask of 10 blocks
     short = torch.tensor([20, 20, 20], dtype=torch.int32, device=DEVICE)
-    read = scan.run(query, sketch, short, table, 0.5, SINK, LOCAL)
+    read = scan.run(query, sketch, short, table, 0.5, SINK, LOCAL, KV_HEADS).read
     assert read[:, :, 2:].sum() == 0 and read[:, :, :2].all()  # 2 blocks, both in the window
 
 
 # ------------------------------------------------------------------------------------------------------ the tables
 
 
-def test_flat_tables_list_each_sequence_and_kv_heads_read_blocks_in_order_as_blocks_of_the_one_head_view():
-    g = torch.Generator().manual_seed(7)
-    lens = torch.tensor([1, 37, 150, 64], dtype=torch.int32)
-    width = 12
-    table = torch.randperm(60, generator=g)[: 4 * width].view(4, width).to(torch.int32)
-    read = torch.rand(4, KV_HEADS, width, generator=g) < 0.5
-    n_blocks = (lens + BLOCK - 1) // BLOCK
-    read &= torch.arange(width)[None, None, :] < n_blocks[:, None, None]
-    cache = torch.randn(60, BLOCK, KV_HEADS, DIM, generator=g)
-    view, per_block = one_head_view(cache)
-    tables = FlatPrunedTables(MAX_SEQS, KV_HEADS, MAX_BLOCKS, "cpu")
-    block_table, seq_lens, starts, kept = tables.fill(read, table, lens, BLOCK, per_block)
-    assert torch.equal(starts, torch.arange(4 * KV_HEADS + 1, dtype=torch.int32))
-    for i in range(4):
+@pytest.mark.parametrize("beta", [0.25, float("inf")])
+def test_the_tables_list_each_sequence_and_kv_heads_read_blocks_in_order_as_blocks_of_the_one_head_view(beta):
+    query, keys, _, sketch, table, seq_lens = paged(LENS, torch.float32, seed=3)
+    view, per_block = one_head_view(keys)
+    tables = block_filter().run(query, sketch, seq_lens, table, beta, SINK, LOCAL, per_block)
+    read = tables.read.cpu()
+    assert torch.equal(tables.query_start_loc.cpu(), torch.arange(len(LENS) * KV_HEADS + 1, dtype=torch.int32))
+    pruned = prune_block_table(read, table.cpu(), seq_lens.cpu(), BLOCK)  # the PyTorch construction
+    mixed = False
+    for i, n in enumerate(LENS):
+        n_blocks = -(-n // BLOCK)
         for h in range(KV_HEADS):
             row = i * KV_HEADS + h
-            blocks = [int(table[i, j]) for j in range(width) if read[i, h, j]]  # row by row
-            last = int(n_blocks[i]) - 1
-            length = len(blocks) * BLOCK - (int(n_blocks[i]) * BLOCK - int(lens[i])) * bool(read[i, h, last])
-            assert int(kept[i, h]) == len(blocks) and int(seq_lens[row]) == length, (i, h)
-            assert block_table[row, : len(blocks)].tolist() == [b * per_block + h for b in blocks], (i, h)
+            blocks = [int(table[i, j]) for j in range(n_blocks) if read[i, h, j]]  # row by row
+            length = len(blocks) * BLOCK - (n_blocks * BLOCK - n) * bool(read[i, h, n_blocks - 1])
+            assert int(tables.kept[row]) == len(blocks) == int(pruned.kept[h, i]), (i, h)
+            assert int(tables.seq_lens[row]) == length == int(pruned.seq_lens[h, i]), (i, h)
+            assert tables.block_table[row, : len(blocks)].tolist() == [b * per_block + h for b in blocks], (i, h)
             for j, b in enumerate(blocks):  # the view's block is KV head h of block b
-                assert torch.equal(view[block_table[row, j], :, 0], cache[b, :, h]), (i, h, j)
+                assert torch.equal(view[tables.block_table[row, j], :, 0], keys[b, :, h]), (i, h, j)
+            mixed |= 0 < len(blocks) < n_blocks
+    assert mixed == (beta < float("inf"))  # a finite beta prunes some rows' blocks, not all: the lists are tested
 
 
 def test_the_one_head_view_addresses_vllms_gpu_layout_with_padded_pages():
@@ -309,8 +323,8 @@ def test_the_filter_and_its_tables_replay_from_a_cuda_graph_with_new_queries():
     for seed in (1, 2):
         step_query.copy_(torch.randn(query.shape, generator=torch.Generator().manual_seed(seed)).to(query))
         graph.replay()
-        assert decode.tables is not None
-        replayed = (decode.tables.block_table.clone(), counts.blocks_read.clone(), out.clone())
+        assert decode.filter is not None
+        replayed = (decode.filter.block_table.clone(), counts.blocks_read.clone(), out.clone())
         eager = run()
-        assert torch.equal(replayed[0], decode.tables.block_table) and torch.equal(replayed[1], eager.blocks_read)
+        assert torch.equal(replayed[0], decode.filter.block_table) and torch.equal(replayed[1], eager.blocks_read)
         assert torch.equal(replayed[2], out)

@@ -1,13 +1,14 @@
 """DIPR as a filter in front of an engine's own GPU paged attention kernel (FlashAttention's varlen paged call, as
 vLLM's FLASH_ATTN backend makes it), engine-free.
 
-Per step and layer, one launch path: the sketch scan decides which blocks each (sequence, KV head) reads
-(``kvreuse.kernels.block_filter.DIPRBlockFilter``), ``FlatPrunedTables`` turns that into one block table row per
-(sequence, KV head) over a one-KV-head view of the cache (``one_head_view``: vLLM's GPU layout keeps a token's KV
-heads in one row, so KV head ``h`` of block ``b`` is the view's block ``b * per_block + h``), and the engine's kernel
-attends, in one call, the ``n * kv`` rows, each with the ``group`` query heads of its KV head and its own pruned
-block table. Every buffer is made once (for the engine's largest batch and context) and filled in place on the
-device; no step reads anything back to the host, so the whole path can be captured in a CUDA graph.
+Per step and layer, one launch path of three launches: the sketch scan bounds every token's logit, one kernel
+turns the bounds into the blocks each (sequence, KV head) reads and into one block-table row per (sequence, KV
+head) (``kvreuse.kernels.block_filter.DIPRBlockFilter``), over a one-KV-head view of the cache (``one_head_view``:
+vLLM's GPU layout keeps a token's KV heads in one row, so KV head ``h`` of block ``b`` is the view's block ``b *
+per_block + h``), and the engine's kernel attends, in one call, the ``n * kv`` rows, each with the ``group`` query
+heads of its KV head and its own pruned block table. Every buffer is made once (for the engine's largest batch and
+context) and filled in place on the device; no step reads anything back to the host, so the whole path can be
+captured in a CUDA graph.
 
 The kernel is a ``PagedDecodeKernel``: vLLM's FlashAttention on a CUDA build (``kvreuse.patches.vllm_0_32``), or,
 where no CUDA kernel exists, ``paged_attention_reference`` (PyTorch, same arguments), which tests use on CPU tensors.
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from kvreuse.errors import check_kernel_argument as _check
-from kvreuse.sparse.pruned import FlatPrunedTables, one_head_view
+from kvreuse.sparse.pruned import one_head_view
 
 if TYPE_CHECKING:  # the kernels' modules import Triton, needed only at call time
     from kvreuse.kernels.block_filter import DIPRBlockFilter
@@ -85,7 +86,8 @@ def paged_attention_reference(
 @dataclass(frozen=True)
 class FilteredCounts:
     """What one filtered decode read: ``blocks_read[n, kv]`` (blocks each KV head read) and ``tokens_attended[n,
-    kv]`` (the tokens of those blocks: the kernel attends every one), on the device."""
+    kv]`` (the tokens of those blocks: the kernel attends every one), int32 on the device; views of the filter's
+    buffers, valid until its next run."""
 
     blocks_read: torch.Tensor
     tokens_attended: torch.Tensor
@@ -118,10 +120,9 @@ class FilteredDecode:
         self.max_seqs, self.max_blocks = max_seqs, max_blocks
         self.kernel = kernel
         self.filter: DIPRBlockFilter | None = None
-        self.tables: FlatPrunedTables | None = None
 
-    def _buffers(self, device: torch.device) -> tuple[DIPRBlockFilter, FlatPrunedTables]:
-        if self.filter is None or self.tables is None:
+    def _filter(self, device: torch.device) -> DIPRBlockFilter:
+        if self.filter is None:
             from kvreuse.kernels.block_filter import DIPRBlockFilter
 
             self.filter = DIPRBlockFilter(
@@ -134,8 +135,7 @@ class FilteredDecode:
                 max_blocks=self.max_blocks,
                 device=device,
             )
-            self.tables = FlatPrunedTables(self.max_seqs, self.num_kv_heads, self.max_blocks, device)
-        return self.filter, self.tables
+        return self.filter
 
     def run(
         self,
@@ -158,11 +158,6 @@ class FilteredDecode:
             query.is_contiguous() and out.is_contiguous() and out.shape == query.shape,
             f"query {list(query.shape)} and out {list(out.shape)} must be contiguous and alike",
         )
-        block_filter, tables = self._buffers(query.device)
-        # the engine's table may be wider than any sequence of the step (and than the buffers): its first columns
-        # hold every block a sequence has
-        block_table = block_table[:, : min(block_table.shape[1], -(-max_seq_len // self.block_size))]
-        read = block_filter.run(query, sketch, seq_lens, block_table, beta, sink, local)
         keys, per_block = one_head_view(key_cache)
         values, value_per_block = one_head_view(value_cache)
         _check(
@@ -170,7 +165,10 @@ class FilteredDecode:
             f"key and value caches (strides {list(key_cache.stride())}, {list(value_cache.stride())}) must have the "
             f"same page layout, with fewer than 2^31 one-head blocks",
         )
-        table, lens, starts, kept = tables.fill(read, block_table, seq_lens, self.block_size, per_block)
+        # the engine's table may be wider than any sequence of the step (and than the buffers): its first columns
+        # hold every block a sequence has
+        block_table = block_table[:, : min(block_table.shape[1], -(-max_seq_len // self.block_size))]
+        tables = self._filter(query.device).run(query, sketch, seq_lens, block_table, beta, sink, local, per_block)
         n = len(seq_lens)
         rows = n * self.num_kv_heads
         self.kernel(
@@ -178,11 +176,11 @@ class FilteredDecode:
             keys,
             values,
             out.view(rows, self.group, self.head_dim),
-            starts,
-            lens,
+            tables.query_start_loc,
+            tables.seq_lens,
             1,
             max_seq_len,
-            table,
+            tables.block_table,
             self.scale,
         )
-        return FilteredCounts(kept, lens.view(n, self.num_kv_heads).clone())
+        return FilteredCounts(tables.kept.view(n, self.num_kv_heads), tables.seq_lens.view(n, self.num_kv_heads))

@@ -86,38 +86,3 @@ def one_head_view(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
         cache.storage_offset(),
     )
     return view, per_block
-
-
-class FlatPrunedTables:
-    """The pruned tables of a decode batch as one kernel call over (sequence, KV head) rows of a one-head cache view
-    (``one_head_view``), in buffers made once for ``max_seqs`` sequences of at most ``max_blocks`` blocks.
-
-    Row ``i * kv_heads + h`` is KV head ``h`` of sequence ``i``: its ``block_table`` lists the view's blocks
-    ``b * per_block + h`` of the blocks ``b`` it reads (``prune_block_table``'s order), ``seq_lens`` counts their
-    tokens, and ``query_start_loc`` is ``0, 1, ..., rows`` (one query token per row: ``query[n, kv * group, d]``
-    viewed as ``[n * kv, group, d]``). ``fill`` writes the buffers in place on their device (no host sync), so the
-    tensors a kernel is given keep their addresses from step to step."""
-
-    def __init__(self, max_seqs: int, num_kv_heads: int, max_blocks: int, device: torch.device | str) -> None:
-        rows = max_seqs * num_kv_heads
-        self.num_kv_heads, self.max_blocks = num_kv_heads, max_blocks
-        self.block_table = torch.zeros(rows, max_blocks, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
-        self.heads = torch.arange(num_kv_heads, dtype=torch.int32, device=device)
-
-    def fill(
-        self, read: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, per_block: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(block_table, seq_lens, query_start_loc)`` views for the ``n * kv`` rows of ``read[n, kv, width]``
-        (``prune_block_table``'s arguments), and the blocks each (sequence, KV head) reads, ``kept[n, kv]``."""
-        n, kv, width = read.shape
-        _check(kv == self.num_kv_heads, f"read has {kv} KV heads; the tables were made for {self.num_kv_heads}")
-        _check(width <= self.max_blocks, f"read has {width} blocks per row; the tables were made for {self.max_blocks}")
-        _check(n * kv <= len(self.seq_lens), f"{n} sequences of {kv} KV heads exceed the tables' {len(self.seq_lens)}")
-        pruned = prune_block_table(read, block_table, seq_lens, block_size)
-        rows = n * kv
-        tables = pruned.block_table.permute(1, 0, 2) * per_block + self.heads[None, :, None]  # [n, kv, width]
-        self.block_table[:rows, :width].copy_(tables.reshape(rows, width))
-        self.seq_lens[:rows].copy_(pruned.seq_lens.T.reshape(rows))
-        return self.block_table[:rows, :width], self.seq_lens[:rows], self.query_start_loc[: rows + 1], pruned.kept.T
