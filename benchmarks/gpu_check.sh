@@ -6,7 +6,8 @@
 # 2. benchmarks/sparse_decode_gpu.py (DIPR decode, the filter in front of FlashAttention's paged decode, and the
 #    paged prefill, against FlashAttention, real and synthetic keys), which writes results/sparse_decode_gpu.json and
 #    .png and prints issue 28's GPU goals; without an importable FlashAttention (vLLM's or the flash_attn package)
-#    it says so and times dense decode by torch's scaled_dot_product_attention only.
+#    it says so, times dense decode by torch's scaled_dot_product_attention only, and judges the goals from the
+#    filter's own cost against it (as bounds).
 # Usage, from the repository root: bash benchmarks/gpu_check.sh [OUTDIR]  (logs and results are copied to OUTDIR).
 set -uo pipefail
 out=${1:-build/gpu_check}

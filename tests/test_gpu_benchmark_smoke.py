@@ -37,4 +37,6 @@ def test_the_gpu_benchmark_runs_every_arm_and_counts_what_dipr_reads():
     assert arms[("real L20 x1", 1027, 1)]["dipr beta=4"]["blocks_read"] < 0.5
     paged = [row for row in results["prefill"] if row["arm"] == "dense paged (kvreuse)"]
     assert paged and all(row["max_abs_diff_vs_flash"] < 1e-4 for row in paged)  # fp32 on the CPU: the same outputs
-    assert results["flash"] == "no GPU" and results["goals"] == []
+    # without FlashAttention the goals are judged from the filter's own cost against SDPA, and said to be bounds
+    assert results["flash"] == "no GPU" and results["goals"]
+    assert all("filter only" in line and "a bound" in line for line in results["goals"])
