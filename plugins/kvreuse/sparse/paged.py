@@ -211,6 +211,9 @@ class SparseAttention:
     attended fractions per layer. ``kernels``: run the Triton kernels (``None``: on CUDA tensors only).
     ``paged_kernel``: the engine's own kernel and cache write, which then do all exact attention over the engine's
     cache layout, DIPR being a filter in front (``_attend_filtered``); ``kernels`` is then not used.
+    ``decode_kernel``: a GPU engine's FlashAttention (``kvreuse.sparse.filtered_decode.PagedDecodeKernel``), which
+    then computes, with the Triton kernels on, every step without DIPR decodes and, behind the filter, every DIPR
+    decode (``_attend_through_decode_kernel``); ``max_seqs`` and ``max_context`` size the filter's buffers.
     """
 
     def __init__(
