@@ -26,6 +26,9 @@ decodes. Elsewhere (vLLM's CPU build, where Triton is off) the same work runs in
 kernels' references, attention by ``kvreuse.sparse.cpu_attention`` (PyTorch's fused attention for prefill, the
 paged cache read in place for decode, DIPR computing logits only for the blocks it reads), which attends the same
 tokens as the kernels (``kernels=True`` runs the Triton path anyway, e.g. in Triton's interpreter for tests).
+An engine's own kernel may take the exact attention instead, DIPR then only choosing the blocks: vLLM's CPU
+attention ops (``paged_kernel``), or on a GPU its FlashAttention (``decode_kernel``, through
+``kvreuse.sparse.filtered_decode``).
 
 Every DIPR decode adds the blocks and tokens it attended to ``figures`` (``AttendedFractions``); dense decodes of
 sequences the policy keeps dense add every block and token, so the fractions are over all decode work. Every
