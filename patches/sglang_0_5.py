@@ -223,6 +223,44 @@ def token_slot_table(req_to_token_pool: Any) -> torch.Tensor:
     return table
 
 
+@MANIFEST.touches(
+    call("sglang.kernels.ops.attention.flash_attention:flash_attn_with_kvcache", "q", "k_cache", "v_cache"),
+)
+def flash_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    block_table: torch.Tensor,
+    scale: float,
+) -> None:
+    """Causal paged attention through SGLang's own FlashAttention (``flash_attn_with_kvcache``, the kernel of its
+    ``fa3`` backend, from ``sgl_kernel``), as ``FlashAttentionBackend`` calls it for a decoder without window, soft
+    cap, sinks or a quantized KV cache; ``kvreuse.sparse.filtered_decode.PagedDecodeKernel``'s arguments. The caches
+    are ``[pages, page_size, kv_heads, head_dim]`` views with a contiguous last dimension (SGLang's token-major pool
+    viewed by pages, or its one-KV-head view). ``max_seqlen_k`` is not needed (the kernel reads ``seqused_k``). The
+    call returns a new tensor, copied into ``out``. Needs SGLang's CUDA kernels (not in its CPU test environment).
+    Tested: written against SGLang 0.5.23's sources; not yet run on a GPU."""
+    from sglang.kernels.ops.attention.flash_attention import flash_attn_with_kvcache
+
+    result = flash_attn_with_kvcache(
+        q=query,
+        k_cache=key_cache,
+        v_cache=value_cache,
+        cache_seqlens=seqused_k,
+        page_table=block_table,
+        cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_q=max_seqlen_q,
+        softmax_scale=scale,
+        causal=True,
+    )
+    out.copy_(result)
+
+
 # -- the in-process engine (batch front ends) -----------------------------------------------------------------------
 
 

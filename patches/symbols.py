@@ -102,8 +102,9 @@ def resolve(path: str) -> Any:
 
 def unimportable(symbol: EngineSymbol) -> str | None:
     """Why ``symbol``'s module cannot be imported here for want of a package other than its engine (e.g. SGLang's
-    server modules need ``uvloop``, which its CPU test environment leaves out), else ``None``. Such a symbol cannot
-    be checked in this environment; a missing module of the engine itself is a finding of :func:`check_symbol`."""
+    server modules need ``uvloop``, which its CPU test environment leaves out) or of the engine's CUDA build (vLLM's
+    FlashAttention on its CPU build), else ``None``. Such a symbol cannot be checked in this environment; a missing
+    module of the engine itself is a finding of :func:`check_symbol`."""
     module_name = symbol.path.partition(":")[0]
     engine = module_name.partition(".")[0]
     try:
@@ -111,7 +112,9 @@ def unimportable(symbol: EngineSymbol) -> str | None:
     except ModuleNotFoundError as error:
         if error.name and error.name.partition(".")[0] != engine:
             return f"{module_name} needs {error.name}, which is not installed here"
-    except ImportError:
+    except ImportError as error:
+        if "CUDA" in str(error):  # e.g. vllm.vllm_flash_attn on vLLM's CPU build: the module needs the GPU build
+            return f"{module_name} needs the engine's CUDA build ({error})"
         return None
     return None
 

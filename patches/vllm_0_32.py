@@ -485,6 +485,58 @@ def cpu_attention(
     )  # fmt: skip
 
 
+@MANIFEST.touches(
+    call(
+        "vllm.vllm_flash_attn.flash_attn_interface:flash_attn_varlen_func",
+        "q",
+        "k",
+        "v",
+        "max_seqlen_q",
+        "cu_seqlens_q",
+        "max_seqlen_k",
+        "cu_seqlens_k",
+        "seqused_k",
+    ),
+    call("vllm.v1.attention.backends.fa_utils:get_flash_attn_version"),
+)
+def flash_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    block_table: torch.Tensor,
+    scale: float,
+) -> None:
+    """Causal paged attention through vLLM's own FlashAttention (``vllm.vllm_flash_attn``, CUDA builds), called as
+    ``FlashAttentionImpl.forward`` calls it for a decoder without ALiBi, window, soft cap, sinks or fp8 KV, at the
+    FlashAttention version vLLM picks. The caches are ``[num_blocks, block_size, kv_heads, head_dim]`` views with a
+    contiguous last dimension and any other strides (FlashAttention reads the block, token and head strides), so the
+    sparse backend may hand it a one-KV-head view of the cache (``kvreuse.sparse.pruned.one_head_view``). vLLM's
+    CPU build has no such kernel (its module does not import there). Tested: written against vLLM 0.32.0's
+    sources; not yet run on a GPU build."""
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+    from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func
+
+    flash_attn_varlen_func(
+        q=query,
+        k=key_cache,
+        v=value_cache,
+        out=out,
+        cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_q=max_seqlen_q,
+        seqused_k=seqused_k,
+        max_seqlen_k=max_seqlen_k,
+        softmax_scale=scale,
+        causal=True,
+        block_table=block_table,
+        fa_version=get_flash_attn_version(),
+    )
+
+
 # -- the module connector's worker side (modules plugin) -----------------------------------------------------------
 
 

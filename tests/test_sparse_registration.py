@@ -51,3 +51,31 @@ def test_nothing_is_said_with_the_switch_or_without_sparse_variables(monkeypatch
         monkeypatch.setenv("KVREUSE_SPARSE_CPU_BACKEND", "1")
         _register_sparse_backend()
     assert _warnings(caplog) == []
+
+
+@pytest.mark.parametrize(
+    ("device", "engine_kernel", "connector", "expected"),
+    [
+        ("cpu", True, None, "cpu ops"),
+        ("cuda", True, None, "flash"),
+        ("cuda", True, "KVReuseSparseFigures", "flash"),
+        ("cuda", False, None, "own"),
+        ("cuda", True, "KVReuseModuleCache", "own"),  # its recompute and APE need kvreuse's own attention
+        ("cpu", True, "KVReuseModuleCache", "own"),
+    ],
+)
+def test_the_backend_runs_the_engines_own_kernel_on_each_device_unless_told_or_the_module_cache_needs_its_own(
+    device, engine_kernel, connector, expected
+):
+    from types import SimpleNamespace
+
+    from kvreuse.sparse.config import SparseConfig
+    from kvreuse.vllm.sparse.backend import runs_engine_kernel, runs_flash_attention
+
+    vllm_config = SimpleNamespace(
+        device_config=SimpleNamespace(device_type=device),
+        kv_transfer_config=None if connector is None else SimpleNamespace(kv_connector=connector),
+    )
+    config = SparseConfig(engine_kernel=engine_kernel)
+    cpu_ops, flash = runs_engine_kernel(vllm_config, config), runs_flash_attention(vllm_config, config)
+    assert {(True, False): "cpu ops", (False, True): "flash", (False, False): "own"}[(cpu_ops, flash)] == expected

@@ -13,6 +13,13 @@ of the page ``req_to_token[req, t] // P``. That is the kernels' paged layout onc
   keys' sketch) and ``SparseAttention.attend`` (dense causal for requests with several new tokens, DIPR for
   one-token decodes that the policy makes sparse).
 
+On a GPU with ``sparse.engine_kernel`` (the default), every exact attention is SGLang's own FlashAttention
+(``flash_attn_with_kvcache``, its ``fa3`` backend's kernel, through ``kvreuse.patches.sglang_0_5``) and DIPR is a
+filter in front of it (``kvreuse.sparse.filtered_decode``): a forward pass without DIPR decodes is one call of it
+over the whole batch; DIPR decodes read, per (sequence, KV head), only the pages the Triton sketch scan keeps, as
+rows of a one-KV-head view of the pool (the pool is token-major, so KV head ``h`` of page ``p`` is the view's page
+``p * page_size * kv_heads + h``).
+
 Block pruning skips whole pages, so the backend needs ``--page-size`` of 2 or more (16 or more to save bytes: the
 sketch of a page is read whole). It does not support CUDA graphs (``--disable-cuda-graph``), MLA,
 sliding windows, logit soft-capping, cross attention or a quantized KV cache; start-up stops naming which. The
@@ -201,8 +208,20 @@ class SparseAttnBackend(AttentionBackend):
                     f"the kvreuse sparse attention backend does not support {', '.join(problems)} "
                     f"(layer {layer.layer_id}); choose another --attention-backend for this model"
                 )
+            # On a GPU, with sparse.engine_kernel, DIPR is a filter in front of SGLang's own FlashAttention (its fa3
+            # backend's kernel): buffers for as many requests and as long a context as SGLang's request table holds.
+            flash = self.config.engine_kernel and torch.device(self.device).type == "cuda"
+            requests = sglang_0_5.token_slot_table(self.req_to_token_pool)
             self.attention = SparseAttention(
-                layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, self.page_size, layer.scaling, self.config
+                layer.tp_q_head_num,
+                layer.tp_k_head_num,
+                layer.qk_head_dim,
+                self.page_size,
+                layer.scaling,
+                self.config,
+                decode_kernel=sglang_0_5.flash_attention if flash else None,
+                max_seqs=requests.shape[0],
+                max_context=requests.shape[1],
             )
             self.attention.log = logger
         return self.attention

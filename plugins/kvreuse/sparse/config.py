@@ -94,9 +94,10 @@ class SparseConfig:
     )
     engine_kernel: bool = config.setting(
         True,
-        "vLLM's CPU build: exact attention by vLLM's own CPU attention ops on CPU_ATTN's KV layout, DIPR choosing "
-        "the blocks each KV head reads (false: kvreuse's own PyTorch attention on the plain layout; read at start; "
-        "with the module cache's connector always false)",
+        "exact attention by the engine's own kernel, DIPR choosing the blocks each KV head reads: vLLM's CPU "
+        "attention ops on CPU_ATTN's KV layout (CPU build), vLLM's FlashAttention over pruned block tables (GPU) "
+        "(false: kvreuse's own attention, PyTorch on CPU, Triton on GPU; read at start; with the module cache's "
+        "connector always false)",
     )
 
     def __post_init__(self) -> None:

@@ -26,6 +26,9 @@ decodes. Elsewhere (vLLM's CPU build, where Triton is off) the same work runs in
 kernels' references, attention by ``kvreuse.sparse.cpu_attention`` (PyTorch's fused attention for prefill, the
 paged cache read in place for decode, DIPR computing logits only for the blocks it reads), which attends the same
 tokens as the kernels (``kernels=True`` runs the Triton path anyway, e.g. in Triton's interpreter for tests).
+An engine's own kernel may take the exact attention instead, DIPR then only choosing the blocks: vLLM's CPU
+attention ops (``paged_kernel``), or on a GPU its FlashAttention (``decode_kernel``, through
+``kvreuse.sparse.filtered_decode``).
 
 Every DIPR decode adds the blocks and tokens it attended to ``figures`` (``AttendedFractions``); dense decodes of
 sequences the policy keeps dense add every block and token, so the fractions are over all decode work. Every
@@ -46,6 +49,7 @@ from kvreuse.sparse import cpu_attention
 from kvreuse.sparse.ape import ApeSpans, ape_attend
 from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.figures import AttendedFractions, sample_recovery, should_sample
+from kvreuse.sparse.filtered_decode import FilteredDecode, PagedDecodeKernel
 from kvreuse.sparse.policy import INF, RuleBasedPolicy
 from kvreuse.sparse.pruned import prune_block_table
 
@@ -210,6 +214,9 @@ class SparseAttention:
     attended fractions per layer. ``kernels``: run the Triton kernels (``None``: on CUDA tensors only).
     ``paged_kernel``: the engine's own kernel and cache write, which then do all exact attention over the engine's
     cache layout, DIPR being a filter in front (``_attend_filtered``); ``kernels`` is then not used.
+    ``decode_kernel``: a GPU engine's FlashAttention (``kvreuse.sparse.filtered_decode.PagedDecodeKernel``), which
+    then computes, with the Triton kernels on, every step without DIPR decodes and, behind the filter, every DIPR
+    decode (``_attend_through_decode_kernel``); ``max_seqs`` and ``max_context`` size the filter's buffers.
     """
 
     def __init__(
@@ -223,6 +230,9 @@ class SparseAttention:
         *,
         kernels: bool | None = None,
         paged_kernel: PagedKernel | None = None,
+        decode_kernel: PagedDecodeKernel | None = None,
+        max_seqs: int = 256,
+        max_context: int = 8192,
     ):
         _check(
             num_kv_heads >= 1 and num_q_heads % num_kv_heads == 0,
@@ -239,6 +249,12 @@ class SparseAttention:
         # Where set, the engine's own kernel computes every exact attention over the engine's cache layout, and
         # DIPR only decides which blocks each decode's KV heads read (``_attend_filtered``).
         self.paged_kernel = paged_kernel
+        # Where set (a GPU engine's FlashAttention), with the Triton kernels on: a step without DIPR decodes is one
+        # call of it, as the stock backend makes it, and DIPR decodes are a filter in front of it
+        # (``FilteredDecode``, buffers for ``max_seqs`` decodes of ``max_context`` tokens, made on first use).
+        self.decode_kernel = decode_kernel
+        self.max_seqs, self.max_context = max_seqs, max_context
+        self._filtered: FilteredDecode | None = None
         self._schedule: tuple[PagedBatch, object] | None = None  # the kernel's plan of the current step's batch
         self.log = logging.getLogger("kvreuse.sparse")  # an adapter may hand its engine's logger instead
         self.figures = AttendedFractions()
@@ -307,6 +323,14 @@ class SparseAttention:
         """Attention of every real token of ``batch`` in ``layer``, written into ``out[num_tokens, hq, d]``."""
         if self.paged_kernel is not None:
             self._attend_filtered(layer, query, key_cache, value_cache, sketch, batch, out, self.paged_kernel)
+            return out
+        if (
+            self.decode_kernel is not None
+            and self._use_kernels(query)
+            and batch.ape is None
+            and batch.query_positions is None
+        ):
+            self._attend_through_decode_kernel(layer, query, key_cache, value_cache, sketch, batch, out)
             return out
         plan = self._plan(batch, self.dense_layer(layer))
         count, blocks, tokens = plan.dense_decodes
@@ -696,6 +720,106 @@ class SparseAttention:
                 pruned.kept.T.to(torch.int32),
                 (sub.seq_lens + self.block_size - 1) // self.block_size,
                 pruned.seq_lens.T.repeat_interleave(group, dim=1),
+                sub.seq_lens.clone(),
+            ),
+        )
+
+    # -- DIPR as a filter in front of a GPU engine's FlashAttention ------------------------------------------------
+
+    def _attend_through_decode_kernel(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        sketch: KeySketch,
+        batch: PagedBatch,
+        out: torch.Tensor,
+    ) -> None:
+        """``attend`` with ``decode_kernel``: a layer without DIPR decodes (a dense layer, beta = inf, every decode
+        under ``min_context``, prefill) is one call of the kernel over the whole batch, exactly the stock backend's
+        call; otherwise the dense requests run the Triton path (``_dense``) and the DIPR decodes go through
+        ``FilteredDecode``: per (sequence, KV head) only the blocks the sketch scan keeps, in one kernel call."""
+        assert self.decode_kernel is not None
+        plan = self._plan(batch, self.dense_layer(layer))
+        count, blocks, tokens = plan.dense_decodes
+        if count:
+            self.figures.add_dense(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads, count)
+        beta = self.policy.layer_beta(layer)
+        n = batch.num_actual_tokens
+        if plan.dipr is None or beta == INF:
+            starts = batch.query_start_loc_cpu
+            self.decode_kernel(
+                query[:n],
+                key_cache,
+                value_cache,
+                out[:n],
+                batch.query_start_loc,
+                batch.seq_lens,
+                int((starts[1:] - starts[:-1]).max()),
+                batch.max_seq_len,
+                batch.block_table,
+                self.scale,
+            )
+            if plan.dipr is not None:  # DIPR decodes at beta = inf read everything
+                self.figures.add(layer, self._full_counters(plan.dipr))
+            return
+        if plan.dense is not None:
+            self._dense(query, key_cache, value_cache, plan.dense, out)
+        self._filtered_decode(layer, beta, query, key_cache, value_cache, sketch, plan.dipr, batch.max_seq_len, out)
+
+    def _filtered_decode(
+        self,
+        layer: int,
+        beta: float,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        sketch: KeySketch,
+        sub: SubBatch,
+        max_seq_len: int,
+        out: torch.Tensor,
+    ) -> None:
+        """DIPR decodes of ``sub`` through ``FilteredDecode`` (the kernel attends every token of the blocks read: a
+        superset of ``DIPRDecode``'s set over the same bytes, so no key within beta of the largest is dropped)."""
+        from kvreuse.kernels.dipr_decode import DIPRCounters
+
+        assert self.decode_kernel is not None
+        if self._filtered is None or self._filtered.block_size != self.block_size:
+            self._filtered = FilteredDecode(
+                self.num_q_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.block_size,
+                self.scale,
+                max_seqs=self.max_seqs,
+                max_blocks=-(-self.max_context // self.block_size),
+                kernel=self.decode_kernel,
+            )
+        rows = sub.query_starts.long()
+        q = query.index_select(0, rows)
+        result = torch.empty_like(q)
+        sink, local = self.config.sink, self.config.local
+        counts = self._filtered.run(
+            q, key_cache, value_cache, sketch, sub.seq_lens, sub.block_table, max_seq_len, beta, sink, local, result
+        )
+        out.index_copy_(0, rows, result.to(out.dtype))
+        step = self._dipr_steps.get(layer, 0)
+        self._dipr_steps[layer] = step + 1
+        if should_sample(step, self.config.sample_recovery):
+            self.figures.add_recovery(
+                layer,
+                sample_recovery(
+                    q.float(), key_cache, sketch, sub.block_table, sub.seq_lens, beta, self.scale, sink, local
+                ),
+            )
+        group = self.num_q_heads // self.num_kv_heads
+        self.figures.add(
+            layer,
+            DIPRCounters(
+                counts.blocks_read.to(torch.int32),
+                (sub.seq_lens + self.block_size - 1) // self.block_size,
+                counts.tokens_attended.repeat_interleave(group, dim=1),
                 sub.seq_lens.clone(),
             ),
         )

@@ -61,3 +61,28 @@ def prune_block_table(
     return PrunedTables(
         tables.to(torch.int32).permute(1, 0, 2).contiguous(), pruned.T.to(torch.int32).contiguous(), kept.T
     )
+
+
+def one_head_view(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``cache[num_blocks, block_size, kv_heads, head_dim]`` as a one-KV-head cache ``[view_blocks, block_size, 1,
+    head_dim]`` whose block ``b * per_block + h`` is KV head ``h`` of block ``b`` (no copy), and ``per_block``.
+
+    A kernel that takes a block table then reads each (sequence, KV head) pair as a sequence of its own, with its own
+    blocks, in one call: ``view[b * per_block + h, t, 0] = cache[b, t, h]`` because ``per_block = cache.stride(0) //
+    cache.stride(2)`` (a page is a whole number of head strides: vLLM's GPU layout keeps every KV head of a token in
+    one row, and a page is a whole number of rows). The size-1 head dimension gets the canonical stride
+    ``head_dim``, as vLLM gives a one-KV-head cache to FlashAttention."""
+    _check(cache.dim() == 4 and cache.stride(-1) == 1, f"cache {list(cache.shape)} must be 4-D, last dim contiguous")
+    num_blocks, block_size, kv_heads, head_dim = cache.shape
+    page, row, head = cache.stride(0), cache.stride(1), cache.stride(2)
+    _check(
+        head > 0 and page % head == 0 and row % head == 0 and row >= kv_heads * head,
+        f"cache strides {list(cache.stride())}: the page and token strides must be whole multiples of the head stride",
+    )
+    per_block = page // head
+    view = cache.as_strided(
+        ((num_blocks - 1) * per_block + kv_heads, block_size, 1, head_dim),
+        (head, row, head_dim, 1),
+        cache.storage_offset(),
+    )
+    return view, per_block

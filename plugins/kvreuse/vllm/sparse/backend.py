@@ -79,9 +79,22 @@ def runs_engine_kernel(vllm_config: VllmConfig, config: SparseConfig) -> bool:
     on. That connector copies K|V token rows out of the plain layout and its recompute and APE need kvreuse's own
     attention (masks by position, an APE bias), so with it the backend keeps the plain layout and its own PyTorch
     attention (``kvreuse.sparse.cpu_attention``), as it does with ``engine_kernel`` false."""
+    return config.engine_kernel and vllm_0_32.device_type(vllm_config) == "cpu" and not module_cache_on(vllm_config)
+
+
+def runs_flash_attention(vllm_config: VllmConfig, config: SparseConfig) -> bool:
+    """Whether the backend runs DIPR as a filter in front of vLLM's own FlashAttention: on a CUDA engine with
+    ``sparse.engine_kernel`` (the default), unless the module cache's connector is on (as ``runs_engine_kernel``).
+    The cache keeps vLLM's GPU layout (LBNHC, FlashAttention's own view of it) either way; prefill and dense steps
+    are one FlashAttention call, as the stock backend makes them, and DIPR decodes read only the blocks the Triton
+    sketch scan keeps (``kvreuse.sparse.filtered_decode``)."""
+    return config.engine_kernel and vllm_0_32.device_type(vllm_config) == "cuda" and not module_cache_on(vllm_config)
+
+
+def module_cache_on(vllm_config: VllmConfig) -> bool:
+    """Whether the module cache's connector runs: it needs kvreuse's own attention path (see ``runs_engine_kernel``)."""
     transfer = vllm_config.kv_transfer_config
-    module_cache = transfer is not None and transfer.kv_connector == ConnectorName.MODULE_CACHE
-    return config.engine_kernel and vllm_0_32.device_type(vllm_config) == "cpu" and not module_cache
+    return transfer is not None and transfer.kv_connector == ConnectorName.MODULE_CACHE
 
 
 def _shared_attention(num_heads: int, num_kv_heads: int, head_size: int, scale: float) -> SparseAttention:
@@ -96,12 +109,28 @@ def _shared_attention(num_heads: int, num_kv_heads: int, head_size: int, scale: 
             if runs_engine_kernel(vllm_config, config)
             else None
         )
-        attention = SparseAttention(num_heads, num_kv_heads, head_size, block_size, scale, config, paged_kernel=kernel)
+        flash = runs_flash_attention(vllm_config, config)
+        attention = SparseAttention(
+            num_heads,
+            num_kv_heads,
+            head_size,
+            block_size,
+            scale,
+            config,
+            paged_kernel=kernel,
+            decode_kernel=vllm_0_32.flash_attention if flash else None,
+            max_seqs=vllm_config.scheduler_config.max_num_seqs,
+            max_context=vllm_config.model_config.max_model_len,
+        )
         attention.log = logger
         logger.info(
             "kvreuse sparse attention: %s, exact attention by %s",
             config,
-            "vLLM's CPU attention ops" if kernel is not None else "kvreuse's own kernels",
+            "vLLM's CPU attention ops"
+            if kernel is not None
+            else "vLLM's FlashAttention (DIPR decodes over pruned block tables)"
+            if flash
+            else "kvreuse's own kernels",
         )
         return attention
 
