@@ -110,6 +110,16 @@ class ModulesConfig:
         low=0,
         high=1,
     )
+    recompute_budget: float = config.setting(
+        0.0,
+        "engine: share (0 to 1) of a spliced run's module tokens computed afresh, one budget for the whole prompt: "
+        "spent on the tokens that lack most of their context (later modules first) and, in probed modules, "
+        "deviated most at encode time; a module whose KV is exact gets none (kvreuse.modules.splice."
+        'budgeted_tokens); a request may set its own with kv_transfer_params {"kvreuse_recompute_budget": B}; '
+        "with recompute_first and recompute_share, the union (0 = none)",
+        low=0,
+        high=1,
+    )
 
     ape_temperature: float = config.setting(
         1.0,
