@@ -137,6 +137,15 @@ class ModulesConfig:
         low=MIN_SCALE,
         high=MAX_SCALE,
     )
+    shadow_every: int = config.setting(
+        0,
+        "front end: every Nth request the API server takes that may splice (greedy or seeded, one sample, not a "
+        "module write, a full prefill or a client's shadow half) is also sent with full prefill in the background "
+        "(at most 16 tokens, output discarded), and the engine compares their first tokens where the request "
+        "spliced modules: kvreuse:module_shadow_checks_total / _agreed_total (0 = off; vLLM only)",
+        low=0,
+        high=1_000_000,
+    )
 
     def __post_init__(self) -> None:
         try:

@@ -214,6 +214,7 @@ class ModuleScheduler:
         self.skipped: Counter[str] = Counter()  # modules found but not spliced, by reason (since take_stats)
         self.refused: Counter[str] = Counter()  # encode requests not stored, by WriteRefusal (since take_stats)
         self.shadows = ShadowPairs()  # finished halves of shadow checks waiting for the other half
+        self._spliced: set[str] = set()  # requests that took KV from modules (a shadow check counts only for them)
         self.shadow_counts: Counter[str] = Counter()  # shadow_checks, shadow_agreed (since take_stats)
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM (KVConnectorBase_V1.bind_kv_cache_manager)
 
@@ -290,6 +291,7 @@ class ModuleScheduler:
             self._encodes[rid] = (write, tuple(request.prompt_token_ids or ()))
         if num_external_tokens <= 0:
             return
+        self._spliced.add(rid)
         if (
             plan.recompute
             and num_external_tokens == plan.external
@@ -415,14 +417,17 @@ class ModuleScheduler:
 
     def shadow_finished(self, request: Request) -> None:
         """``request`` finished: if it is half of a shadow check whose other half finished already, count the check
-        and whether their output tokens agreed (``kvreuse.modules.shadow``)."""
+        and whether their output tokens agreed (``kvreuse.modules.shadow``). A served half that took no KV from
+        modules (none in its prompt, or all recomputed) is compared as empty, so its pair is no check: both halves
+        computed the prompt in full."""
         try:
             half = shadow_half(request.kv_transfer_params)
         except RequestParameterError:  # refused by vLLM's front end; a request that came another way is no check
             return
         if half is None:
             return
-        agreed = self.shadows.finished(half[0], half[1], request.output_token_ids)
+        tokens = request.output_token_ids if half[1] or request.request_id in self._spliced else ()
+        agreed = self.shadows.finished(half[0], half[1], tokens)
         if agreed is not None:
             self.shadow_counts["shadow_checks"] += 1
             self.shadow_counts["shadow_agreed"] += agreed
@@ -431,6 +436,7 @@ class ModuleScheduler:
         for state in (self._looks, self._plans, self._writes, self._encodes, self._prompt_lens, self._ape):
             state.pop(request_id, None)
         self._counted.discard(request_id)
+        self._spliced.discard(request_id)
 
     # -- helpers ----------------------------------------------------------------------------------------------------
     def _find(self, request: Request, prompt: Sequence[int]) -> list[ModuleMatch]:
