@@ -92,7 +92,8 @@ class ModulesConfig:
         low=0,
     )
     # 16: the best accuracy per compute measured on a trained model (README, "Answer quality of spliced modules":
-    # 81% of full prefill's accuracy at 13% of its compute, TTFT still 4.4x below full prefill on 8 x 256 tokens).
+    # 81% of full prefill's accuracy at 13% of its compute, TTFT still 4.4x below full prefill on 8 x 256 tokens;
+    # issue 27's curves in the engine at 4 and 8 documents: 71% at 14-17%, as much as any recovery, the least compute).
     recompute_first: int = config.setting(
         16,
         "engine: tokens at the start of each spliced module computed afresh with the whole prompt before them "
