@@ -394,6 +394,8 @@ QA_SETS = {
     "mixed": QASet("mixed", 300, (3, 4, 5, 6), (100, 200), 48, 1),
     # The issue's TTFT size: 8 modules of about 256 tokens.
     "long": QASet("long", 96, (8,), (240, 256), 32, 2),
+    # Issue 27's curves: 1, 2, 4 and 8 documents of 100-140 tokens (the issue's held-out set had four of ~115).
+    **{f"docs-{n}": QASet(f"docs-{n}", 60, (n,), (100, 140), 32, 1) for n in (1, 2, 4, 8)},
 }
 
 

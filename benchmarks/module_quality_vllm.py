@@ -33,6 +33,17 @@ the reference's tokens exactly (and, where not, the first output token that diff
     python benchmarks/module_quality_vllm.py --set mixed --cases 20
     python benchmarks/module_quality_vllm.py --set long --cases 8 --ttft-only   # the issue's shape: 8 modules x ~256
 
+``--curves``: issue 27's accuracy-compute curves, every recovery at a few compute points on the ``docs-1``,
+``docs-2``, ``docs-4`` and ``docs-8`` sets (1, 2, 4, 8 documents of 100-140 tokens after the header) in one engine,
+the arms taking turns per case (so TTFT ratios compare like with like), 16 greedy tokens each: full prefill, the
+plain splice, StreamingLLM's attention sinks (Xiao et al., ICLR 2024: each module's first 4 tokens, the sink its
+encoding alone made, recomputed), LegoLink's first K tokens (EPIC), CacheBlend's choice made at encode time
+(``recompute_share``) and kvreuse's one budget per prompt (``recompute_budget``,
+``kvreuse.modules.splice.budgeted_tokens``); prints the table, writes
+``benchmarks/results/module_quality_vllm_curves.{json,png}``::
+
+    python benchmarks/module_quality_vllm.py --curves --cases 10
+
 ``--ttft-only``: TTFT alone (one token per request), the arms interleaved case by case in one engine (``full``,
 ``naive``, ``legolink-*``, ``blend-*``; ``anchored`` computes what ``naive`` does), so that a change in the
 machine's load hits every arm alike; writes ``benchmarks/results/module_quality_vllm_ttft_<set>.json``.
@@ -77,6 +88,20 @@ NAIVE_ARMS = {
 ANCHORED_ARMS = {"ape-anchored-T0.8": APE, "ape+legolink-16": {**APE, "kvreuse_recompute_first": 16}}
 TRANSFER = {**NAIVE_ARMS, **ANCHORED_ARMS}
 SPLICED = ("naive", "anchored", "ape-alone-T0.8", "ape-anchored-T0.8")  # the whole run of modules from the cache
+# --curves: arm -> its requests' kv_transfer_params (over modules encoded alone and probed after the header)
+CURVE_ARMS: dict[str, dict | None] = {
+    "full": None,
+    "naive": {},
+    "sink-4": {"kvreuse_recompute_first": 4},
+    "legolink-16": {"kvreuse_recompute_first": 16},
+    "legolink-32": {"kvreuse_recompute_first": 32},
+    "blend-10%": {"kvreuse_recompute_share": 0.10},
+    "blend-20%": {"kvreuse_recompute_share": 0.20},
+    "budget-10%": {"kvreuse_recompute_budget": 0.10},
+    "budget-15%": {"kvreuse_recompute_budget": 0.15},
+    "budget-20%": {"kvreuse_recompute_budget": 0.20},
+}
+CURVE_SETS = ("docs-1", "docs-2", "docs-4", "docs-8")
 
 
 def _ttft(out) -> float | None:
@@ -101,9 +126,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", default="mixed", choices=sorted(QA_SETS))
     parser.add_argument("--cases", type=int, default=20)
     parser.add_argument("--ttft-only", action="store_true", help="TTFT per arm, arms interleaved per case")
+    parser.add_argument("--curves", action="store_true", help="issue 27's curves: 1, 2, 4, 8 documents, every arm")
+    parser.add_argument("--sets", default=",".join(CURVE_SETS), help="--curves: the sets, comma-separated")
     args = parser.parse_args(argv)
     os.environ["KVREUSE_SPARSE_CPU_BACKEND"] = "1"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if args.curves:
+        _curves(args.sets.split(","), args.cases)
+        return
     if args.ttft_only:
         _ttft_side_by_side(args.set, args.cases)
         return
@@ -122,6 +152,148 @@ def main(argv: list[str] | None = None) -> None:
     path = RESULTS / f"module_quality_vllm_{args.set}.json"
     path.write_text(json.dumps(results, indent=2))
     print(f"wrote {path}")
+
+
+def _curves(set_names: list[str], num_cases: int) -> None:
+    """Every arm of :data:`CURVE_ARMS` on the first ``num_cases`` cases of each set, in one engine, the arms taking
+    turns per case, the prefix cache reset before each request."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvreuse.vllm.modules import encode_modules
+
+    llm = LLM(
+        **local_engine_args(
+            REPO / "build" / "models" / "smollm2", kv_transfer_config=CONNECTOR, additional_config=SETTINGS
+        )
+    )
+    tokenizer = llm.get_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids(EOS_TEXT)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    header = encode(HEADER)
+    sets = {
+        name: [tokenize_case(c, encode) for c in make_cases(QA_SETS[name], encode)[:num_cases]] for name in set_names
+    }
+    unique = list(dict.fromkeys(ids for tcs in sets.values() for tc in tcs for ids in tc.modules))
+    rows: list[dict] = []
+    started = time.perf_counter()
+    try:
+        encode_modules(llm, {"header": header})  # exact at the prompt's start: never recomputed, no probe
+        encode_modules(llm, {f"module-{i}": list(ids) for i, ids in enumerate(unique)}, probe=header)
+        print(f"encoded {len(unique)} modules in {time.perf_counter() - started:.0f} s", flush=True)
+        for name, tokenized in sets.items():
+            for n, tc in enumerate(tokenized):
+                full_tokens: list[int] = []
+                for arm, transfer in CURVE_ARMS.items():
+                    params = SamplingParams(
+                        max_tokens=MAX_NEW_TOKENS,
+                        temperature=0.0,
+                        stop_token_ids=[eos],
+                        skip_reading_prefix_cache=transfer is None,
+                        extra_args={"kv_transfer_params": transfer} if transfer else None,
+                    )
+                    llm.reset_prefix_cache()
+                    out = llm.generate([TokensPrompt(prompt_token_ids=list(tc.prompt))], params, use_tqdm=False)[0]
+                    tokens = list(out.outputs[0].token_ids)
+                    ttft = _ttft(out)
+                    if ttft is None:
+                        raise SystemExit("vLLM gave no request stats (disable_log_stats must be off)")
+                    if transfer is None:
+                        full_tokens = tokens
+                    rows.append(
+                        {
+                            "set": name,
+                            "case": tc.case.key,
+                            "arm": arm,
+                            "right": is_correct(tokenizer.decode(tokens, skip_special_tokens=True), tc.case),
+                            "same_as_full": tokens == full_tokens,
+                            "prompt_tokens": len(tc.prompt),
+                            "computed": len(tc.prompt) - out.num_cached_tokens,
+                            "ttft_s": ttft,
+                        }
+                    )
+                elapsed = time.perf_counter() - started
+                print(f"{name} [{n + 1}/{len(tokenized)}] {len(tc.prompt)} tokens, {elapsed:.0f} s", flush=True)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    summary = _curve_summary(rows)
+    _print_curves(summary)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "module_quality_vllm_curves.json"
+    path.write_text(json.dumps({"cases_per_set": num_cases, "summary": summary, "rows": rows}, indent=1))
+    _plot_curves(summary, RESULTS / "module_quality_vllm_curves.png")
+    print(f"wrote {path}")
+
+
+def _curve_summary(rows: list[dict]) -> dict[str, dict[str, dict]]:
+    """Per set and arm: right answers, as a share of full prefill's, outputs equal to full's, share of prompt
+    tokens computed, median TTFT and full's median TTFT over it."""
+    summary: dict[str, dict[str, dict]] = {}
+    for name in dict.fromkeys(r["set"] for r in rows):
+        mine = [r for r in rows if r["set"] == name]
+        full_ttft = statistics.median(r["ttft_s"] for r in mine if r["arm"] == "full")
+        full_right = sum(r["right"] for r in mine if r["arm"] == "full")
+        summary[name] = {}
+        for arm in CURVE_ARMS:
+            arm_rows = [r for r in mine if r["arm"] == arm]
+            right = sum(r["right"] for r in arm_rows)
+            ttft = statistics.median(r["ttft_s"] for r in arm_rows)
+            summary[name][arm] = {
+                "cases": len(arm_rows),
+                "right": right,
+                "vs_full": round(right / full_right, 4) if full_right else None,
+                "same_as_full": sum(r["same_as_full"] for r in arm_rows),
+                "computed_share": round(
+                    sum(r["computed"] for r in arm_rows) / sum(r["prompt_tokens"] for r in arm_rows), 4
+                ),
+                "ttft_median_s": round(ttft, 5),
+                "speedup": round(full_ttft / ttft, 2),
+            }
+    return summary
+
+
+def _print_curves(summary: dict[str, dict[str, dict]]) -> None:
+    print("| set | arm | right | of full's | same 16 tokens as full | prompt tokens computed | TTFT full/arm |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, arms in summary.items():
+        for arm, r in arms.items():
+            vs_full = f"{r['vs_full']:.0%}" if r["vs_full"] is not None else "n/a"
+            print(
+                f"| {name} | {arm} | {r['right']}/{r['cases']} | {vs_full} | {r['same_as_full']}/{r['cases']} | "
+                f"{r['computed_share']:.1%} | {r['speedup']:.1f}x |"
+            )
+
+
+def _plot_curves(summary: dict[str, dict[str, dict]], path: Path) -> None:
+    """Per set, accuracy as a share of full prefill's against the share of prompt tokens computed, one colour per
+    recovery (its compute points joined); the goal's corner shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    families = dict.fromkeys(arm.split("-")[0] for arm in CURVE_ARMS)
+    colours = plt.get_cmap("tab10")
+    fig, axes = plt.subplots(1, len(summary), figsize=(4.2 * len(summary), 4.2), squeeze=False, sharey=True)
+    for ax, (name, arms) in zip(axes[0], summary.items()):
+        for i, family in enumerate(families):
+            points = sorted(
+                (r["computed_share"], r["vs_full"] or 0.0) for arm, r in arms.items() if arm.split("-")[0] == family
+            )
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color=colours(i), label=family, markersize=5)
+        ax.fill_between([0, 0.2], 0.95, 1.3, color="#1b9e77", alpha=0.15, label="goal: >= 95% at <= 20%")
+        ax.set_title(f"{name} ({next(iter(arms.values()))['cases']} cases)")
+        ax.set_xlabel("share of prompt tokens computed")
+        ax.set_xscale("symlog", linthresh=0.05)
+        ax.set_xlim(0, 1.1)
+    axes[0][0].set_ylabel("right answers as a share of full prefill's")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _ttft_side_by_side(set_name: str, num_cases: int) -> None:

@@ -4,7 +4,9 @@ The server runs the module-cache connector on the small model (kvreuse's attenti
 vLLM's own ``--api-key`` and ``--middleware kvreuse.vllm.modules.guard.ModuleWriteGuard`` with a module-write key
 in ``KVREUSE_MODULES_WRITE_KEY``, and ``--enable-log-requests``. An API key alone reads (completes) but cannot
 write; the module-write key writes, and the module is encoded (``kvreuse:module_encoded_total`` on ``/metrics``);
-the write proof the guard adds is not in the server's log.
+the write proof the guard adds is not in the server's log. The same server runs ``modules.shadow_every`` 2: its
+API server sends every second greedy request's full-prefill copy, and the engine counts the pairs whose request
+spliced a module.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ pytestmark = pytest.mark.engine
 API_KEY = "client-api-key-0123"
 WRITE_KEY = "operator-module-key-0123456789"
 CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
-ADDITIONAL = {"kvreuse": {"sparse": {"beta": "inf"}, "modules": {"cpu_bytes": 64 << 20}}}
+ADDITIONAL = {"kvreuse": {"sparse": {"beta": "inf"}, "modules": {"cpu_bytes": 64 << 20, "shadow_every": 2}}}
+SHADOWED = tuple(range(100, 140))  # a module of 40 token ids
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +66,13 @@ def complete(
     return httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
 
 
-def encoded(url: str) -> float:
-    found = re.findall(r"^kvreuse:module_encoded_total\{[^}]*\} ([0-9.e+]+)$", httpx.get(f"{url}/metrics").text, re.M)
+def counter(url: str, name: str) -> float:
+    found = re.findall(rf"^kvreuse:{name}_total(?:\{{[^}}]*\}})? ([0-9.e+]+)$", httpx.get(f"{url}/metrics").text, re.M)
     return sum(float(value) for value in found)
+
+
+def encoded(url: str) -> float:
+    return counter(url, "module_encoded")
 
 
 def test_the_api_key_reads_but_does_not_write_and_the_module_key_writes(server):
@@ -97,3 +104,26 @@ def test_the_write_proof_is_kept_out_of_the_request_log_and_a_text_prompt_cannot
     lines = [line for line in log.read_text().splitlines() if "'kvreuse_module': 'logged'" in line]
     assert lines and all("'kvreuse_write_proof': '[redacted]'" in line for line in lines), lines
     assert not re.search(r"[0-9]{10}\.[0-9a-f]{32}\.[0-9a-f]{64}", log.read_text())  # no proof anywhere
+
+
+def test_every_second_request_that_splices_is_checked_against_its_full_prefill_copy(server):
+    """With ``modules.shadow_every`` 2, four greedy requests whose prompt starts with a stored module give two shadow
+    checks (the counters move on ``/metrics``); requests without a module give none (both halves computed in full)."""
+    before = encoded(server)
+    assert complete(server, module="shadowed", write_key=WRITE_KEY, prompt=SHADOWED).status_code == 200
+    deadline = time.monotonic() + 30
+    while encoded(server) <= before and time.monotonic() < deadline:
+        time.sleep(1)
+    assert encoded(server) == before + 1
+    checks, agreed = counter(server, "module_shadow_checks"), counter(server, "module_shadow_agreed")
+    for question in range(4):
+        assert complete(server, prompt=(*SHADOWED, 7, 8, 9, 10 + question)).status_code == 200
+    deadline = time.monotonic() + 30  # the copies finish in the background; stats are published periodically
+    while counter(server, "module_shadow_checks") < checks + 2 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert counter(server, "module_shadow_checks") == checks + 2
+    assert agreed <= counter(server, "module_shadow_agreed") <= agreed + 2
+    for _ in range(4):  # no module in this prompt: two copies are sent, and no check is counted
+        assert complete(server, prompt=tuple(range(70, 78))).status_code == 200
+    time.sleep(12)  # longer than vLLM's stats interval (10 s)
+    assert counter(server, "module_shadow_checks") == checks + 2

@@ -9,6 +9,8 @@
   share gives the 16 greedy tokens of the offline reference (``benchmarks/module_quality.py``'s ``blend-all-10%``
   arm: the same ranking by ``kvreuse.modules.blend``, the chosen tokens recomputed through every layer over the naive
   splice, in plain PyTorch); recomputing 100% is full prefill.
+- **One budget per prompt** (``modules.recompute_budget``): over the same probed modules, the engine recomputes
+  the budget's share of the spliced run's tokens, and all of them is the full prefill.
 - **APE** (``modules.ape_temperature`` / ``ape_scale``; per request ``kvreuse_ape``) over modules encoded after the
   header (``anchored``, as the offline arm ``ape-anchored-T0.8``), against the offline reference
   (``benchmarks/splice_reference.py``, ``ApeBias``).
@@ -67,6 +69,7 @@ def generate(
     *,
     recompute_first: int | None = None,
     share: float | None = None,
+    budget: float | None = None,
     ape: dict | None = None,
     full: bool = False,
     reset: bool = True,
@@ -82,6 +85,7 @@ def generate(
         for key, value in (
             ("kvreuse_recompute_first", recompute_first),
             ("kvreuse_recompute_share", share),
+            ("kvreuse_recompute_budget", budget),
             ("kvreuse_ape", ape),
         )
         if value is not None
@@ -358,6 +362,31 @@ def test_recomputing_every_module_token_is_the_full_prefill(llm, probed):
     out = generate(llm, tc.prompt, recompute_first=0, share=1.0)
     assert out.num_cached_tokens == len(tc.header)
     assert_same_greedy_path(full.outputs[0], out.outputs[0], "100% recompute share")
+    assert gap(full, out) <= LOGPROB_TOLERANCE
+
+
+def test_the_budget_recomputes_its_share_of_the_spliced_run(llm, probed):
+    """Budget 10%: the engine computes 10% of the run's tokens (header and modules) more than the plain splice, all
+    of them in the documents (the header is exact at the prompt's start), and the output moves off the plain
+    splice's."""
+    moved = 0
+    for tc in probed:
+        plain = generate(llm, tc.prompt, recompute_first=0)
+        out = generate(llm, tc.prompt, recompute_first=0, budget=SHARE)
+        run = len(tc.header) + sum(len(m) for m in tc.modules)
+        assert plain.num_cached_tokens - out.num_cached_tokens == round(SHARE * run), tc.case.key
+        moved += out.outputs[0].logprobs[0] != plain.outputs[0].logprobs[0]
+    assert moved  # the recomputed tokens changed what the model read
+
+
+def test_a_budget_of_every_token_is_the_full_prefill(llm, probed):
+    """Budget 1: every document token is computed (the header stays spliced: it is exact), so the output is the
+    full prefill's within rounding."""
+    tc = probed[0]
+    full = generate(llm, tc.prompt, full=True)
+    out = generate(llm, tc.prompt, recompute_first=0, budget=1.0)
+    assert out.num_cached_tokens == len(tc.header)
+    assert_same_greedy_path(full.outputs[0], out.outputs[0], "budget 1")
     assert gap(full, out) <= LOGPROB_TOLERANCE
 
 

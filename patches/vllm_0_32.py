@@ -162,6 +162,61 @@ def validate_transfer_params(check: Callable[[object], tuple[str, str] | None]) 
     InputProcessor._validate_params = validate  # type: ignore[method-assign]
 
 
+_SHADOW_TASKS: set[Any] = set()  # background full-prefill copies in flight (kept referenced until done)
+
+
+@MANIFEST.touches(
+    call("vllm.v1.engine.async_llm:AsyncLLM.generate", "self", "prompt", "sampling_params", "request_id"),
+    attribute("vllm.v1.engine.async_llm:AsyncLLM.vllm_config"),
+    value("vllm.v1.engine:EngineCoreRequest"),
+)
+def shadow_requests(halves: Callable[[Any, Any], tuple[Any, Any] | None]) -> None:
+    """Have vLLM's API server send a full-prefill copy of the requests ``halves`` picks, in the background.
+
+    ``halves(vllm_config, sampling_params)`` returns ``None`` (the request runs as sent) or the served request's
+    parameters and its copy's; the copy is added to the engine under the request's id with ``-kvreuse-shadow``
+    appended, its outputs are read and dropped, and its failure is logged, never the served request's. A KV
+    connector cannot add a request (vLLM 0.32's interface only answers about the scheduler's own), so the front
+    end's ``AsyncLLM.generate``, which every OpenAI endpoint calls once per request, is wrapped once per process.
+    Requests whose prompt is a stream or a ready ``EngineCoreRequest`` (it carries its own id) are left alone.
+    Tested: vLLM 0.32.0.
+    """
+    import asyncio
+    import logging
+
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    original = AsyncLLM.generate
+    if getattr(original, "kvreuse_shadow", None) is halves:
+        return
+    log = logging.getLogger("vllm.plugins.kvreuse")
+
+    async def drain(stream: Any, request_id: str) -> None:
+        try:
+            async for _ in stream:
+                pass
+        except Exception as why:  # the copy's failure is the operator's to see, never the served request's
+            log.warning("kvreuse: shadow copy %s failed: %s", request_id, why)
+
+    @functools.wraps(original)
+    async def generate(self: Any, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        own = hasattr(prompt, "__aiter__") or isinstance(prompt, EngineCoreRequest)  # a stream; a request with its id
+        pair = None if own else halves(self.vllm_config, sampling_params)
+        if pair is not None:
+            sampling_params, full = pair
+            copy_id = f"{request_id}-kvreuse-shadow"
+            copy = original(self, prompt, full, copy_id, *args, **kwargs)
+            task = asyncio.ensure_future(drain(copy, copy_id))
+            _SHADOW_TASKS.add(task)
+            task.add_done_callback(_SHADOW_TASKS.discard)
+        async for out in original(self, prompt, sampling_params, request_id, *args, **kwargs):
+            yield out
+
+    generate.kvreuse_shadow = halves  # type: ignore[attr-defined]
+    AsyncLLM.generate = generate  # type: ignore[method-assign]
+
+
 @MANIFEST.touches(attribute("vllm.distributed.kv_transfer.kv_connector.v1.metrics:KVConnectorPromMetrics._counter_cls"))
 def prometheus_counter_class(metrics: KVConnectorPromMetrics) -> Any:
     """The counter class vLLM hands a connector's Prometheus metrics (a multiprocess-aware ``Counter``).

@@ -253,6 +253,7 @@ def test_a_write_with_the_key_but_a_bad_name_or_context_is_a_400_naming_the_prob
         ({"kvreuse_ape": {"scale": 1e308}}, "kvreuse_ape.scale"),
         ({"kvreuse_recompute_first": 10**30}, "kvreuse_recompute_first"),
         ({"kvreuse_recompute_share": 2}, "kvreuse_recompute_share"),
+        ({"kvreuse_recompute_budget": -0.1}, "kvreuse_recompute_budget"),
         ({"kvreuse_recompute_frist": 8}, "kvreuse_recompute_frist"),  # misspelt: never silently ignored
     ],
 )

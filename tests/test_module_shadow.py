@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -62,7 +64,10 @@ def test_the_shadow_parameter_is_a_pair_name_and_a_role_and_bad_values_name_the_
         assert refused.value.field == "kv_transfer_params.kvreuse_shadow"
 
 
-def _finished(scheduler, pair, full, tokens):
+def _finished(scheduler, pair, full, tokens, spliced=True):
+    """Half ``pair`` finished with ``tokens``; a served half took KV from modules where ``spliced``."""
+    if spliced and not full:
+        scheduler._spliced.add(f"{pair}-{full}")  # as ModuleScheduler.allocated records a load
     request = SimpleNamespace(
         request_id=f"{pair}-{full}",
         kv_transfer_params={"kvreuse_shadow": {"pair": pair, "full": full}},
@@ -82,3 +87,76 @@ def test_the_scheduler_counts_checks_and_agreements_once_per_pair_until_taken():
     assert scheduler.take_stats() == {}
     scheduler.shadow_finished(SimpleNamespace(request_id="r", kv_transfer_params=None, output_token_ids=[1]))
     assert scheduler.take_stats() == {}  # not a shadow half
+
+
+def test_a_pair_whose_served_half_spliced_nothing_is_no_check():
+    scheduler = module_scheduler()
+    _finished(scheduler, "a", False, [1, 2], spliced=False)  # no module in its prompt, or every token recomputed
+    _finished(scheduler, "a", True, [1, 2])
+    assert scheduler.take_stats() == {}
+
+
+def _params(**fields):
+    from vllm import SamplingParams
+
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": 64, **fields})
+
+
+def test_the_server_pairs_every_nth_request_that_can_be_checked():
+    from kvreuse.vllm.modules import shadow
+
+    shadow._server_sent = itertools.count()
+    pairs = [shadow.server_halves(_params(), every=3) for _ in range(7)]
+    assert [p is not None for p in pairs] == [True, False, False, True, False, False, True]
+    served, full = pairs[0]
+    assert shadow_half(served.extra_args["kv_transfer_params"]) == (
+        shadow_half(full.extra_args["kv_transfer_params"])[0],
+        False,
+    )
+    assert full.skip_reading_prefix_cache and full.max_tokens == 16 and not served.skip_reading_prefix_cache
+    assert served.max_tokens == 64  # the served request is unchanged but for its half's name
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": 0.7},  # sampled without a seed: the halves may differ by chance
+        {"n": 2, "temperature": 0.7, "seed": 1},
+        {"skip_reading_prefix_cache": True},
+        {"extra_args": {"kv_transfer_params": {"kvreuse_module": "doc", "kvreuse_context": 0}}},
+        {"extra_args": {"kv_transfer_params": {"kvreuse_shadow": {"pair": "x", "full": False}}}},
+    ],
+)
+def test_the_server_leaves_requests_that_cannot_be_checked_alone_and_does_not_count_them(fields):
+    from kvreuse.vllm.modules import shadow
+
+    shadow._server_sent = itertools.count()
+    assert shadow.server_halves(_params(**fields), every=1) is None
+    assert shadow.server_halves(_params(temperature=0.7, seed=3), every=1) is not None  # seeded: the same path
+
+
+def test_the_api_servers_generate_sends_the_copy_in_the_background_and_yields_the_served_request_only(monkeypatch):
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from kvreuse.patches import vllm_0_32
+
+    sent = []
+
+    async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
+        sent.append((request_id, sampling_params))
+        yield f"out-{request_id}"
+
+    monkeypatch.setattr(AsyncLLM, "generate", generate)
+    vllm_0_32.shadow_requests(lambda config, params: (f"served-{params}", f"full-{params}") if config else None)
+    engine = SimpleNamespace(vllm_config=True)
+
+    async def run(engine):
+        outputs = [out async for out in AsyncLLM.generate(engine, "prompt", "p", "r1")]
+        await asyncio.gather(*vllm_0_32._SHADOW_TASKS)
+        return outputs
+
+    assert asyncio.run(run(engine)) == ["out-r1"]
+    assert sorted(sent) == [("r1", "served-p"), ("r1-kvreuse-shadow", "full-p")]
+    sent.clear()
+    assert asyncio.run(run(SimpleNamespace(vllm_config=False))) == ["out-r1"]  # off: the request alone
+    assert sent == [("r1", "p")]

@@ -36,9 +36,16 @@ def test_the_choice_is_by_tokens_computed_not_by_order_or_agreement():
 
 def test_a_setting_has_an_engine_form_and_a_per_request_form():
     setting = Setting(32, 0.1)
-    assert setting.additional_config() == {"kvreuse": {"modules": {"recompute_first": 32, "recompute_share": 0.1}}}
-    assert setting.transfer_params() == {"kvreuse_recompute_first": 32, "kvreuse_recompute_share": 0.1}
+    assert setting.additional_config() == {
+        "kvreuse": {"modules": {"recompute_first": 32, "recompute_share": 0.1, "recompute_budget": 0.0}}
+    }
+    assert setting.transfer_params() == {
+        "kvreuse_recompute_first": 32,
+        "kvreuse_recompute_share": 0.1,
+        "kvreuse_recompute_budget": 0.0,
+    }
     assert str(Setting(ALL_TOKENS)) == "recompute_first all, recompute_share 0"
+    assert str(Setting(0, 0.0, 0.15)) == "recompute_first 0, recompute_share 0, recompute_budget 0.15"
 
 
 def test_the_wilson_bound_at_full_agreement_is_n_over_n_plus_z_squared():

@@ -266,7 +266,8 @@ def _add_calibrate_modules(commands: argparse._SubParsersAction) -> None:
         "calibrate-modules",
         help="pick the cheapest module-splice recompute whose answers agree with full prefill's on a floor",
         description="Start vLLM on --model with the module cache, encode --modules, run every --prompts line with "
-        "full prefill and with each candidate (modules.recompute_first 0/16/32/64, each with every --shares), print "
+        "full prefill and with each candidate (modules.recompute_first 0/16/32/64, each with every --shares; each "
+        "--budgets), print "
         "the curve and the cheapest setting that keeps --min-agreement, as --additional-config and per request "
         "(kvreuse.vllm.modules.calibrate). On vLLM's CPU build set KVREUSE_SPARSE_CPU_BACKEND=1.",
     )
@@ -277,7 +278,10 @@ def _add_calibrate_modules(commands: argparse._SubParsersAction) -> None:
     calibrate.add_argument(
         "--shares", type=_share_list, default=[], help="recompute_share candidates, comma-separated, e.g. 0.1,0.2"
     )
-    calibrate.add_argument("--probe", help="text the modules are probed after (needed for --shares)")
+    calibrate.add_argument(
+        "--budgets", type=_share_list, default=[], help="recompute_budget candidates, comma-separated, e.g. 0.1,0.15"
+    )
+    calibrate.add_argument("--probe", help="text the modules are probed after (needed for --shares; used by --budgets)")
     calibrate.add_argument("--engine-args", type=_engine_args, default={}, help="JSON object of vLLM engine arguments")
     calibrate.set_defaults(command=_calibrate_modules)
 
@@ -295,6 +299,7 @@ def _calibrate_modules(args: argparse.Namespace) -> int:
         prompts,
         args.min_agreement,
         shares=args.shares,
+        budgets=args.budgets,
         probe=args.probe,
         engine_args=args.engine_args,
     )

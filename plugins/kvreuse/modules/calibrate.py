@@ -24,24 +24,32 @@ ALL_TOKENS = 2**31 - 1
 
 @dataclass(frozen=True)
 class Setting:
-    """A candidate setting of the module cache's recompute: ``modules.recompute_first`` and ``recompute_share``."""
+    """A candidate setting of the module cache's recompute: ``modules.recompute_first``, ``recompute_share`` and
+    ``recompute_budget``. Both forms name all three, so no engine default adds to the measured setting."""
 
     recompute_first: int
     recompute_share: float = 0.0
+    recompute_budget: float = 0.0
 
     def transfer_params(self) -> dict[str, int | float]:
         """The per-request form: a request's ``kv_transfer_params``."""
-        return {"kvreuse_recompute_first": self.recompute_first, "kvreuse_recompute_share": self.recompute_share}
+        return {f"kvreuse_{key}": value for key, value in self._values().items()}
 
     def additional_config(self) -> dict[str, dict[str, dict[str, int | float]]]:
         """The engine's form: vLLM's ``--additional-config``."""
+        return {"kvreuse": {"modules": self._values()}}
+
+    def _values(self) -> dict[str, int | float]:
         return {
-            "kvreuse": {"modules": {"recompute_first": self.recompute_first, "recompute_share": self.recompute_share}}
+            "recompute_first": self.recompute_first,
+            "recompute_share": self.recompute_share,
+            "recompute_budget": self.recompute_budget,
         }
 
     def __str__(self) -> str:
         first = "all" if self.recompute_first == ALL_TOKENS else str(self.recompute_first)
-        return f"recompute_first {first}, recompute_share {self.recompute_share:g}"
+        budget = f", recompute_budget {self.recompute_budget:g}" if self.recompute_budget else ""
+        return f"recompute_first {first}, recompute_share {self.recompute_share:g}{budget}"
 
 
 @dataclass(frozen=True)

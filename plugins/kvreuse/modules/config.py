@@ -92,7 +92,8 @@ class ModulesConfig:
         low=0,
     )
     # 16: the best accuracy per compute measured on a trained model (README, "Answer quality of spliced modules":
-    # 81% of full prefill's accuracy at 13% of its compute, TTFT still 4.4x below full prefill on 8 x 256 tokens).
+    # 81% of full prefill's accuracy at 13% of its compute, TTFT still 4.4x below full prefill on 8 x 256 tokens;
+    # issue 27's curves in the engine at 4 and 8 documents: 71% at 14-17%, as much as any recovery, the least compute).
     recompute_first: int = config.setting(
         16,
         "engine: tokens at the start of each spliced module computed afresh with the whole prompt before them "
@@ -107,6 +108,16 @@ class ModulesConfig:
         "the module was encoded after a probe context (encode_modules(..., probe=...); CacheBlend's choice made "
         'at encode time); a request may set its own with kv_transfer_params {"kvreuse_recompute_share": R}; '
         "with recompute_first, the union (0 = none; a module encoded without a probe recomputes none)",
+        low=0,
+        high=1,
+    )
+    recompute_budget: float = config.setting(
+        0.0,
+        "engine: share (0 to 1) of a spliced run's module tokens computed afresh, one budget for the whole prompt: "
+        "spent on the tokens that lack most of their context (later modules first) and, in probed modules, "
+        "deviated most at encode time; a module whose KV is exact gets none (kvreuse.modules.splice."
+        'budgeted_tokens); a request may set its own with kv_transfer_params {"kvreuse_recompute_budget": B}; '
+        "with recompute_first and recompute_share, the union (0 = none)",
         low=0,
         high=1,
     )
@@ -126,6 +137,15 @@ class ModulesConfig:
         "log(scale) added to their logits; 1 = off)",
         low=MIN_SCALE,
         high=MAX_SCALE,
+    )
+    shadow_every: int = config.setting(
+        0,
+        "front end: every Nth request the API server takes that may splice (greedy or seeded, one sample, not a "
+        "module write, a full prefill or a client's shadow half) is also sent with full prefill in the background "
+        "(at most 16 tokens, output discarded), and the engine compares their first tokens where the request "
+        "spliced modules: kvreuse:module_shadow_checks_total / _agreed_total (0 = off; vLLM only)",
+        low=0,
+        high=1_000_000,
     )
 
     def __post_init__(self) -> None:

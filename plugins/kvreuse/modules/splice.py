@@ -161,6 +161,61 @@ def allot_first_tokens(run: Sequence[Piece], k: int, exact: Callable[[Piece], bo
     return counts
 
 
+def budgeted_tokens(
+    run: Sequence[Piece], share: float, exact: Callable[[Piece], bool], scores: Mapping[Hashable, Sequence[float]]
+) -> dict[int, tuple[int, ...]]:
+    """One budget of recomputed tokens for a whole spliced ``run`` (``modules.recompute_budget``): ``share`` (0
+    to 1) of the run's module tokens, spent on the tokens of its inexact modules that most need it, as known before
+    the request. By :attr:`Piece.module_start`, the indices (from the module's first token, ascending) of the tokens
+    each module recomputes; a module whose KV is already a full prefill's (``exact``) gets none, and its tokens'
+    share goes to the others.
+
+    A token's need is the share of its full-prefill context that the splice hides from it, ``s / (s + i + 1)``
+    for token ``i`` of a module that starts at prompt position ``s`` (encoded alone, it attended to its module's
+    ``i + 1`` tokens only; under uniform attention that is the attention mass it lacks), times its encode-time
+    deviation relative to its module's mean (``scores[name]``, ``kvreuse.modules.blend.token_scores``: CacheBlend's
+    distance against the probe; a module without scores weighs its tokens alike). So the position sets how much
+    each module gets (later modules, and longer ones, more; a module right after the prompt's start little), and
+    the probe which of its tokens (without one, its first tokens, LegoLink's choice). The top ``round(share x
+    tokens)`` needs are taken over the whole run (ties: the earlier token). Our allocation, combining the per-token
+    deviation of CacheBlend (Yao et al., EuroSys 2025) and Cache-Craft's position-aware choice of how much of each
+    chunk to recompute (Agarwal et al., SIGMOD 2025) without a per-request pass.
+
+    Like :func:`allot_first_tokens`, the choice depends on the whole run only (callers pass it from its first
+    module), so it can name the modules' cache blocks.
+    """
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"recompute budget {share!r} is not between 0 and 1")
+    total = sum(piece.length + piece.offset for piece in run)
+    needs: list[tuple[float, int, int]] = []  # (-need, module start, token index)
+    for piece in run:
+        if exact(piece):
+            continue
+        size = piece.length + piece.offset
+        own = scores.get(piece.name, ())
+        mean = sum(own) / len(own) if len(own) == size else 0.0
+        s = piece.module_start
+        for i in range(size):
+            weight = own[i] / mean if mean > 0.0 else 1.0
+            needs.append((-(s / (s + i + 1)) * weight, s, i))
+    needs.sort()
+    chosen: dict[int, list[int]] = {piece.module_start: [] for piece in run}
+    for _, start, i in needs[: round(share * total)]:
+        chosen[start].append(i)
+    return {start: tuple(sorted(indices)) for start, indices in chosen.items()}
+
+
+def budget_positions(pieces: Sequence[Piece], chosen: Mapping[int, Sequence[int]]) -> tuple[int, ...]:
+    """Prompt positions, ascending, of the pieces' tokens that :func:`budgeted_tokens` chose (``chosen``, by module
+    start); a piece that starts inside its module recomputes only the chosen tokens still in it."""
+    return tuple(
+        piece.prompt_start + i - piece.offset
+        for piece in pieces
+        for i in chosen.get(piece.module_start, ())
+        if piece.offset <= i < piece.offset + piece.length
+    )
+
+
 def chosen_tokens(pieces: Sequence[Piece], rankings: Mapping[Hashable, Sequence[int]], share: float) -> tuple[int, ...]:
     """Prompt positions, ascending, of the pieces' tokens that are among the top ``share`` (0 to 1) of their
     module's ranking: the tokens chosen when the module was encoded (``kvreuse.modules.blend``: CacheBlend's

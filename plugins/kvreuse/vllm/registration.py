@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from typing import Any
 
 from kvreuse.config import TRUE_WORDS, check_environment, share_local_secret
 from kvreuse.vllm.names import SPARSE_BACKEND, SPARSE_CPU_SWITCH, ConnectorName
@@ -53,6 +54,8 @@ def register() -> None:
     _register_sparse_backend()
     # Every request's kvreuse parameters are checked in vLLM's front end (a 400 naming the field), before the engine.
     vllm_0_32.validate_transfer_params(transfer_params_refusal)
+    # modules.shadow_every: the API server sends every Nth request's full-prefill copy (read on its first request).
+    vllm_0_32.shadow_requests(shadow_halves)
     for name in ConnectorName:
         vllm_0_32.register_kv_connector(name, name.module, name)
     _REGISTERED_PIDS.add(os.getpid())
@@ -70,6 +73,28 @@ def transfer_params_refusal(params: object) -> tuple[str, str] | None:
     from kvreuse.vllm.modules.common import transfer_params_refusal as refusal
 
     return refusal(params)
+
+
+_SHADOW_EVERY: dict[int, int] = {}  # id of a vLLM config -> its modules.shadow_every
+
+
+def shadow_halves(vllm_config: Any, params: Any) -> tuple[Any, Any] | None:
+    """The served and full-prefill halves of a shadow check for a request of the API server whose engine has
+    ``modules.shadow_every`` N (``kvreuse.vllm.modules.shadow.server_halves``), else ``None``; the setting is read
+    once per engine configuration, and the module cache imported only where it is on."""
+    every = _SHADOW_EVERY.get(id(vllm_config))
+    if every is None:
+        from kvreuse.modules.config import ModulesConfig
+        from kvreuse.vllm.settings import kvreuse_flags
+
+        every = _SHADOW_EVERY[id(vllm_config)] = ModulesConfig.load(
+            kvreuse_flags(vllm_config.additional_config, "modules")
+        ).shadow_every
+    if not every:
+        return None
+    from kvreuse.vllm.modules.shadow import server_halves
+
+    return server_halves(params, every)
 
 
 def _on_cpu() -> bool:

@@ -72,12 +72,14 @@ def calibrate_modules(
     *,
     firsts: Sequence[int] = FIRSTS,
     shares: Sequence[float] = (),
+    budgets: Sequence[float] = (),
     max_tokens: int = 16,
     confidence: float = 0.95,
 ) -> Calibration:
     """Measure every candidate (``recompute_first`` in ``firsts``, each also with every ``recompute_share`` in
-    ``shares``) against full prefill on ``prompts`` (texts or token ids) in ``llm`` (vLLM's ``LLM`` with the
-    ``KVReuseModuleCache`` connector and the prompts' modules encoded), and choose the cheapest whose sampled
+    ``shares``; and each ``recompute_budget`` in ``budgets`` alone) against full prefill on ``prompts`` (texts or
+    token ids) in ``llm`` (vLLM's ``LLM`` with the ``KVReuseModuleCache`` connector and the prompts' modules
+    encoded), and choose the cheapest whose sampled
     agreement is at least ``min_agreement``. Fewer prompts than ``prompts_needed(min_agreement, confidence)`` cannot
     show the floor at that confidence even where all agree; the result says so."""
     from vllm import SamplingParams
@@ -89,6 +91,7 @@ def calibrate_modules(
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
     candidates = [Setting(k, share) for k in firsts for share in (0.0, *shares)]
+    candidates += [Setting(0, 0.0, budget) for budget in budgets]
 
     def run(transfer: dict[str, Any] | None) -> list[tuple[list[int], int, int]]:
         """(output tokens, prompt tokens, prompt tokens computed) per prompt, one request at a time."""
@@ -151,12 +154,13 @@ def calibrate_in_new_engine(
     min_agreement: float,
     *,
     shares: Sequence[float] = (),
+    budgets: Sequence[float] = (),
     probe: str | None = None,
     engine_args: dict[str, Any] | None = None,
 ) -> Calibration:
     """``kvreuse calibrate-modules``: start vLLM on ``model`` with the module connector (``engine_args`` added),
-    encode ``modules`` alone (probed after ``probe``'s tokens where given, for ``shares``), calibrate on
-    ``prompts``, stop the engine."""
+    encode ``modules`` alone (probed after ``probe``'s tokens where given, for ``shares`` and ``budgets``),
+    calibrate on ``prompts``, stop the engine."""
     from vllm import LLM
 
     from kvreuse.vllm.modules.encode import encode_modules
@@ -167,6 +171,6 @@ def calibrate_in_new_engine(
         tokenizer = llm.get_tokenizer()
         probe_ids = tokenizer.encode(probe, add_special_tokens=False) if probe is not None else None
         encode_modules(llm, modules, probe=probe_ids)
-        return calibrate_modules(llm, prompts, min_agreement, shares=shares)
+        return calibrate_modules(llm, prompts, min_agreement, shares=shares, budgets=budgets)
     finally:
         vllm_0_32.shutdown_llm(llm)

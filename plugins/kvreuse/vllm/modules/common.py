@@ -35,6 +35,7 @@ ENCODE_REPLACE = "kvreuse_replace"  # an explicit replacement of the module stor
 ENCODE_PROBE = "kvreuse_probe"  # the module's tokens after a probe context: rank the stored entry's, store nothing
 RECOMPUTE_FIRST = "kvreuse_recompute_first"  # a request's own modules.recompute_first
 RECOMPUTE_SHARE = "kvreuse_recompute_share"  # a request's own modules.recompute_share
+RECOMPUTE_BUDGET = "kvreuse_recompute_budget"  # a request's own modules.recompute_budget
 APE = "kvreuse_ape"  # a request's own modules.ape_temperature / ape_scale: {"temperature": T, "scale": S}
 SHADOW = "kvreuse_shadow"  # one half of a shadow check: {"pair": NAME, "full": true|false} (kvreuse.modules.shadow)
 
@@ -67,6 +68,7 @@ KNOWN = (
     ENCODE_PROBE,
     RECOMPUTE_FIRST,
     RECOMPUTE_SHARE,
+    RECOMPUTE_BUDGET,
     APE,
     SHADOW,
     WRITE_PROOF,
@@ -157,6 +159,25 @@ def shadow_half(params: object) -> tuple[str, bool] | None:
     return value["pair"], value["full"]
 
 
+def recompute_budget(params: object, default: float) -> float:
+    """The share of a spliced run's module tokens a request recomputes under one budget
+    (``kvreuse.modules.splice.budgeted_tokens``): its ``kv_transfer_params``' :data:`RECOMPUTE_BUDGET`, else
+    ``default`` (``modules.recompute_budget``).
+
+    Raises :class:`RequestParameterError` for a value that is not a number from 0 to 1.
+    """
+    if not isinstance(params, Mapping) or RECOMPUTE_BUDGET not in params:
+        return default
+    value = params[RECOMPUTE_BUDGET]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise RequestParameterError(
+            f"{FIELD}.{RECOMPUTE_BUDGET}",
+            f"{RECOMPUTE_BUDGET} must be a number from 0 to 1 (share of the spliced run's module tokens), "
+            f"got {_shown(value)}",
+        )
+    return float(value)
+
+
 def check_transfer_params(params: object) -> None:
     """Every kvreuse key of a request's ``kv_transfer_params`` well formed and within its bounds, so that nothing a
     request carries reaches the engine's arithmetic unchecked (issue 26): vLLM's front end refuses the request with
@@ -175,6 +196,7 @@ def check_transfer_params(params: object) -> None:
             )
     recompute_first(params, 0)
     recompute_share(params, 0.0)
+    recompute_budget(params, 0.0)
     ape_setting(params, OFF)
     shadow_half(params)
     if marks_encode(params):

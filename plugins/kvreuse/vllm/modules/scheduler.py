@@ -58,6 +58,8 @@ from kvreuse.modules.splice import (
     Piece,
     allot_first_tokens,
     block_modules,
+    budget_positions,
+    budgeted_tokens,
     chosen_tokens,
     first_tokens,
     in_place,
@@ -82,6 +84,7 @@ from kvreuse.vllm.modules.common import (
     ape_setting,
     encode_request,
     marks_encode,
+    recompute_budget,
     recompute_first,
     recompute_share,
     shadow_half,
@@ -115,9 +118,10 @@ class _Look:
     """What the scheduler found in a waiting request's prompt, and the entries folded into its block hashes from
     block ``first_block`` on, with the tokens per module it recomputes (``recompute_first``, allotted over the
     spliced run as ``first``; ``recompute_share`` of each module's ``rankings``, as they were when folded; folded
-    too), the modules whose KV is a full prefill's already (``exact``, by prompt position: nothing of them is
-    recomputed) and the modules its later tokens attend to with APE (its setting folded into the first block
-    after them)."""
+    too), the tokens the run's one budget chose (``budgeted``: ``modules.recompute_budget``, by module start, token
+    indices in the module; folded too), the modules whose KV is a full prefill's already (``exact``, by prompt
+    position: nothing of them is recomputed) and the modules its later tokens attend to with APE (its setting
+    folded into the first block after them)."""
 
     matches: list[ModuleMatch]
     first_block: int
@@ -128,6 +132,7 @@ class _Look:
     ape: ApeSpans | None = None  # the spliced run's modules and APE's setting, where APE is on
     first: Mapping[int, int] = field(default_factory=dict)  # module start -> first tokens (allot_first_tokens)
     exact: frozenset[int] = frozenset()  # starts of the run's modules encoded in place (splice.in_place)
+    budgeted: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # module start -> budgeted_tokens' choice
 
     def first_count(self, module_start: int) -> int:
         """The first tokens the module at ``module_start`` recomputes: its allotment, or ``recompute_first`` for a
@@ -135,13 +140,14 @@ class _Look:
         return self.first.get(module_start, self.recompute_first)
 
     def recompute(self, pieces: Sequence[Piece]) -> tuple[int, ...]:
-        """Prompt positions of ``pieces`` to recompute: LegoLink's first tokens, as allotted, and the encode-time
-        choice, none of either in a module whose KV is exact."""
+        """Prompt positions of ``pieces`` to recompute: LegoLink's first tokens, as allotted, the encode-time
+        choice and the run's budgeted choice, none of them in a module whose KV is exact."""
         first = first_tokens(pieces, {piece.module_start: self.first_count(piece.module_start) for piece in pieces})
+        budgeted = budget_positions(pieces, self.budgeted)
         if not self.recompute_share:
-            return first
+            return merge_positions(first, budgeted) if budgeted else first
         inexact = [piece for piece in pieces if piece.module_start not in self.exact]
-        return merge_positions(first, chosen_tokens(inexact, self.rankings, self.recompute_share))
+        return merge_positions(first, budgeted, chosen_tokens(inexact, self.rankings, self.recompute_share))
 
 
 @dataclass(frozen=True)
@@ -185,6 +191,8 @@ class ModuleScheduler:
         self.available: set[ModuleKey] = set()
         # Probed modules: their tokens, most deviating first (kvreuse.modules.blend), for modules.recompute_share.
         self.rankings: dict[ModuleKey, tuple[int, ...]] = {}
+        # ... and their per-token deviation itself, for modules.recompute_budget (splice.budgeted_tokens).
+        self.scores: dict[ModuleKey, tuple[float, ...]] = {}
         # Stored modules: the position each was encoded at and its context's fingerprint (splice.in_place).
         self.placements: dict[ModuleKey, tuple[int, str]] = {}
         self._unranked: set[ModuleKey] = set()  # modules without a ranking that a request asked for (logged once)
@@ -206,6 +214,7 @@ class ModuleScheduler:
         self.skipped: Counter[str] = Counter()  # modules found but not spliced, by reason (since take_stats)
         self.refused: Counter[str] = Counter()  # encode requests not stored, by WriteRefusal (since take_stats)
         self.shadows = ShadowPairs()  # finished halves of shadow checks waiting for the other half
+        self._spliced: set[str] = set()  # requests that took KV from modules (a shadow check counts only for them)
         self.shadow_counts: Counter[str] = Counter()  # shadow_checks, shadow_agreed (since take_stats)
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM (KVConnectorBase_V1.bind_kv_cache_manager)
 
@@ -246,7 +255,14 @@ class ModuleScheduler:
                 ape = (look.ape.temperature, look.ape.scale) if look.ape is not None else self._ape_setting(request)
             stop = min(len(prompt), request.num_tokens) - 1
             look = self._looks[rid] = self._fold(
-                request, matches, first_block, self._recompute_first(request), self._recompute_share(request), ape, stop
+                request,
+                matches,
+                first_block,
+                self._recompute_first(request),
+                self._recompute_share(request),
+                ape,
+                stop,
+                self._recompute_budget(request),
             )
             if look.ape is not None:
                 self._ape[rid] = look.ape
@@ -275,6 +291,7 @@ class ModuleScheduler:
             self._encodes[rid] = (write, tuple(request.prompt_token_ids or ()))
         if num_external_tokens <= 0:
             return
+        self._spliced.add(rid)
         if (
             plan.recompute
             and num_external_tokens == plan.external
@@ -361,6 +378,7 @@ class ModuleScheduler:
         for key in report.dropped:  # first: a module encoded again comes back under a new version, same tokens
             self.trie.remove(key, namespace=key.namespace)
             self.rankings.pop(key, None)
+            self.scores.pop(key, None)
             self.placements.pop(key, None)
         for key, token_ids in report.stored.items():
             try:
@@ -381,6 +399,7 @@ class ModuleScheduler:
         for key, scores in report.scores.items():
             if key in self.available:
                 self.rankings[key] = ranking(scores)
+                self.scores[key] = tuple(scores)
                 self._unranked.discard(key)
         for name, why in report.failed.items():
             logger.error("kvreuse module %s was not stored: %s", name, why)
@@ -398,14 +417,17 @@ class ModuleScheduler:
 
     def shadow_finished(self, request: Request) -> None:
         """``request`` finished: if it is half of a shadow check whose other half finished already, count the check
-        and whether their output tokens agreed (``kvreuse.modules.shadow``)."""
+        and whether their output tokens agreed (``kvreuse.modules.shadow``). A served half that took no KV from
+        modules (none in its prompt, or all recomputed) is compared as empty, so its pair is no check: both halves
+        computed the prompt in full."""
         try:
             half = shadow_half(request.kv_transfer_params)
         except RequestParameterError:  # refused by vLLM's front end; a request that came another way is no check
             return
         if half is None:
             return
-        agreed = self.shadows.finished(half[0], half[1], request.output_token_ids)
+        tokens = request.output_token_ids if half[1] or request.request_id in self._spliced else ()
+        agreed = self.shadows.finished(half[0], half[1], tokens)
         if agreed is not None:
             self.shadow_counts["shadow_checks"] += 1
             self.shadow_counts["shadow_agreed"] += agreed
@@ -414,6 +436,7 @@ class ModuleScheduler:
         for state in (self._looks, self._plans, self._writes, self._encodes, self._prompt_lens, self._ape):
             state.pop(request_id, None)
         self._counted.discard(request_id)
+        self._spliced.discard(request_id)
 
     # -- helpers ----------------------------------------------------------------------------------------------------
     def _find(self, request: Request, prompt: Sequence[int]) -> list[ModuleMatch]:
@@ -439,6 +462,11 @@ class ModuleScheduler:
     def _recompute_share(self, request: Request) -> float:
         """The share of each spliced module's ranked tokens ``request`` recomputes (its own, else the engine's)."""
         return self._own_setting(request, recompute_share, self.config.recompute_share, "modules.recompute_share")
+
+    def _recompute_budget(self, request: Request) -> float:
+        """The share of the spliced run's module tokens ``request`` recomputes under one budget (its own, else the
+        engine's)."""
+        return self._own_setting(request, recompute_budget, self.config.recompute_budget, "modules.recompute_budget")
 
     def _rankings(self, request: Request, matches: list[ModuleMatch], share: float) -> dict[Hashable, tuple[int, ...]]:
         """The encode-time rankings of the modules of ``matches`` (none when ``share`` is 0); a module without one
@@ -484,6 +512,7 @@ class ModuleScheduler:
         share: float = 0.0,
         ape: tuple[float, float] = OFF,
         stop: int = 0,
+        budget: float = 0.0,
     ) -> _Look:
         """Fold the entries of ``matches`` into the request's block hashes from ``first_block`` on (module doc),
         and ``recompute`` and ``share`` where they are not 0 (with the ranking of each module in the block):
@@ -500,18 +529,22 @@ class ModuleScheduler:
 
         ``recompute`` first tokens per module are allotted over that same run (``allot_first_tokens``): a module
         encoded in place (``in_place``: at the prompt's start with no context, or after the prompt's own tokens)
-        recomputes none, the others share its budget. Each module's count is folded into its blocks."""
+        recomputes none, the others share its budget. Each module's count is folded into its blocks, and so is
+        the choice of ``budget`` (``budgeted_tokens``, over the same run) in each module."""
         rankings = self._rankings(request, matches, share)
         available = self.available.__contains__
         prompt = request.prompt_token_ids or ()
         run = plan_splice(matches, run_start(matches, first_block * self.block_size, available), stop, available)
         exact = frozenset(piece.module_start for piece in run if self._in_place(piece, prompt))
         first = allot_first_tokens(run, recompute, lambda piece: piece.module_start in exact)
+        budgeted = (
+            budgeted_tokens(run, budget, lambda piece: piece.module_start in exact, self.scores) if budget else {}
+        )
         spans = None
         if ape != OFF:
             ranges = tuple((p.prompt_start, p.prompt_end) for p in run if not (p.prompt_start == 0 and p.offset == 0))
             spans = ApeSpans(ranges, *ape) if ranges else None
-        look = _Look(matches, first_block, frozenset(), recompute, share, rankings, spans, first, exact)
+        look = _Look(matches, first_block, frozenset(), recompute, share, rankings, spans, first, exact, budgeted)
         manager = self.kv_cache_manager
         if manager is None or not vllm_0_32.caches_prefixes(manager):
             return look  # nothing is cached: no block to tell apart
@@ -524,6 +557,7 @@ class ModuleScheduler:
             + tuple(f"recompute_first={look.first_count(m.start)}" for m in found if look.first_count(m.start))
             + shared
             + tuple(_ranking_digest(rankings[m.name]) for m in found if share and m.name in rankings)
+            + tuple(f"recompute_budget={_digest(budgeted[m.start])}" for m in found if budgeted.get(m.start))
             for block, found in blocks.items()
         }
         if spans is not None and spans.after // self.block_size < num_blocks:
@@ -595,7 +629,12 @@ class ModuleScheduler:
 
 def _ranking_digest(order: Sequence[int]) -> str:
     """A short name of a module's ranking (a module probed again ranks its tokens anew under the same entry)."""
-    return "ranking=" + hashlib.sha256(json.dumps(list(order)).encode()).hexdigest()[:16]
+    return "ranking=" + _digest(order)
+
+
+def _digest(indices: Sequence[int]) -> str:
+    """A short name of a list of a module's token indices."""
+    return hashlib.sha256(json.dumps(list(indices)).encode()).hexdigest()[:16]
 
 
 NO_APE = (

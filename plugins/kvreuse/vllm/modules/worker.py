@@ -126,14 +126,18 @@ class ModuleWorker:
                 )
         # kvreuse's backend names itself CUSTOM (SparseAttentionBackend.get_name), also where it replaces CPU_ATTN.
         self.masks_by_position = all(backends[name] == "CUSTOM" for name in self.layers)
-        if not self.masks_by_position and (self.config.recompute_first or self.config.recompute_share):
+        if not self.masks_by_position and (
+            self.config.recompute_first or self.config.recompute_share or self.config.recompute_budget
+        ):
             # recompute_first is on by default (16): say once at start what a GPU user's stock backend costs.
             logger.warning(
-                "kvreuse: modules.recompute_first=%d / recompute_share=%s need kvreuse's attention backend in every "
-                "layer (--attention-backend CUSTOM), not %s: every request that splices modules will compute its "
-                "whole run instead; set modules.recompute_first 0 (and recompute_share 0) for the plain splice",
+                "kvreuse: modules.recompute_first=%d / recompute_share=%s / recompute_budget=%s need kvreuse's "
+                "attention backend in every layer (--attention-backend CUSTOM), not %s: every request that splices "
+                "modules will compute its whole run instead; set modules.recompute_first 0 (and recompute_share and "
+                "recompute_budget 0) for the plain splice",
                 self.config.recompute_first,
                 self.config.recompute_share,
+                self.config.recompute_budget,
                 ", ".join(sorted({backends[name] for name in self.layers if backends[name] != "CUSTOM"})),
             )
         vllm_0_32.remap_scheduled_tokens(self.plan_step, _publish_positions, true_positions)
