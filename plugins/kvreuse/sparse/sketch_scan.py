@@ -162,21 +162,22 @@ def _prune(
             lens[h, i] = tokens
 
 
-# Per sketch tensor (by id), its storage as a flat numpy array: made once (a view of a whole KV cache costs a few
-# microseconds, per layer and step otherwise); an entry goes when the tensor it was made for does.
-_FLAT: dict[int, tuple[weakref.ref[torch.Tensor], np.ndarray]] = {}
+# Per sketch tensor (by id), its storage as a flat numpy array and its offset and strides in it: made once (a few
+# microseconds per layer and step otherwise); an entry goes when the tensor it was made for does.
+_FLAT: dict[int, tuple[weakref.ref[torch.Tensor], np.ndarray, np.ndarray]] = {}
 
 
 def _flat(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
     """The whole storage under ``tensor`` as a flat numpy array of ``dtype``, and ``tensor``'s element offset and
-    strides in it."""
+    strides in it (a tensor's view of its storage never changes)."""
     key = id(tensor)
     entry = _FLAT.get(key)
     if entry is None or entry[0]() is not tensor:
         storage = tensor.untyped_storage()
         flat = torch.empty(0, dtype=dtype, device=tensor.device).set_(storage).numpy()
-        entry = _FLAT[key] = (weakref.ref(tensor, lambda _: _FLAT.pop(key, None)), flat)
-    return entry[1], np.array([tensor.storage_offset(), *tensor.stride()], np.int64)
+        at = np.array([tensor.storage_offset(), *tensor.stride()], np.int64)
+        entry = _FLAT[key] = (weakref.ref(tensor, lambda _: _FLAT.pop(key, None)), flat, at)
+    return entry[1], entry[2]
 
 
 def write_sketch(keys: torch.Tensor, sketch: KeySketch, slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -236,3 +237,17 @@ def prune_by_sketch(
         np.float32(0.5 + CODE_SLACK), tables.numpy(), lens.numpy(), kept.numpy(),
     )  # fmt: skip
     return PrunedTables(tables, lens, kept)
+
+
+def warm_up(num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    """Compile both functions now (or load numba's on-disk cache: about a second), for a model's shape, so that an
+    engine pays for it at start, not on its first decode; keys contiguous and strided (a slice of a fused QKV)."""
+    from kvreuse.kernels.key_sketch import KeySketch
+
+    sketch = KeySketch.allocate(1, block_size, num_kv_heads, head_dim, "cpu")
+    keys = torch.zeros(1, num_kv_heads, 2 * head_dim)
+    slots = torch.zeros(1, dtype=torch.int64)
+    write_sketch(keys[..., :head_dim], sketch, slots, block_size)
+    write_sketch(keys[..., :head_dim].contiguous(), sketch, slots, block_size)
+    q = torch.zeros(1, num_kv_heads, 1, head_dim)
+    prune_by_sketch(q, sketch, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0, 0, 1)
