@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -164,22 +165,25 @@ class Stock:
             )  # fmt: skip
 
 
-def measure(length: int, steps: int, profile: bool) -> dict:
-    keys, values, queries = real_kv(length)
-    stock = Stock(keys, values, length)
-    sides = {
-        "stock": stock,
-        **{f"beta={b:g}": Sparse(keys, values, length, b) for b in BETAS},
-        **{f"filter beta={b:g}": Filter(keys, values, length, b) for b in BETAS},
-    }
+def measure(length: int, steps: int, profile: bool, kinds: list[str]) -> dict:
+    """One row: each side's step time over a context of ``length`` tokens, the decoded token's the last (at slot
+    ``length - 1``: a block the step does not start, as in 31 of 32 decode steps)."""
+    prefilled = length - 1
+    keys, values, queries = real_kv(prefilled)
+    stock = Stock(keys, values, prefilled)
+    sides = {"stock": stock}
+    if "own" in kinds:
+        sides.update({f"beta={b:g}": Sparse(keys, values, prefilled, b) for b in BETAS})
+    if "filter" in kinds:
+        sides.update({f"filter beta={b:g}": Filter(keys, values, prefilled, b) for b in BETAS})
     times: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(2):  # warm-up
         for side in sides.values():
-            side.step(length, keys, values, queries)
+            side.step(prefilled, keys, values, queries)
     for _ in range(steps):
         for name, side in sides.items():
             started = time.perf_counter()
-            side.step(length, keys, values, queries)
+            side.step(prefilled, keys, values, queries)
             times[name].append(time.perf_counter() - started)
     row = {"length": length, "stock_ms": 1e3 * statistics.median(times["stock"])}
     for name in sides:
@@ -191,12 +195,13 @@ def measure(length: int, steps: int, profile: bool) -> dict:
             read = sum(r["blocks_read"] for r in rows) / max(1, sum(r["blocks_total"] for r in rows))
             row[f"{name}_blocks"] = read
     if profile:
-        for name in ("beta=inf", "beta=4", "filter beta=inf", "filter beta=4"):
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                for _ in range(3):
-                    sides[name].step(length, keys, values, queries)
-            print(f"--- {length} tokens, {name}: 3 steps")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+        for name in sides:
+            if name != "stock" and name.split("=")[-1] in ("inf", "4"):
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    for _ in range(3):
+                        sides[name].step(prefilled, keys, values, queries)
+                print(f"--- {length} tokens, {name}: 3 steps")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
     return row
 
 
@@ -207,18 +212,27 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--threads", type=int, help="torch threads (default: PyTorch's, as the engine's worker)")
     parser.add_argument("--name", default="sparse_cpu_step")
+    parser.add_argument(
+        "--sides", default="own,filter", help="sparse sides beside stock: own (kvreuse's kernels), filter (vLLM's op)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = [measure(int(n), args.steps, args.profile) for n in args.lengths.split(",")]
-    names = [f"{side}beta={b:g}" for side in ("", "filter ") for b in BETAS]
+    kinds = args.sides.split(",")
+    rows = [measure(int(n), args.steps, args.profile, kinds) for n in args.lengths.split(",")]
+    prefixes = [prefix for kind, prefix in (("own", ""), ("filter", "filter ")) if kind in kinds]
+    names = [f"{prefix}beta={b:g}" for prefix in prefixes for b in BETAS]
     print("| context | stock ms/step | " + " | ".join(f"{n} / stock (blocks read)" for n in names) + " |")
     print("|---:|---:|" + "---:|" * len(names))
     for r in rows:
         cells = [f"{r[n]:.2f} ({r[n + '_blocks']:.0%})" for n in names]
         print(f"| {r['length']:,} | {r['stock_ms']:.1f} | " + " | ".join(cells) + " |")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps({"rows": rows, "threads": torch.get_num_threads()}, indent=1))
+    load = os.getloadavg()[0]
+    print(f"load average (1 min) at the end: {load:.1f}")
+    (RESULTS / f"{args.name}.json").write_text(
+        json.dumps({"rows": rows, "threads": torch.get_num_threads(), "load_average": load}, indent=1)
+    )
 
 
 if __name__ == "__main__":

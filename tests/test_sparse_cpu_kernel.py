@@ -47,7 +47,7 @@ def test_the_op_stores_each_key_where_plain_keys_reads_it_and_values_in_plain_ro
     g = torch.Generator().manual_seed(0)
     slots = torch.randperm(POOL * BLOCK, generator=g)[:100]
     k, v = torch.randn(2, 100, KV_HEADS, DIM, generator=g)
-    kernel().write(k, v, key_cache, value_cache, slots)
+    kernel().write(k, v, key_cache, value_cache, slots, torch.zeros(0, dtype=torch.int64))
     blocks, offsets = slots // BLOCK, slots % BLOCK
     assert torch.equal(kernel().plain_keys(key_cache)[blocks, offsets], k)
     assert torch.equal(value_cache[blocks, :, offsets], v)
@@ -186,7 +186,7 @@ def test_the_op_masks_keys_past_a_sequences_length_and_reads_no_block_past_its_t
     n = 45  # one full block and 13 tokens of the next
     k, v = torch.randn(2, n, KV_HEADS, DIM, generator=g)
     op = kernel()
-    op.write(k, v, key_cache, value_cache, torch.arange(n) + 7 * BLOCK)
+    op.write(k, v, key_cache, value_cache, torch.arange(n) + 7 * BLOCK, torch.zeros(0, dtype=torch.int64))
     op.plain_keys(key_cache)[8, n - BLOCK :] = float("nan")
     key_cache[9:], value_cache[9:] = float("nan"), float("nan")
     q = torch.randn(1, Q_HEADS, DIM, generator=g)
@@ -254,13 +254,42 @@ def test_a_layout_with_kv_heads_inside_token_rows_prunes_the_union_of_the_heads_
     assert pruned.seq_lens.tolist() == [[68]]  # two full blocks and the last block's 4 tokens
 
 
-def test_a_step_zeroes_the_blocks_it_starts_without_filling_them():
-    """Issue 26: a freed block's old values past a new request's tokens must not reach CPU_ATTN's kernel (which
-    weighs them with 0: ``0 * NaN`` is NaN). Blocks started (slot 0 written) and not filled are zeroed; a block
-    filled in the step, one continued from an earlier step and padding slots (-1) are left alone."""
-    from kvreuse.vllm.sparse.cpu_kernel import fresh_partial_blocks
+def test_a_write_zeroes_the_blocks_it_is_told_to_clear_before_storing():
+    """Issue 26: the blocks a step starts without filling (``sketch_scan.write_sketch`` names them) are zeroed, K
+    and V, before the op stores the step's tokens; other blocks keep what they hold."""
+    key_cache, value_cache, _ = stock_caches(fill=float("nan"))
+    k, v = torch.ones(2, 1, KV_HEADS, DIM)
+    kernel().write(k, v, key_cache, value_cache, torch.tensor([3 * BLOCK]), torch.tensor([3]))
+    assert float(value_cache[3, :, 0].sum()) == KV_HEADS * DIM and float(value_cache[3, :, 1:].abs().sum()) == 0
+    assert float(key_cache[3].sum()) == KV_HEADS * DIM
+    assert bool(value_cache[4].isnan().all())
 
-    block = 4
-    slots = torch.tensor([8, 9, 10, 11, 12, 13, -1, 21, 24])  # block 2 filled, 3 started, 5 continued, 6 started
-    assert fresh_partial_blocks(slots, block).tolist() == [3, 6]
-    assert fresh_partial_blocks(torch.tensor([-1, -1]), block).tolist() == []
+
+def test_the_op_over_head_tiles_equals_one_call_per_kv_head():
+    """``attend_pruned``'s single call (every (KV head, sequence) pair over ``head_tiles``) gives what one call per
+    KV head on ``key_cache[:, h : h + 1]`` gives, bit for bit, on random pruned tables of padded pages."""
+    from kvreuse.vllm.sparse.cpu_kernel import head_tiles
+
+    key_cache, value_cache, _ = stock_caches()
+    g = torch.Generator().manual_seed(3)
+    op = kernel()
+    k, v = torch.randn(2, POOL * BLOCK, KV_HEADS, DIM, generator=g)
+    op.write(k, v, key_cache, value_cache, torch.arange(POOL * BLOCK), torch.zeros(0, dtype=torch.int64))
+    assert head_tiles(key_cache)[0].shape[1:] == (1, BLOCK, DIM)
+    n, width = 2, 20
+    read = torch.rand(n, KV_HEADS, width, generator=g) < 0.5
+    read[..., -1] = True
+    table = torch.stack([torch.randperm(POOL, generator=g)[:width] for _ in range(n)]).to(torch.int32)
+    pruned = prune_block_table(read, table, torch.tensor([width * BLOCK - 5] * n), BLOCK)
+    q = torch.randn(n, Q_HEADS, DIM, generator=g)
+    out = torch.empty_like(q)
+    op.attend_pruned(q, key_cache, value_cache, out, pruned)
+    starts = torch.arange(n + 1, dtype=torch.int32)
+    for h in range(KV_HEADS):
+        head = torch.empty(n, GROUP, DIM)
+        lens, rows = pruned.seq_lens[h], pruned.block_table[h]
+        op.attend(
+            q[:, h * GROUP : (h + 1) * GROUP], key_cache[:, h : h + 1], value_cache[:, h : h + 1], head, starts,
+            lens, rows, op.schedule(starts, lens, GROUP, 1),
+        )  # fmt: skip
+        assert torch.equal(out[:, h * GROUP : (h + 1) * GROUP], head)

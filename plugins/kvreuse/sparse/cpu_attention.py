@@ -160,19 +160,6 @@ def store_and_sketch(
     _sketch_at(stored, sketch, blocks, offsets)
 
 
-def write_sketch(stored: torch.Tensor, sketch: KeySketch, slot_mapping: torch.Tensor, block_size: int) -> None:
-    """Sketch the keys ``stored[tokens, kv_heads, d]`` (as the cache holds them, in its dtype) into ``sketch`` at
-    ``slot_mapping`` (negative: skip): the sketch write that goes with an engine's own cache write."""
-    n = min(len(slot_mapping), len(stored))
-    slots = slot_mapping[:n].long()
-    valid = slots >= 0
-    if len(slots) and bool(valid.all()):
-        _sketch_at(stored[:n], sketch, slots // block_size, slots % block_size)
-    elif bool(valid.any()):
-        slots = slots[valid]
-        _sketch_at(stored[:n][valid], sketch, slots // block_size, slots % block_size)
-
-
 def _sketch_at(stored: torch.Tensor, sketch: KeySketch, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
     from kvreuse.kernels.key_sketch import sketch_reference
 

@@ -63,7 +63,8 @@ FIGURES = COUNTERS + DECODES + ("recovery_kept", "recovery_samples")
 @dataclass
 class _LayerSums:
     counts: torch.Tensor | None = None  # DIPR decodes' int64 [len(COUNTERS)], on the device the kernel ran on
-    dense_blocks: int = 0  # decodes kept dense read every block (x KV heads) and token (x query heads): host ints
+    # decodes kept dense, and DIPR decodes at beta = inf, read every block (x KV heads) and token (x query heads)
+    dense_blocks: int = 0  # host ints
     dense_tokens: int = 0
     dipr_decodes: int = 0  # host ints: how many sequences decoded with DIPR / densely in this layer
     dense_decodes: int = 0
@@ -108,6 +109,15 @@ class AttendedFractions:
         sums.dense_blocks += blocks
         sums.dense_tokens += tokens
         sums.dense_decodes += decodes
+
+    def add_full(self, layer: int, blocks: int, tokens: int, decodes: int) -> None:
+        """``decodes`` DIPR decodes of ``layer`` at beta = inf, which read all their ``blocks`` KV blocks x KV heads
+        and ``tokens`` tokens x query heads: counted on the host like ``add_dense``'s, as DIPR decodes (no counter
+        tensors per layer and step for what the plan already knows)."""
+        sums = self._layers.setdefault(layer, _LayerSums())
+        sums.dense_blocks += blocks
+        sums.dense_tokens += tokens
+        sums.dipr_decodes += decodes
 
     def add_recovery(self, layer: int, ratios: torch.Tensor) -> None:
         ratios = ratios.detach().flatten().double().cpu()

@@ -51,7 +51,8 @@ from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.figures import AttendedFractions, sample_recovery, should_sample
 from kvreuse.sparse.filtered_decode import FilteredDecode, PagedDecodeKernel
 from kvreuse.sparse.policy import INF, RuleBasedPolicy
-from kvreuse.sparse.pruned import prune_block_table
+from kvreuse.sparse.pruned import PrunedTables
+from kvreuse.sparse.sketch_scan import prune_by_sketch, write_sketch
 
 if TYPE_CHECKING:  # the kernels' modules import Triton, which the CPU path needs only at call time
     from kvreuse.kernels.dipr_decode import DIPRCounters, DIPRDecode
@@ -71,8 +72,11 @@ class PagedKernel(Protocol):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        clear: torch.Tensor,
     ) -> None:
-        """Store ``key``/``value[tokens, kv_heads, head_dim]`` at ``slot_mapping`` (negative: skip)."""
+        """Store ``key``/``value[tokens, kv_heads, head_dim]`` at ``slot_mapping`` (int64, negative: skip), first
+        zeroing the blocks ``clear`` (int64): those the write starts without filling, whose other slots still hold
+        what the block's previous request wrote (``sketch_scan.write_sketch`` finds them)."""
 
     def schedule(
         self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int
@@ -92,6 +96,17 @@ class PagedKernel(Protocol):
     ) -> None:
         """Causal attention of ``query[tokens, heads, head_dim]`` over the first ``seq_lens[i]`` slots of each
         sequence's ``block_table[i]`` blocks (int32) into ``out`` (contiguous)."""
+
+    def attend_pruned(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        out: torch.Tensor,
+        tables: PrunedTables,
+    ) -> None:
+        """Decode attention of ``query[n, heads, head_dim]`` (one token per sequence) into ``out`` (contiguous),
+        each KV head's query heads over that head's pruned ``tables`` (``[kv, n, ...]``) alone."""
 
     def plain_keys(self, key_cache: torch.Tensor) -> torch.Tensor:
         """``key_cache`` as a ``[num_blocks, block_size, kv_heads, head_dim]`` view (for sampled recovery)."""
@@ -144,11 +159,13 @@ class SubBatch:
 @dataclass(frozen=True)
 class StepPlan:
     """How one step's batch splits in a layer: dense requests, DIPR decodes, requests with APE (dense, prefill and
-    decode alike), and the number, blocks and tokens of the decodes kept dense (for the figures)."""
+    decode alike), and the number, blocks and tokens of the decodes kept dense and of the DIPR decodes (for the
+    figures)."""
 
     dense: SubBatch | None
     dipr: SubBatch | None
     dense_decodes: tuple[int, int, int]
+    dipr_decodes: tuple[int, int, int] = (0, 0, 0)
     under_min_context: int = 0  # the longest context of a decode kept dense only for being under min_context
     ape: SubBatch | None = None
 
@@ -182,6 +199,7 @@ def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_si
     dipr_reqs: list[int] = []
     ape_reqs: list[int] = []
     dense_count = dense_blocks = dense_tokens = under_min_context = 0
+    dipr_blocks = dipr_tokens = 0
     for req in range(batch.num_reqs):
         new_tokens = starts[req + 1] - starts[req]
         if new_tokens <= 0:
@@ -189,6 +207,8 @@ def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_si
         with_ape = batch.ape is not None and batch.ape[req] is not None
         if new_tokens == 1 and not dense_layer and lens[req] >= min_context and not with_ape:
             dipr_reqs.append(req)
+            dipr_blocks += -(-lens[req] // block_size)
+            dipr_tokens += lens[req]
             continue
         (ape_reqs if with_ape else dense_reqs).append(req)
         if new_tokens == 1:
@@ -202,6 +222,7 @@ def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_si
         dense=gather(batch, dense_reqs, max_query_len) if dense_reqs else None,
         dipr=gather(batch, dipr_reqs, 1) if dipr_reqs else None,
         dense_decodes=(dense_count, dense_blocks, dense_tokens),
+        dipr_decodes=(len(dipr_reqs), dipr_blocks, dipr_tokens),
         under_min_context=under_min_context,
         ape=gather(batch, ape_reqs, max(starts[r + 1] - starts[r] for r in ape_reqs)) if ape_reqs else None,
     )
@@ -295,8 +316,8 @@ class SparseAttention:
         """Store a step's keys and values and sketch the keys."""
         slots = slot_mapping[: len(key)]
         if self.paged_kernel is not None:
-            self.paged_kernel.write(key, value, key_cache, value_cache, slots)
-            cpu_attention.write_sketch(key.to(key_cache.dtype), sketch, slots, self.block_size)
+            clear = write_sketch(key.to(key_cache.dtype), sketch, slots, self.block_size)
+            self.paged_kernel.write(key, value, key_cache, value_cache, slots, clear)
         elif self._use_kernels(key_cache):
             from kvreuse.kernels.key_sketch import KeySketchWrite
             from kvreuse.kernels.paged_write import PagedKVWrite
@@ -599,23 +620,13 @@ class SparseAttention:
                 batch.block_table,
                 self._schedule[1],
             )
-            if plan.dipr is not None:  # DIPR decodes at beta = inf read everything
-                self.figures.add(layer, self._full_counters(plan.dipr))
+            count, blocks, tokens = plan.dipr_decodes
+            if count:  # DIPR decodes at beta = inf read everything
+                self.figures.add_full(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads, count)
             return
         if plan.dense is not None:
             self._dense_through(kernel, query, key_cache, value_cache, plan.dense, out)
         self._pruned_decode(layer, beta, query, key_cache, value_cache, sketch, plan.dipr, out, kernel)
-
-    def _full_counters(self, sub: SubBatch) -> DIPRCounters:
-        from kvreuse.kernels.dipr_decode import DIPRCounters
-
-        blocks = (sub.seq_lens + self.block_size - 1) // self.block_size
-        return DIPRCounters(
-            blocks[:, None].expand(-1, self.num_kv_heads).to(torch.int32),
-            blocks,
-            sub.seq_lens[:, None].expand(-1, self.num_q_heads).to(torch.int32),
-            sub.seq_lens.clone(),
-        )
 
     def _dense_through(
         self,
@@ -658,44 +669,22 @@ class SparseAttention:
         kernel: PagedKernel,
     ) -> None:
         """DIPR decodes through the engine's kernel: the sketch decides, per sequence and KV head, which blocks to
-        read (``cpu_attention.dipr_read_blocks``: window blocks and those with a key whose upper bound reaches
-        ``tau``), and the kernel attends every token of those blocks, one call per KV head on the one-head view
-        ``key_cache[:, h : h + 1]`` with that head's pruned block tables (``prune_block_table``). Every key within
-        beta of the largest logit is in a read block, so it is attended; the kernel also attends the read blocks'
-        other tokens (a superset of the Triton kernel's set, at no extra bytes read)."""
+        read (``sketch_scan.prune_by_sketch``, one compiled pass over the codes: window blocks and those with a key
+        whose upper bound reaches ``tau``), and the kernel attends every token of those blocks, each KV head on its
+        own pruned tables, in one call (``PagedKernel.attend_pruned``). Every key within beta of the largest logit
+        is in a read block, so it is attended; the kernel also attends the read blocks' other tokens (a superset of
+        the Triton kernel's set, at no extra bytes read)."""
         from kvreuse.kernels.dipr_decode import DIPRCounters
 
         rows = sub.query_starts.long()
         q = query.index_select(0, rows)  # [m, hq, d]
         m, kv = len(rows), self.num_kv_heads
         group = self.num_q_heads // kv
-        scaled = q.float().view(m, kv, group, self.head_dim) * self.scale
-        width = sub.block_table.shape[1]
-        read = torch.zeros(m, kv, width, dtype=torch.bool)
         sink, local = self.config.sink, self.config.local
-        for i, seq_len in enumerate(sub.seq_lens.tolist()):
-            n_blocks = -(-seq_len // self.block_size)
-            blocks = sub.block_table[i, :n_blocks].long()
-            read[i, :, :n_blocks] = cpu_attention.dipr_read_blocks(
-                scaled[i], sketch, blocks, seq_len, beta, sink, local
-            )[0]
-        pruned = prune_block_table(read, sub.block_table, sub.seq_lens, self.block_size)
-        starts = torch.arange(m + 1, dtype=torch.int32)
+        scaled = q.float().view(m, kv, group, self.head_dim) * self.scale
+        pruned = prune_by_sketch(scaled, sketch, sub.block_table, sub.seq_lens, beta, sink, local)
         result = torch.empty_like(q)
-        for h in range(kv):
-            heads = slice(h * group, (h + 1) * group)
-            head_out = torch.empty((m, group, self.head_dim), dtype=q.dtype)
-            kernel.attend(
-                q[:, heads],
-                key_cache[:, h : h + 1],
-                value_cache[:, h : h + 1],
-                head_out,
-                starts,
-                pruned.seq_lens[h],
-                pruned.block_table[h],
-                kernel.schedule(starts, pruned.seq_lens[h], group, 1),
-            )
-            result[:, heads] = head_out
+        kernel.attend_pruned(q, key_cache, value_cache, result, pruned)
         out.index_copy_(0, rows, result.to(out.dtype))
         step = self._dipr_steps.get(layer, 0)
         self._dipr_steps[layer] = step + 1

@@ -40,6 +40,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from kvreuse.errors import ConfigError
 from kvreuse.kernels.key_sketch import KeySketch
 from kvreuse.patches import vllm_0_32
+from kvreuse.sparse import sketch_scan
 from kvreuse.sparse.ape import ApeSpans
 from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.paged import PagedBatch, SparseAttention
@@ -123,6 +124,8 @@ def _shared_attention(num_heads: int, num_kv_heads: int, head_size: int, scale: 
             max_context=vllm_config.model_config.max_model_len,
         )
         attention.log = logger
+        if kernel is not None:
+            sketch_scan.warm_up(num_kv_heads, head_size, block_size)
         logger.info(
             "kvreuse sparse attention: %s, exact attention by %s",
             config,
