@@ -750,8 +750,9 @@ class SparseAttention:
                 batch.block_table,
                 self.scale,
             )
-            if plan.dipr is not None:  # DIPR decodes at beta = inf read everything
-                self.figures.add(layer, self._full_counters(plan.dipr))
+            count, blocks, tokens = plan.dipr_decodes
+            if count:  # DIPR decodes at beta = inf read everything
+                self.figures.add_full(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads, count)
             return
         if plan.dense is not None:
             self._dense(query, key_cache, value_cache, plan.dense, out)
