@@ -144,6 +144,22 @@ def test_registration_names_the_backend_custom_and_leaves_cpu_attn_alone_without
             os.environ["KVREUSE_SPARSE_CPU_BACKEND"] = env
 
 
+def test_a_cpu_engine_keeps_contexts_up_to_8k_dense_unless_min_context_is_set(sparse_llm):
+    def min_context(flags):
+        def call(worker):
+            from kvreuse.vllm import runtime
+
+            return runtime.configure_sparse(flags).min_context
+
+        return call
+
+    try:
+        assert sparse_llm.collective_rpc(min_context({"beta": 4.0})) == [8192]
+        assert sparse_llm.collective_rpc(min_context({"beta": 4.0, "min_context": 100})) == [100]
+    finally:
+        sparse_llm.collective_rpc(_configure(EXACT))
+
+
 def test_beta_inf_in_every_layer_gives_the_stock_engines_greedy_tokens(sparse_llm, stock_tokens):
     """At beta = inf every attention is the stock kernel's call on the stock layout. Not bit for bit the stock
     engine's generations all the same: the op splits a sequence's keys over the worker's threads, and its sums

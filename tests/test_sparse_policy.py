@@ -19,6 +19,7 @@ from kvreuse.sparse import (
     should_sample,
     uses_dipr,
 )
+from kvreuse.sparse.config import CPU_MIN_CONTEXT
 
 INF = float("inf")
 
@@ -27,6 +28,14 @@ def test_defaults_apply_without_flags_or_variables():
     cfg = SparseConfig.load({}, environ={})
     assert cfg == SparseConfig()
     assert (cfg.beta, cfg.dense_layers, cfg.min_context, cfg.sink, cfg.local) == (8.0, 1, 512, 16, 64)
+
+
+def test_a_cpu_engine_keeps_contexts_up_to_8k_dense_unless_min_context_is_set():
+    assert SparseConfig.load({}, environ={}, cpu=True).min_context == CPU_MIN_CONTEXT == 8192
+    assert SparseConfig.load({"beta": 4}, environ={}, cpu=True) == SparseConfig(beta=4, min_context=8192)
+    assert SparseConfig.load({"min_context": 512}, environ={}, cpu=True).min_context == 512
+    assert SparseConfig.load({}, environ={"KVREUSE_SPARSE_MIN_CONTEXT": "0"}, cpu=True).min_context == 0
+    assert SparseConfig.load({}, environ={}, cpu=False).min_context == 512
 
 
 def test_beta_accepts_inf_from_a_variable_and_a_flag():

@@ -90,10 +90,13 @@ def reset_sparse_figures() -> None:
 
 
 def configure_sparse(flags: Mapping[str, Any]) -> SparseConfig:
-    """Replace this process's sparse settings between steps (``flags`` as in ``additional_config``)."""
-    config = SparseConfig.load(flags)
+    """Replace this process's sparse settings between steps (``flags`` as in ``additional_config``; unset ones take
+    their defaults on the engine's device, as at start)."""
     if _RUNTIME.sparse_attention is None:
         raise ConfigError("the kvreuse sparse attention backend is not running in this process")
+    from kvreuse.patches import vllm_0_32
+
+    config = SparseConfig.load(flags, cpu=vllm_0_32.device_type(_RUNTIME.sparse_owner) == "cpu")
     _RUNTIME.sparse_attention.configure(config)
     return config
 

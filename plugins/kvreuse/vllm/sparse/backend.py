@@ -103,7 +103,9 @@ def _shared_attention(num_heads: int, num_kv_heads: int, head_size: int, scale: 
     vllm_config = vllm_0_32.current_vllm_config()
 
     def build() -> SparseAttention:
-        config = SparseConfig.load(kvreuse_flags(vllm_config.additional_config, "sparse"))
+        config = SparseConfig.load(
+            kvreuse_flags(vllm_config.additional_config, "sparse"), cpu=vllm_0_32.device_type(vllm_config) == "cpu"
+        )
         block_size = vllm_config.cache_config.block_size
         kernel = (
             CPUAttentionKernel(vllm_config.model_config.dtype, block_size, head_size, scale)
