@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from kvreuse.batch import Completion, run_table
-from kvreuse.batch.calibrate import calibrate, normalise, stratified_sample
+from kvreuse.batch.calibrate import CALIBRATION_ROWS, calibrate, disagreement_bound, normalise, stratified_sample
 from kvreuse.errors import ConfigError
 from kvreuse.reorder import prepare_table
 
@@ -100,3 +100,16 @@ def test_run_table_calibrated_uses_the_chosen_field_order_and_keeps_the_figures(
 def test_calibration_settings_are_checked(options, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         run_table(reviews(), "Q", backend=FieldBackend(blind=True), max_tokens=4, **options)
+
+
+def test_the_default_sample_bounds_disagreement_below_3_percent_at_3_percent_of_a_10k_row_job():
+    assert disagreement_bound(CALIBRATION_ROWS) == pytest.approx(0.0295, abs=1e-4)  # the rule of three: 3 / 100
+    assert disagreement_bound(8) > 0.31  # what 8 rows, none disagreeing, could say
+    assert 3 * CALIBRATION_ROWS <= 0.03 * 10_000  # at most 3 requests a sample row
+
+
+def test_the_calibration_table_says_what_its_sample_size_can_bound():
+    result = calibrate(reviews(), "Q", backend=FieldBackend(blind=True), n=12, max_tokens=4)
+    assert result.table().endswith(
+        "(no disagreement on 12 rows bounds a field order's disagreement rate below 22.1% at 95% confidence)"
+    )
