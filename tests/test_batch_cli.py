@@ -605,3 +605,14 @@ def test_a_calibrated_run_reports_the_agreement_it_measured(capsys, server_url, 
 def test_calibrate_without_a_number_asks_the_default_sample():
     args = build_parser().parse_args(["run", "--table", "t.csv", "--prompt", "Q", "--url", "u", "--calibrate"])
     assert args.calibrate == CALIBRATION_ROWS == 100
+
+
+def test_a_server_that_dies_during_the_probe_costs_the_estimate_not_the_job(capsys, reviews, tmp_path):
+    out = tmp_path / "a.csv"
+    dying = ScriptedServer(die_after=12)  # answers the 12 rows, then stops listening
+    argv = ["run", "--table", str(reviews), "--prompt", "Q", "--url", dying.url, "--out", str(out)]
+    code, _, err = run(capsys, *argv, "--field-order", "free", "--concurrency", "1", "--retries", "0")
+    dying.stop()
+    assert code == 0 and "Traceback" not in err
+    assert pd.read_csv(out, dtype=str)["row"].astype(int).tolist() == list(range(12))
+    assert "wall time saved  not estimated: the probe that prices a prefill token failed (" in err
