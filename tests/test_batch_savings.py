@@ -108,3 +108,18 @@ def test_planned_prefill_replays_the_prompts_through_a_cache_of_the_engines_size
     # evicted a row by the time it comes again
     assert unbounded.computed_tokens == 6 * 32 - 3 * 24
     assert small.computed_tokens == 6 * 32
+
+
+def test_the_probe_takes_only_the_prompts_that_fill_half_the_engines_cache(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr("kvreuse.batch.savings.time.perf_counter", clock)
+    backend = PricedBackend(clock)
+
+    def tokenize(texts: list[str]) -> list[list[int]]:
+        return [[ord(c) for c in text] for text in texts]
+
+    # every probe prompt is 4 to 5 blocks of 16 characters: a cache of 20 blocks is half full after 2
+    backend.cache_model = PrefixCacheModel(tokenize, block_size=16, capacity_blocks=20)
+    cost = measure_prefill_cost(backend, [f"row {k:02d}: " + "x" * 52 for k in range(40)])
+    assert cost.rows == 2 and len(backend.calls[0][0]) == 2
+    assert cost.cached_units < cost.cold_units / 4  # the second pass is served from the cache, as planned

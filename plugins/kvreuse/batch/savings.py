@@ -18,6 +18,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvreuse.batch.backend import Backend
 from kvreuse.batch.calibrate import planned_stats
 from kvreuse.reorder import BlockHitStats
@@ -52,9 +54,16 @@ def measure_prefill_cost(backend: Backend, prompts: Sequence[str]) -> PrefillCos
 
     Each probe prompt starts with a marker made for this call, so it shares nothing with the job's prompts (or an
     earlier probe's) beyond the shared head (a chat template's preamble), and the cold pass computes its rows.
+    Where the engine's cache size is known, the probe takes only as many prompts as fill half of it, so that the
+    second pass finds the first pass's blocks still cached (at least one prompt).
     """
     marker = secrets.token_hex(8)
     probe = [f"[{marker}-{k}] {prompt}" for k, prompt in enumerate(prompts[:PROBE_ROWS])]
+    model = backend.cache_model
+    if model is not None and model.capacity_blocks is not None and probe:
+        blocks = [len(ids) // model.block_size for ids in model.tokenize([model.prefix + p for p in probe])]
+        fits = int(np.searchsorted(np.cumsum(blocks), model.capacity_blocks // 2, side="right"))
+        probe = probe[: max(fits, 1)]
     cold = planned_stats(probe, backend.cache_model)
     both = planned_stats(probe + probe, backend.cache_model)
     start = time.perf_counter()
