@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvreuse.batch import Completion, run_table
+from kvreuse.batch import Completion, plan_table, run_table
 from kvreuse.batch.calibrate import CALIBRATION_ROWS, calibrate, disagreement_bound, normalise, stratified_sample
 from kvreuse.errors import ConfigError
 from kvreuse.reorder import prepare_table
@@ -113,3 +113,15 @@ def test_the_calibration_table_says_what_its_sample_size_can_bound():
     assert result.table().endswith(
         "(no disagreement on 12 rows bounds a field order's disagreement rate below 22.1% at 95% confidence)"
     )
+
+
+def test_sample_rows_are_asked_as_the_whole_tables_plan_sends_them():
+    # 60 rows, films 0, 1, 2, 3 in turn: over the whole table GGR moves the repeated plot first; over the 4 sample
+    # rows (the first 4: one per film, every value distinct) it has nothing to share and keeps the user's order
+    table = reviews()
+    table["plot"] = [f"A long plot summary of film {k % 4}, the same for every review of it" for k in range(60)]
+    backend = FieldBackend(blind=True)
+    calibrate(table, "Q", backend=backend, n=4, max_tokens=4)
+    sent = {mode: set(plan_table(table, "Q", field_order=mode).prompts) for mode in ("keep", "global", "free")}
+    assert len(backend.asked) == 4 * 3 and set(backend.asked) <= sent["keep"] | sent["global"] | sent["free"]
+    assert set(backend.asked[4:8]) <= sent["global"] and set(backend.asked[8:]) <= sent["free"]

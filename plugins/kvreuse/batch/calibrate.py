@@ -4,7 +4,8 @@ Moving a row's fields shares more prompt prefix but can change a model's answer 
 moved to the 8th line). Which orders keep the answers depends on the model, the question and the table, so it is
 measured: :func:`calibrate` asks ``n`` sample rows, stratified over the table's leading field (rows taken in turn
 from each of its values), in the user's field order (the reference answers) and in each candidate field order
-(:data:`~kvreuse.reorder.FIELD_ORDERS`), and compares each row's answer with its reference, exactly and after
+(:data:`~kvreuse.reorder.FIELD_ORDERS`), each row's prompt exactly as the whole table's plan in that order sends
+it, and compares each row's answer with its reference, exactly and after
 normalising (case, surrounding spaces and punctuation, runs of spaces). A candidate whose sample prompts are the
 reference's is not asked again (the same prompt gets the same greedy answer). It then picks the candidate with
 the most reuse whose exact agreement is at least ``min_agreement`` (1.0: identical answers on every sample
@@ -142,11 +143,13 @@ def calibrate(
         raise ConfigError(f"min_agreement must be a fraction in [0, 1], not {min_agreement!r}")
     check_max_tokens(max_tokens)
     options = dict(order=order, fmt=fmt, pin=pin, fds=fds, config=config, cache_model=backend.cache_model)
-    sample = df.iloc[stratified_sample(prepare_table(df, fields), n)]
-    plans = {mode: plan_table(sample, instruction, fields, field_order=mode, **options) for mode in FIELD_ORDERS}
-    prompts = {mode: _prompt_by_row(plan) for mode, plan in plans.items()}
+    whole = {mode: plan_table(df, instruction, fields, field_order=mode, **options) for mode in FIELD_ORDERS}
+    sample = stratified_sample(prepare_table(df, fields), n)
+    # Each sample row is asked exactly as the job would send it in each field order: a field order is planned
+    # over the whole table (GGR's per-row field orders depend on the rows around each one), never over the sample.
+    plans = {mode: _sample_plan(plan, sample) for mode, plan in whole.items()}
     reference = FieldOrder.KEEP
-    asked = [mode for mode in FIELD_ORDERS if mode == reference or prompts[mode] != prompts[reference]]
+    asked = [mode for mode in FIELD_ORDERS if mode == reference or plans[mode].prompts != plans[reference].prompts]
     answers, _ = run_plans([plans[mode] for mode in asked], backend, max_tokens=max_tokens)
     by_mode = {mode: [c.text for c in completions] for mode, completions in zip(asked, answers)}
     candidates = []
@@ -154,8 +157,7 @@ def calibrate(
         texts = by_mode.get(mode, by_mode[reference])
         same = [a == b for a, b in zip(texts, by_mode[reference])]
         close = [normalise(a) == normalise(b) for a, b in zip(texts, by_mode[reference])]
-        whole = plan_table(df, instruction, fields, field_order=mode, **options)
-        stats = planned_stats(whole.prompts, backend.cache_model)
+        stats = planned_stats(whole[mode].prompts, backend.cache_model)
         candidates.append(
             Candidate(
                 mode,
@@ -175,8 +177,11 @@ def calibrate(
     return Calibration(tuple(candidates), chosen.field_order, len(sample), float(min_agreement), units, requests)
 
 
-def _prompt_by_row(plan: PlannedTable) -> dict[int, str]:
-    return dict(zip(plan.rows.tolist(), plan.prompts))
+def _sample_plan(plan: PlannedTable, rows: np.ndarray) -> PlannedTable:
+    """The prompts ``plan`` sends for the table positions ``rows``, in that order (position ``i`` answers
+    ``rows[i]``)."""
+    by_row = dict(zip(plan.rows.tolist(), plan.prompts))
+    return PlannedTable([by_row[row] for row in rows.tolist()], np.arange(len(rows), dtype=np.int64), plan.solve_s)
 
 
 def planned_stats(prompts: list[str], cache_model: PrefixCacheModel | None) -> BlockHitStats:
