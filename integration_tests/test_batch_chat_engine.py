@@ -53,6 +53,12 @@ def test_planning_counts_the_chat_templates_preamble_as_a_shared_prefix(chat_llm
     assert head.startswith("<|im_start|>system\n") and head.endswith("<|im_start|>user\n")
 
 
+def test_plans_replay_through_a_cache_of_the_engines_size(chat_llm):
+    # local_engine_args gives 256 MiB of KV cache; SmolLM2 keeps 30 layers x 3 KV heads x 64 x 2 float32 a token
+    blocks = (256 << 20) // (30 * 3 * 64 * 2 * 4 * 32)
+    assert VLLMBackend(chat_llm).cache_model.capacity_blocks == blocks == 182
+
+
 def test_with_chat_the_model_answers_the_question_where_raw_text_continues_the_record(chat_llm, cars):
     fields = [c for c in cars.columns if c != "Origin"]
     correct = {}

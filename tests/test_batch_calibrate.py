@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvreuse.batch import Completion, run_table
-from kvreuse.batch.calibrate import calibrate, normalise, stratified_sample
+from kvreuse.batch import Completion, plan_table, run_table
+from kvreuse.batch.calibrate import CALIBRATION_ROWS, calibrate, disagreement_bound, normalise, stratified_sample
 from kvreuse.errors import ConfigError
 from kvreuse.reorder import prepare_table
 
@@ -100,3 +100,28 @@ def test_run_table_calibrated_uses_the_chosen_field_order_and_keeps_the_figures(
 def test_calibration_settings_are_checked(options, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         run_table(reviews(), "Q", backend=FieldBackend(blind=True), max_tokens=4, **options)
+
+
+def test_the_default_sample_bounds_disagreement_below_3_percent_at_3_percent_of_a_10k_row_job():
+    assert disagreement_bound(CALIBRATION_ROWS) == pytest.approx(0.0295, abs=1e-4)  # the rule of three: 3 / 100
+    assert disagreement_bound(8) > 0.31  # what 8 rows, none disagreeing, could say
+    assert 3 * CALIBRATION_ROWS <= 0.03 * 10_000  # at most 3 requests a sample row
+
+
+def test_the_calibration_table_says_what_its_sample_size_can_bound():
+    result = calibrate(reviews(), "Q", backend=FieldBackend(blind=True), n=12, max_tokens=4)
+    assert result.table().endswith(
+        "(no disagreement on 12 rows bounds a field order's disagreement rate below 22.1% at 95% confidence)"
+    )
+
+
+def test_sample_rows_are_asked_as_the_whole_tables_plan_sends_them():
+    # 60 rows, films 0, 1, 2, 3 in turn: over the whole table GGR moves the repeated plot first; over the 4 sample
+    # rows (the first 4: one per film, every value distinct) it has nothing to share and keeps the user's order
+    table = reviews()
+    table["plot"] = [f"A long plot summary of film {k % 4}, the same for every review of it" for k in range(60)]
+    backend = FieldBackend(blind=True)
+    calibrate(table, "Q", backend=backend, n=4, max_tokens=4)
+    sent = {mode: set(plan_table(table, "Q", field_order=mode).prompts) for mode in ("keep", "global", "free")}
+    assert len(backend.asked) == 4 * 3 and set(backend.asked) <= sent["keep"] | sent["global"] | sent["free"]
+    assert set(backend.asked[4:8]) <= sent["global"] and set(backend.asked[8:]) <= sent["free"]

@@ -13,7 +13,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvreuse.cli import main
+from kvreuse.batch.calibrate import CALIBRATION_ROWS
+from kvreuse.cli import build_parser, main
 
 
 class EchoHandler(BaseHTTPRequestHandler):
@@ -562,3 +563,56 @@ def test_min_agreement_must_be_a_fraction(capsys, table):
     with pytest.raises(SystemExit):
         main(["run", "--table", str(table), "--prompt", "Q", "--model", "x", "--min-agreement", "1.5"])
     assert "'1.5' is not a fraction in [0, 1]" in capsys.readouterr().err
+
+
+@pytest.fixture
+def reviews(tmp_path: Path) -> Path:
+    """A unique review first, then a plot repeated across a film's reviews: moving the plot first shares it."""
+    path = tmp_path / "reviews.csv"
+    plots = [f"the long plot of film {k % 3}, the same for every review of that film" for k in range(12)]
+    pd.DataFrame({"review": [f"review {k}" for k in range(12)], "plot": plots}).to_csv(path, index=False)
+    return path
+
+
+def test_a_default_run_says_its_answers_are_the_original_orders_and_sends_no_probe(capsys, server_url, table):
+    EchoHandler.requests.clear()
+    code, _, err = run(capsys, "run", "--table", str(table), "--prompt", "Kids?", "--url", server_url)
+    assert code == 0 and len(EchoHandler.requests) == 4  # the rows, nothing else: no prefill was saved to price
+    assert "wall time saved  none: the same prefill characters as the table's own order" in err
+    assert "answers          the table's own order's: every prompt lists its fields as given" in err
+
+
+def test_moved_fields_end_with_the_time_saved_estimated_from_a_probe_and_answers_not_compared(
+    capsys, server_url, reviews
+):
+    EchoHandler.requests.clear()
+    argv = ["run", "--table", str(reviews), "--prompt", "Q", "--url", server_url, "--field-order", "free"]
+    code, _, err = run(capsys, *argv)
+    probe = [body for _, body in EchoHandler.requests if body["max_tokens"] == 1]
+    assert code == 0 and len(EchoHandler.requests) == 12 + 2 * 12 and len(probe) == 2 * 12
+    assert "wall time saved  ~" in err and "s saved against the table's own order (estimated: " in err
+    assert "answers          not compared with the table's own order (fields free" in err
+
+
+def test_a_calibrated_run_reports_the_agreement_it_measured(capsys, server_url, reviews):
+    argv = ["run", "--table", str(reviews), "--prompt", "Q", "--url", server_url, "--calibrate", "6"]
+    code, _, err = run(capsys, *argv)
+    # the stand-in server answers with the fields sorted: every field order gives the same answers
+    assert code == 0 and "rows           12 (order ggr, fields global)" in err
+    assert "answers          100% identical to the table's own order's on 6 calibration rows" in err
+
+
+def test_calibrate_without_a_number_asks_the_default_sample():
+    args = build_parser().parse_args(["run", "--table", "t.csv", "--prompt", "Q", "--url", "u", "--calibrate"])
+    assert args.calibrate == CALIBRATION_ROWS == 100
+
+
+def test_a_server_that_dies_during_the_probe_costs_the_estimate_not_the_job(capsys, reviews, tmp_path):
+    out = tmp_path / "a.csv"
+    dying = ScriptedServer(die_after=12)  # answers the 12 rows, then stops listening
+    argv = ["run", "--table", str(reviews), "--prompt", "Q", "--url", dying.url, "--out", str(out)]
+    code, _, err = run(capsys, *argv, "--field-order", "free", "--concurrency", "1", "--retries", "0")
+    dying.stop()
+    assert code == 0 and "Traceback" not in err
+    assert pd.read_csv(out, dtype=str)["row"].astype(int).tolist() == list(range(12))
+    assert "wall time saved  not estimated: the probe that prices a prefill token failed (" in err

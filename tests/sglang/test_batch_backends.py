@@ -19,7 +19,7 @@ from sglang.srt.entrypoints.openai.usage_processor import UsageProcessor
 
 from kvreuse.batch.backend import Completion
 from kvreuse.batch.openai_server import OpenAIServerBackend
-from kvreuse.errors import BackendError
+from kvreuse.errors import BackendError, ConfigError
 from kvreuse.sglang.backend import SGLangBackend, completions, greedy_sampling_params
 
 
@@ -115,3 +115,69 @@ def test_engine_outputs_are_checked():
     with pytest.raises(BackendError, match="2 outputs for 3 prompts"):
         completions([engine_output("x", 1, 0)] * 2, 3)
     assert greedy_sampling_params(7) == {"temperature": 0.0, "max_new_tokens": 7}
+
+
+@pytest.fixture(scope="module")
+def chat_model():
+    """The local test model (``small`` preset: a real byte-level BPE tokenizer, a chat template that writes its
+    BOS token), built if needed."""
+    from pathlib import Path
+
+    from kvreuse.localmodel import build_model
+
+    return build_model("small", Path(__file__).resolve().parents[2] / "build" / "models" / "small")
+
+
+class ChatEngine(StandInEngine):
+    """A stand-in engine holding the tokenizer SGLang's tokenizer manager loads for a model with a chat template;
+    it records text prompts and token-id prompts apart."""
+
+    def __init__(self, model, page_size: int = 16):
+        from sglang.srt.utils.hf_transformers.tokenizer import get_tokenizer
+
+        super().__init__(page_size)
+        self.tokenizer_manager = SimpleNamespace(tokenizer=get_tokenizer(str(model)))
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None):
+        self.calls.append((prompt, input_ids, sampling_params))
+        return [engine_output("yes", len(p), 0) for p in (prompt or input_ids)]
+
+
+def test_the_engine_backend_sends_each_row_as_a_chat_rendered_by_the_models_template(chat_model):
+    engine = ChatEngine(chat_model)
+    backend = SGLangBackend(engine)
+    backend.generate(["Kids?\n\ntitle: Up\n", "Kids?\n\ntitle: Heat\n"], max_tokens=3)
+    [(text, ids, params)] = engine.calls
+    tokenizer = engine.tokenizer_manager.tokenizer
+    # the ids SGLang's own chat endpoint sends for the same user turn: one BOS token, the template's
+    chats = [[{"role": "user", "content": f"Kids?\n\ntitle: {t}\n"}] for t in ("Up", "Heat")]
+    assert text is None and params == {"temperature": 0.0, "max_new_tokens": 3}
+    assert ids == [
+        list(tokenizer.apply_chat_template(c, tokenize=True, add_generation_prompt=True, return_dict=False))
+        for c in chats
+    ]
+    assert [row.count(tokenizer.bos_token_id) for row in ids] == [1, 1]
+
+
+def test_the_chat_preamble_is_the_prefix_planning_counts(chat_model):
+    engine = ChatEngine(chat_model)
+    backend = SGLangBackend(engine, system="Answer yes or no.")
+    backend.generate(["Kids?\n\ntitle: Up\n"], max_tokens=3)
+    [(_, [sent], _)] = engine.calls
+    bos = engine.tokenizer_manager.tokenizer.bos_token
+    assert backend.cache_model.prefix == f"{bos}<|system|>\nAnswer yes or no.\n<|user|>\n"
+    planned = backend.cache_model.tokenize([backend.cache_model.prefix + "Kids?\n\ntitle: Up\n"])[0]
+    assert sent[: len(planned)] == list(planned)  # planning tokenizes what the engine is sent, up to the turn's end
+
+
+def test_raw_text_is_sent_with_chat_false(chat_model):
+    engine = ChatEngine(chat_model)
+    SGLangBackend(engine, chat=False).generate(["Kids?\n\ntitle: Up\n"], max_tokens=3)
+    assert engine.calls == [(["Kids?\n\ntitle: Up\n"], None, {"temperature": 0.0, "max_new_tokens": 3})]
+
+
+def test_chats_without_a_template_and_a_system_prompt_without_chats_are_refused(chat_model):
+    with pytest.raises(ConfigError, match="the model has no chat template"):
+        SGLangBackend(StandInEngine(page_size=16), chat=True)
+    with pytest.raises(ConfigError, match="a system prompt needs chat prompts"):
+        SGLangBackend(ChatEngine(chat_model), chat=False, system="Answer yes or no.")

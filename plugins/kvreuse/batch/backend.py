@@ -53,11 +53,16 @@ class PrefixCacheModel:
 
     ``prefix`` is the text the backend sends before every prompt (a chat template's preamble, up to the user's
     turn), tokenized with it by ``tokenize``: a prefix every row shares, so plans count it.
+
+    ``capacity_blocks`` is how many blocks the engine's KV cache holds (``None``: unknown, taken as unbounded):
+    a job larger than its cache evicts, so the order of its rows decides what is reused, and the figures a job
+    reports against the table's own order replay its prompts through a cache of that size.
     """
 
     tokenize: Callable[[list[str]], Sequence[Sequence[int]]]
     block_size: int
     prefix: str = ""
+    capacity_blocks: int | None = None
 
 
 class Backend(Protocol):

@@ -6,17 +6,22 @@ order a front end chose is the order SGLang's scheduler sees. Its radix cache mu
 reordering to pay. A running SGLang server is reached instead through the OpenAI-compatible backend
 (``kvreuse.batch.openai_server.OpenAIServerBackend``; start it with ``--enable-cache-report`` for cached-token
 figures).
+
+Each prompt is sent as the user turn of a chat where the model has a chat template (the front ends' default,
+:mod:`kvreuse.batch.chat`), rendered as SGLang's own chat endpoint renders it: the template's text with the
+generation prompt, encoded without added special tokens (the template writes them), and sent as token ids.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from kvreuse.batch.backend import Completion, PrefixCacheModel
-from kvreuse.errors import BackendError
+from kvreuse.batch.chat import chat_messages, check_system, template_head
+from kvreuse.errors import BackendError, ConfigError
 from kvreuse.patches import sglang_0_5
 
 
@@ -39,31 +44,64 @@ def completions(outputs: Any, count: int) -> list[Completion]:
 
 
 class SGLangBackend:
-    """Greedy completions from a running ``sglang.Engine`` (not owned: the caller shuts it down)."""
+    """Greedy completions from a running ``sglang.Engine`` (not owned: the caller shuts it down).
 
-    def __init__(self, engine: Any) -> None:
+    ``chat``: send each prompt as the user turn of a chat rendered by the model's chat template (after a system
+    turn ``system``, if given); ``None`` (the default) does so where the model has a chat template, ``False``
+    sends the raw text, ``True`` refuses a model without a template (or an engine without a tokenizer).
+    """
+
+    def __init__(self, engine: Any, *, chat: bool | None = None, system: str | None = None) -> None:
         self.engine = engine
         tokenizer = sglang_0_5.engine_tokenizer(engine)
         # SGLang's radix cache shares prefixes at page granularity (--page-size, 1 by default).
         page_size = sglang_0_5.engine_page_size(engine)
-        self.cache_model = (
-            None
-            if tokenizer is None
-            else PrefixCacheModel(tokenize=lambda prompts: tokenizer(list(prompts))["input_ids"], block_size=page_size)
-        )
+        has_template = getattr(tokenizer, "chat_template", None) is not None
+        if chat and not has_template:
+            raise ConfigError(
+                "the model has no chat template, so prompts cannot be sent as chats; send them raw (--raw, chat=False)"
+            )
+        self.chat = has_template if chat is None else chat
+        self.system = check_system(system)
+        if system is not None and not self.chat:
+            raise ConfigError("a system prompt needs chat prompts; leave out --system (system=) with --raw")
+        self._render: Callable[[str], str] | None = None
+        if self.chat:
+
+            def render(messages: list[dict[str, str]]) -> str:
+                return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+            self._render = lambda prompt: render(chat_messages(prompt, self.system))
+            self.cache_model: PrefixCacheModel | None = PrefixCacheModel(
+                lambda texts: tokenizer(list(texts), add_special_tokens=False)["input_ids"],
+                page_size,
+                prefix=template_head(render, self.system),
+            )
+        elif tokenizer is not None:
+            self.cache_model = PrefixCacheModel(lambda texts: tokenizer(list(texts))["input_ids"], page_size)
+        else:
+            self.cache_model = None
 
     def generate(self, prompts: Sequence[str], *, max_tokens: int, progress: bool = False) -> list[Completion]:
         """Completions of ``prompts`` in their order (see :class:`kvreuse.batch.Backend`); SGLang shows no
         progress bar for a batch, so ``progress`` is ignored."""
         if not prompts:
             return []
-        outputs = self.engine.generate(prompt=list(prompts), sampling_params=greedy_sampling_params(max_tokens))
+        params = greedy_sampling_params(max_tokens)
+        if self._render is None or self.cache_model is None:
+            outputs = self.engine.generate(prompt=list(prompts), sampling_params=params)
+        else:
+            ids = self.cache_model.tokenize([self._render(prompt) for prompt in prompts])
+            outputs = self.engine.generate(input_ids=[list(i) for i in ids], sampling_params=params)
         return completions(outputs, len(prompts))
 
 
 @contextmanager
-def started_sglang(model: str | os.PathLike, **engine_args: Any) -> Iterator[SGLangBackend]:
-    """Start ``sglang.Engine`` on ``model``, give its backend, and shut the engine down after.
+def started_sglang(
+    model: str | os.PathLike, *, chat: bool | None = None, system: str | None = None, **engine_args: Any
+) -> Iterator[SGLangBackend]:
+    """Start ``sglang.Engine`` on ``model``, give its backend (``chat``, ``system``: see :class:`SGLangBackend`),
+    and shut the engine down after.
 
     ``engine_args`` are SGLang's server arguments (``page_size=16``, ``attention_backend="kvreuse_sparse"``, ...);
     they override ``random_seed=0`` set here. kvreuse's plugins load in the engine's processes by themselves
@@ -73,6 +111,6 @@ def started_sglang(model: str | os.PathLike, **engine_args: Any) -> Iterator[SGL
 
     engine = sglang.Engine(**{"model_path": str(model), "random_seed": 0, **engine_args})
     try:
-        yield SGLangBackend(engine)
+        yield SGLangBackend(engine, chat=chat, system=system)
     finally:
         engine.shutdown()

@@ -67,6 +67,7 @@ class VLLMBackend:
         if system is not None and not self.chat:
             raise ConfigError("a system prompt needs chat prompts; leave out --system (system=) with --raw")
         block_size = vllm_config.cache_config.block_size
+        capacity = vllm_config.cache_config.num_gpu_blocks or None  # set once the engine has sized its cache
         if self.chat:
 
             def render(messages: list[dict[str, str]]) -> str:
@@ -75,10 +76,12 @@ class VLLMBackend:
             self._render: Callable[[str], str] | None = lambda prompt: render(chat_messages(prompt, self.system))
             # What vLLM's chat API does: the template writes the special tokens, the tokenizer adds none.
             tokenize = batch_tokenizer(tokenizer, special_tokens=False)
-            self.cache_model = PrefixCacheModel(tokenize, block_size, prefix=template_head(render, self.system))
+            self.cache_model = PrefixCacheModel(
+                tokenize, block_size, prefix=template_head(render, self.system), capacity_blocks=capacity
+            )
         else:
             self._render = None
-            self.cache_model = PrefixCacheModel(batch_tokenizer(tokenizer), block_size)
+            self.cache_model = PrefixCacheModel(batch_tokenizer(tokenizer), block_size, capacity_blocks=capacity)
         # The engine's own reorder settings (its additional_config over KVREUSE_REORDER_*), which its scheduler
         # uses too: the front ends plan with them unless given others.
         self.reorder_config = ReorderConfig.load(kvreuse_flags(vllm_config.additional_config, "reorder"))
