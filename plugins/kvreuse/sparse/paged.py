@@ -38,6 +38,7 @@ sequences the policy keeps dense add every block and token, so the fractions are
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -234,10 +235,10 @@ class SparseAttention:
     ``configure`` swaps the settings between steps (e.g. to sweep beta on one engine); ``figures`` accumulates the
     attended fractions per layer. ``kernels``: run the Triton kernels (``None``: on CUDA tensors only).
     ``paged_kernel``: the engine's own kernel and cache write, which then do all exact attention over the engine's
-    cache layout, DIPR being a filter in front (``_attend_filtered``); ``kernels`` is then not used.
+    cache layout, DIPR being a filter in front (``_attend_engine``); ``kernels`` is then not used.
     ``decode_kernel``: a GPU engine's FlashAttention (``kvreuse.sparse.filtered_decode.PagedDecodeKernel``), which
     then computes, with the Triton kernels on, every step without DIPR decodes and, behind the filter, every DIPR
-    decode (``_attend_through_decode_kernel``); ``max_seqs`` and ``max_context`` size the filter's buffers.
+    decode (``_attend_engine``); ``max_seqs`` and ``max_context`` size the filter's buffers.
     """
 
     def __init__(
@@ -268,7 +269,7 @@ class SparseAttention:
         self.scale = float(scale)
         self.kernels = kernels
         # Where set, the engine's own kernel computes every exact attention over the engine's cache layout, and
-        # DIPR only decides which blocks each decode's KV heads read (``_attend_filtered``).
+        # DIPR only decides which blocks each decode's KV heads read (``_attend_engine``).
         self.paged_kernel = paged_kernel
         # Where set (a GPU engine's FlashAttention), with the Triton kernels on: a step without DIPR decodes is one
         # call of it, as the stock backend makes it, and DIPR decodes are a filter in front of it
@@ -342,16 +343,13 @@ class SparseAttention:
         out: torch.Tensor,
     ) -> torch.Tensor:
         """Attention of every real token of ``batch`` in ``layer``, written into ``out[num_tokens, hq, d]``."""
-        if self.paged_kernel is not None:
-            self._attend_filtered(layer, query, key_cache, value_cache, sketch, batch, out, self.paged_kernel)
-            return out
-        if (
+        if self.paged_kernel is not None or (
             self.decode_kernel is not None
             and self._use_kernels(query)
             and batch.ape is None
             and batch.query_positions is None
         ):
-            self._attend_through_decode_kernel(layer, query, key_cache, value_cache, sketch, batch, out)
+            self._attend_engine(layer, query, key_cache, value_cache, sketch, batch, out)
             return out
         plan = self._plan(batch, self.dense_layer(layer))
         count, blocks, tokens = plan.dense_decodes
@@ -578,7 +576,7 @@ class SparseAttention:
 
     # -- DIPR as a filter in front of the engine's kernel ----------------------------------------------------------
 
-    def _attend_filtered(
+    def _attend_engine(
         self,
         layer: int,
         query: torch.Tensor,
@@ -587,13 +585,13 @@ class SparseAttention:
         sketch: KeySketch,
         batch: PagedBatch,
         out: torch.Tensor,
-        kernel: PagedKernel,
     ) -> None:
-        """``attend`` through the engine's kernel: a layer without DIPR decodes (a dense layer, beta = inf, every
-        decode under ``min_context``, prefill) is one call of the kernel over the whole batch, as the stock backend
-        makes it; otherwise the dense requests are one call and the DIPR decodes read, per KV head, only the blocks
-        the sketch keeps (``_pruned_decode``)."""
-        if batch.ape is not None or batch.query_positions is not None:
+        """``attend`` through the engine's own kernel (``paged_kernel``: vLLM's CPU op; ``decode_kernel``: a GPU
+        engine's FlashAttention): a layer without DIPR decodes (a dense layer, beta = inf, every decode under
+        ``min_context``, prefill) is one call of the kernel over the whole batch, as the stock backend makes it;
+        otherwise the dense requests run apart (one call of the CPU op; kvreuse's Triton path on a GPU) and the DIPR
+        decodes read, per KV head, only the blocks the sketch keeps (``_pruned_decode``, ``_filtered_decode``)."""
+        if self.paged_kernel is not None and (batch.ape is not None or batch.query_positions is not None):
             raise ConfigError(
                 "the engine's own attention kernel cannot mask by position or apply APE (the module cache's "
                 "recompute and APE need kvreuse's own attention path)"
@@ -603,14 +601,40 @@ class SparseAttention:
         if count:
             self.figures.add_dense(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads, count)
         beta = self.policy.layer_beta(layer)
-        n = batch.num_actual_tokens
         if plan.dipr is None or beta == INF:
-            if self._schedule is None or self._schedule[0] is not batch:
+            self._whole_batch(query, key_cache, value_cache, batch, out)
+            count, blocks, tokens = plan.dipr_decodes
+            if count:  # DIPR decodes at beta = inf read everything
+                self.figures.add_full(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads, count)
+            return
+        if self.paged_kernel is not None:
+            if plan.dense is not None:
+                self._dense_through(self.paged_kernel, query, key_cache, value_cache, plan.dense, out)
+            self._pruned_decode(layer, beta, query, key_cache, value_cache, sketch, plan.dipr, out, self.paged_kernel)
+        else:
+            if plan.dense is not None:
+                self._dense(query, key_cache, value_cache, plan.dense, out)
+            self._filtered_decode(layer, beta, query, key_cache, value_cache, sketch, plan.dipr, batch.max_seq_len, out)
+
+    def _whole_batch(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        batch: PagedBatch,
+        out: torch.Tensor,
+    ) -> None:
+        """Every request of ``batch`` in one call of the engine's kernel, exactly the stock backend's call."""
+        n = batch.num_actual_tokens
+        if self.paged_kernel is not None:
+            if self._schedule is None or self._schedule[0] is not batch:  # one schedule per step, for every layer
                 self._schedule = (
                     batch,
-                    kernel.schedule(batch.query_start_loc, batch.seq_lens, self.num_q_heads, self.num_kv_heads),
+                    self.paged_kernel.schedule(
+                        batch.query_start_loc, batch.seq_lens, self.num_q_heads, self.num_kv_heads
+                    ),
                 )
-            kernel.attend(
+            self.paged_kernel.attend(
                 query[:n],
                 key_cache,
                 value_cache,
@@ -620,13 +644,21 @@ class SparseAttention:
                 batch.block_table,
                 self._schedule[1],
             )
-            count, blocks, tokens = plan.dipr_decodes
-            if count:  # DIPR decodes at beta = inf read everything
-                self.figures.add_full(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads, count)
             return
-        if plan.dense is not None:
-            self._dense_through(kernel, query, key_cache, value_cache, plan.dense, out)
-        self._pruned_decode(layer, beta, query, key_cache, value_cache, sketch, plan.dipr, out, kernel)
+        assert self.decode_kernel is not None
+        starts = batch.query_start_loc_cpu
+        self.decode_kernel(
+            query[:n],
+            key_cache,
+            value_cache,
+            out[:n],
+            batch.query_start_loc,
+            batch.seq_lens,
+            int((starts[1:] - starts[:-1]).max()),
+            batch.max_seq_len,
+            batch.block_table,
+            self.scale,
+        )
 
     def _dense_through(
         self,
@@ -674,7 +706,6 @@ class SparseAttention:
         own pruned tables, in one call (``PagedKernel.attend_pruned``). Every key within beta of the largest logit
         is in a read block, so it is attended; the kernel also attends the read blocks' other tokens (a superset of
         the Triton kernel's set, at no extra bytes read)."""
-        from kvreuse.kernels.dipr_decode import DIPRCounters
 
         rows = sub.query_starts.long()
         q = query.index_select(0, rows)  # [m, hq, d]
@@ -686,77 +717,11 @@ class SparseAttention:
         result = torch.empty_like(q)
         kernel.attend_pruned(q, key_cache, value_cache, result, pruned)
         out.index_copy_(0, rows, result.to(out.dtype))
-        step = self._dipr_steps.get(layer, 0)
-        self._dipr_steps[layer] = step + 1
-        if should_sample(step, self.config.sample_recovery):
-            self.figures.add_recovery(
-                layer,
-                sample_recovery(
-                    q.float(),
-                    kernel.plain_keys(key_cache),
-                    sketch,
-                    sub.block_table,
-                    sub.seq_lens,
-                    beta,
-                    self.scale,
-                    sink,
-                    local,
-                ),
-            )
-        self.figures.add(
-            layer,
-            DIPRCounters(
-                pruned.kept.T.to(torch.int32),
-                (sub.seq_lens + self.block_size - 1) // self.block_size,
-                pruned.seq_lens.T.repeat_interleave(group, dim=1),
-                sub.seq_lens.clone(),
-            ),
+        self._count_pruned(
+            layer, beta, q, lambda: kernel.plain_keys(key_cache), sketch, sub, pruned.kept.T, pruned.seq_lens.T
         )
 
     # -- DIPR as a filter in front of a GPU engine's FlashAttention ------------------------------------------------
-
-    def _attend_through_decode_kernel(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        sketch: KeySketch,
-        batch: PagedBatch,
-        out: torch.Tensor,
-    ) -> None:
-        """``attend`` with ``decode_kernel``: a layer without DIPR decodes (a dense layer, beta = inf, every decode
-        under ``min_context``, prefill) is one call of the kernel over the whole batch, exactly the stock backend's
-        call; otherwise the dense requests run the Triton path (``_dense``) and the DIPR decodes go through
-        ``FilteredDecode``: per (sequence, KV head) only the blocks the sketch scan keeps, in one kernel call."""
-        assert self.decode_kernel is not None
-        plan = self._plan(batch, self.dense_layer(layer))
-        count, blocks, tokens = plan.dense_decodes
-        if count:
-            self.figures.add_dense(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads, count)
-        beta = self.policy.layer_beta(layer)
-        n = batch.num_actual_tokens
-        if plan.dipr is None or beta == INF:
-            starts = batch.query_start_loc_cpu
-            self.decode_kernel(
-                query[:n],
-                key_cache,
-                value_cache,
-                out[:n],
-                batch.query_start_loc,
-                batch.seq_lens,
-                int((starts[1:] - starts[:-1]).max()),
-                batch.max_seq_len,
-                batch.block_table,
-                self.scale,
-            )
-            count, blocks, tokens = plan.dipr_decodes
-            if count:  # DIPR decodes at beta = inf read everything
-                self.figures.add_full(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads, count)
-            return
-        if plan.dense is not None:
-            self._dense(query, key_cache, value_cache, plan.dense, out)
-        self._filtered_decode(layer, beta, query, key_cache, value_cache, sketch, plan.dipr, batch.max_seq_len, out)
 
     def _filtered_decode(
         self,
@@ -772,7 +737,6 @@ class SparseAttention:
     ) -> None:
         """DIPR decodes of ``sub`` through ``FilteredDecode`` (the kernel attends every token of the blocks read: a
         superset of ``DIPRDecode``'s set over the same bytes, so no key within beta of the largest is dropped)."""
-        from kvreuse.kernels.dipr_decode import DIPRCounters
 
         assert self.decode_kernel is not None
         if self._filtered is None or self._filtered.block_size != self.block_size:
@@ -794,22 +758,48 @@ class SparseAttention:
             q, key_cache, value_cache, sketch, sub.seq_lens, sub.block_table, max_seq_len, beta, sink, local, result
         )
         out.index_copy_(0, rows, result.to(out.dtype))
+        self._count_pruned(layer, beta, q, lambda: key_cache, sketch, sub, counts.blocks_read, counts.tokens_attended)
+
+    def _count_pruned(
+        self,
+        layer: int,
+        beta: float,
+        q: torch.Tensor,
+        plain_keys: Callable[[], torch.Tensor],
+        sketch: KeySketch,
+        sub: SubBatch,
+        blocks_read: torch.Tensor,
+        tokens_attended: torch.Tensor,
+    ) -> None:
+        """The figures of DIPR decodes through the engine's kernel: ``blocks_read[m, kv]`` and
+        ``tokens_attended[m, kv]`` (every token of the blocks read: the kernel attends them all), and, every
+        ``sample_recovery`` steps, the share of dense attention mass kept by the Triton kernel's set over
+        ``plain_keys()`` (the cache in the plain ``[blocks, block_size, kv, d]`` layout, made only when sampled)."""
+        from kvreuse.kernels.dipr_decode import DIPRCounters
+
         step = self._dipr_steps.get(layer, 0)
         self._dipr_steps[layer] = step + 1
         if should_sample(step, self.config.sample_recovery):
             self.figures.add_recovery(
                 layer,
                 sample_recovery(
-                    q.float(), key_cache, sketch, sub.block_table, sub.seq_lens, beta, self.scale, sink, local
+                    q.float(),
+                    plain_keys(),
+                    sketch,
+                    sub.block_table,
+                    sub.seq_lens,
+                    beta,
+                    self.scale,
+                    self.config.sink,
+                    self.config.local,
                 ),
             )
-        group = self.num_q_heads // self.num_kv_heads
         self.figures.add(
             layer,
             DIPRCounters(
-                counts.blocks_read.to(torch.int32),
+                blocks_read.to(torch.int32),
                 (sub.seq_lens + self.block_size - 1) // self.block_size,
-                counts.tokens_attended.repeat_interleave(group, dim=1),
+                tokens_attended.repeat_interleave(self.num_q_heads // self.num_kv_heads, dim=1),
                 sub.seq_lens.clone(),
             ),
         )
