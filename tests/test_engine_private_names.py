@@ -126,6 +126,7 @@ def test_the_manifests_are_read():
         "device",
         "device_type",  # vLLM's DeviceConfig field (vllm_0_32.device_type), also torch's and kvreuse's word
         "free",
+        "generate",  # AsyncLLM.generate, which the shadow copies wrap (vllm_0_32.shadow_requests); also LLM.generate
         "kv_cache_manager",
         "kv_transfer_params",  # an interface name the module connector also clears when it is not an object
         "max_tokens",

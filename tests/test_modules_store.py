@@ -509,7 +509,9 @@ def test_every_modules_setting_is_documented():
         "modules.index_bytes",
         "modules.recompute_first",
         "modules.recompute_share",
+        "modules.recompute_budget",
         "modules.ape_temperature",
         "modules.ape_scale",
+        "modules.shadow_every",
     ]
     assert all(doc for *_, doc in rows)

@@ -16,7 +16,7 @@ import torch
 from kvreuse.kernels.key_sketch import KeySketch, sketch_reference
 from kvreuse.sparse.cpu_attention import dipr_read_blocks
 from kvreuse.sparse.pruned import PrunedTables, prune_block_table
-from kvreuse.sparse.sketch_scan import prune_by_sketch, write_sketch
+from kvreuse.sparse.sketch_scan import prune_by_sketch, warm_up, write_sketch
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "smollm2_keys.pt"
 BLOCK, KV_HEADS, GROUP, DIM = 32, 3, 3, 64
@@ -130,3 +130,13 @@ def test_prune_by_sketch_keeps_every_key_within_beta_of_the_largest_logit_on_rea
                 kept = set(pruned.block_table[h, 0, : int(pruned.kept[h, 0])].tolist())
                 needed = set(position_block[near[h]].tolist())
                 assert needed <= kept, (real["layers"][layer_index], step_index, h)
+
+
+def test_warm_up_compiles_under_the_default_dtype_vllm_builds_a_bfloat16_model_with():
+    """vLLM builds the attention layers (and so calls ``warm_up``) with torch's default dtype set to the model's."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        warm_up(2, 64, 32)
+    finally:
+        torch.set_default_dtype(before)

@@ -245,9 +245,10 @@ def warm_up(num_kv_heads: int, head_dim: int, block_size: int) -> None:
     from kvreuse.kernels.key_sketch import KeySketch
 
     sketch = KeySketch.allocate(1, block_size, num_kv_heads, head_dim, "cpu")
-    keys = torch.zeros(1, num_kv_heads, 2 * head_dim)
+    # dtypes named: vLLM builds the model, and with it this, under the model's default dtype (bfloat16 often)
+    keys = torch.zeros(1, num_kv_heads, 2 * head_dim, dtype=torch.float32)
     slots = torch.zeros(1, dtype=torch.int64)
     write_sketch(keys[..., :head_dim], sketch, slots, block_size)
     write_sketch(keys[..., :head_dim].contiguous(), sketch, slots, block_size)
-    q = torch.zeros(1, num_kv_heads, 1, head_dim)
+    q = torch.zeros(1, num_kv_heads, 1, head_dim, dtype=torch.float32)
     prune_by_sketch(q, sketch, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0, 0, 1)
