@@ -65,22 +65,16 @@ def paged_attention_reference(
     scale: float,
 ) -> None:
     """``PagedDecodeKernel`` in PyTorch (fp32, sequence by sequence, reads the host): what FlashAttention computes,
-    for CPU tensors and tests. It reads the caches through the block table exactly as the kernel does."""
-    heads, kv_heads = query.shape[1], key_cache.shape[2]
-    block_size = key_cache.shape[1]
+    for CPU tensors and tests: each sequence's queries through the project's causal reference over the blocks its
+    table lists, read exactly as the kernel reads them."""
+    from kvreuse.kernels.paged_causal import causal_attention_reference
+
     starts, lens = cu_seqlens_q.tolist(), seqused_k.tolist()
     for i, seq_len in enumerate(lens):
         first, last = starts[i], starts[i + 1]
-        blocks = block_table[i, : -(-seq_len // block_size)].long()
-        keys, values = (
-            cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(heads // kv_heads, 1)
-            for cache in (key_cache, value_cache)
-        )
-        logits = torch.einsum("qhd,khd->hqk", query[first:last].float() * scale, keys)
-        offset = seq_len - (last - first)  # causal, aligned to the sequence's end
-        future = torch.arange(seq_len)[None, :] > torch.arange(last - first)[:, None] + offset
-        weights = torch.softmax(logits.masked_fill(future.to(logits.device), float("-inf")), dim=-1).nan_to_num(0.0)
-        out[first:last] = torch.einsum("hqk,khd->qhd", weights, values).to(out.dtype)
+        out[first:last] = causal_attention_reference(
+            query[first:last], key_cache, value_cache, block_table[i], seq_len, scale
+        ).to(out.dtype)
 
 
 @dataclass(frozen=True)
