@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvreuse.batch.chat import chat_messages, check_system, template_head
+from kvreuse.batch.chat import chat_choice, chat_messages, check_system, template_head
 from kvreuse.errors import ConfigError
 
 
@@ -35,3 +35,16 @@ def test_a_template_that_rewrites_the_users_text_has_no_head_to_plan_on():
 def test_a_system_prompt_must_be_non_empty_text(system):
     with pytest.raises(ConfigError, match="a system prompt must be non-empty text"):
         check_system(system)
+
+
+def test_an_in_process_backend_chats_where_the_model_has_a_template_unless_told_otherwise():
+    assert chat_choice(True, None, None) == (True, None)
+    assert chat_choice(False, None, None) == (False, None)
+    assert chat_choice(True, False, None) == (False, None)
+    assert chat_choice(True, None, "Be brief.") == (True, "Be brief.")
+    with pytest.raises(ConfigError, match="the model has no chat template"):
+        chat_choice(False, True, None)
+    with pytest.raises(ConfigError, match="a system prompt needs chat prompts"):
+        chat_choice(False, None, "Be brief.")
+    with pytest.raises(ConfigError, match="a system prompt must be non-empty text"):
+        chat_choice(True, None, " ")

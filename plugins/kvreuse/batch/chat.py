@@ -37,3 +37,18 @@ def check_system(system: object) -> str | None:
     if system is not None and (not isinstance(system, str) or not system.strip()):
         raise ConfigError(f"a system prompt must be non-empty text, not {system!r}")
     return system
+
+
+def chat_choice(has_template: bool, chat: bool | None, system: object) -> tuple[bool, str | None]:
+    """An in-process backend's ``(chat, system)``: ``chat=None`` sends chats where the model has a chat template,
+    ``True`` refuses a model without one, ``False`` sends raw text; a system prompt (:func:`check_system`) needs
+    chats."""
+    if chat and not has_template:
+        raise ConfigError(
+            "the model has no chat template, so prompts cannot be sent as chats; send them raw (--raw, chat=False)"
+        )
+    chats = has_template if chat is None else chat
+    checked = check_system(system)
+    if checked is not None and not chats:
+        raise ConfigError("a system prompt needs chat prompts; leave out --system (system=) with --raw")
+    return chats, checked

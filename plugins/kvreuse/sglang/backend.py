@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from kvreuse.batch.backend import Completion, PrefixCacheModel
-from kvreuse.batch.chat import chat_messages, check_system, template_head
-from kvreuse.errors import BackendError, ConfigError
+from kvreuse.batch.chat import chat_choice, chat_messages, template_head
+from kvreuse.errors import BackendError
 from kvreuse.patches import sglang_0_5
 
 
@@ -57,14 +57,7 @@ class SGLangBackend:
         # SGLang's radix cache shares prefixes at page granularity (--page-size, 1 by default).
         page_size = sglang_0_5.engine_page_size(engine)
         has_template = getattr(tokenizer, "chat_template", None) is not None
-        if chat and not has_template:
-            raise ConfigError(
-                "the model has no chat template, so prompts cannot be sent as chats; send them raw (--raw, chat=False)"
-            )
-        self.chat = has_template if chat is None else chat
-        self.system = check_system(system)
-        if system is not None and not self.chat:
-            raise ConfigError("a system prompt needs chat prompts; leave out --system (system=) with --raw")
+        self.chat, self.system = chat_choice(has_template, chat, system)
         self._render: Callable[[str], str] | None = None
         if self.chat:
 

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from kvreuse.batch.backend import Completion, PrefixCacheModel
-from kvreuse.batch.chat import chat_messages, check_system, template_head
+from kvreuse.batch.chat import chat_choice, chat_messages, check_system, template_head
 from kvreuse.config import suggest
 from kvreuse.errors import BackendError, ConfigError
 from kvreuse.patches import vllm_0_32
@@ -58,14 +58,7 @@ class VLLMBackend:
         tokenizer = llm.get_tokenizer()
         vllm_config = vllm_0_32.llm_config(llm)
         has_template = getattr(tokenizer, "chat_template", None) is not None
-        if chat and not has_template:
-            raise ConfigError(
-                "the model has no chat template, so prompts cannot be sent as chats; send them raw (--raw, chat=False)"
-            )
-        self.chat = has_template if chat is None else chat
-        self.system = check_system(system)
-        if system is not None and not self.chat:
-            raise ConfigError("a system prompt needs chat prompts; leave out --system (system=) with --raw")
+        self.chat, self.system = chat_choice(has_template, chat, system)
         block_size = vllm_config.cache_config.block_size
         capacity = vllm_config.cache_config.num_gpu_blocks or None  # set once the engine has sized its cache
         if self.chat:
