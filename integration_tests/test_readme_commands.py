@@ -1,15 +1,15 @@
-"""The README's commands run as written on this CPU machine.
+"""The commands of the README and the docs run as written on this CPU machine.
 
 ``MODEL`` is the small local model and ``movies_small.csv`` the first rows of the real table, in a folder of the
-test's own; the only other change is the port a server listens on (a free one, not the README's 8000, which another
-process may hold). Each command starts a real engine.
+test's own; the only other change is the port a server listens on (a free one, not the docs' 8000, which another
+process may hold). Each command starts a real engine. Commands are found by the page that shows them
+(``docs_reference.pages``: the README and every page of docs/, as the site shows them).
 """
 
 from __future__ import annotations
 
 import io
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -25,25 +25,20 @@ from kvreuse.localmodel import DATASETS
 pytestmark = pytest.mark.engine
 
 REPO = Path(__file__).resolve().parents[1]
-README = (REPO / "README.md").read_text()
+sys.path.insert(0, str(REPO / "docs"))
+import docs_reference  # noqa: E402 - docs/ holds the pages' reader the site's build uses
+
+PAGES = docs_reference.pages()
 ROWS = 30
 
 
-def blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.DOTALL)
+def blocks(page: str, language: str) -> list[str]:
+    return docs_reference.code_blocks(language, PAGES[page])
 
 
-def commands() -> list[str]:
-    return [
-        line.split("  #")[0].strip()
-        for block in blocks("bash")
-        for line in block.replace("\\\n", " ").splitlines()
-        if line.strip()
-    ]
-
-
-def the_command(*parts: str) -> str:
-    (found,) = [c for c in commands() if all(p in c for p in parts)]
+def the_command(page: str, *parts: str) -> str:
+    """The one command of ``page`` that holds every one of ``parts``."""
+    (found,) = [c for c in docs_reference.commands(PAGES[page]) if all(p in c for p in parts)]
     return found
 
 
@@ -63,7 +58,7 @@ def shell(command: str, cwd: Path, **kwargs) -> subprocess.Popen:
 
 
 def test_the_readmes_kvreuse_run_starts_vllm_on_a_cpu_as_written(workdir, small_model):
-    command = the_command("kvreuse run", "--model MODEL").replace("MODEL", str(small_model))
+    command = the_command("guides/table-jobs.md", "kvreuse run", "--model MODEL").replace("MODEL", str(small_model))
     done = shell(command, workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _, err = done.communicate(timeout=600)
     assert done.returncode == 0, err[-3000:]
@@ -72,7 +67,7 @@ def test_the_readmes_kvreuse_run_starts_vllm_on_a_cpu_as_written(workdir, small_
 
 
 def test_the_readmes_python_example_runs_as_written(workdir, small_model):
-    (code,) = [b for b in blocks("python") if "started_vllm" in b]
+    (code,) = [b for b in blocks("guides/table-jobs.md", "python") if "started_vllm" in b]
     done = subprocess.run(
         [sys.executable, "-c", code.replace('"MODEL"', repr(str(small_model)))],
         cwd=workdir,
@@ -86,7 +81,7 @@ def test_the_readmes_python_example_runs_as_written(workdir, small_model):
 
 def test_kvreuse_serve_with_the_readmes_file_answers_the_readmes_url_command_and_stops_on_sigterm(workdir):
     port = free_port()
-    (toml,) = blocks("toml")
+    (toml,) = blocks("guides/serving-vllm.md", "toml")
     config = workdir / "serve.toml"
     config.write_text(toml.replace("port = 8000", f"port = {port}"))
     log = workdir / "serve.log"
@@ -95,7 +90,9 @@ def test_kvreuse_serve_with_the_readmes_file_answers_the_readmes_url_command_and
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(url, serve, log)
-        command = the_command("kvreuse run", "--url http://127.0.0.1:8000").replace(":8000", f":{port}")
+        command = the_command("guides/table-jobs.md", "kvreuse run", "--url http://127.0.0.1:8000").replace(
+            ":8000", f":{port}"
+        )
         ask = shell(command, workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out, err = ask.communicate(timeout=600)
         assert ask.returncode == 0, err[-3000:]
@@ -113,10 +110,12 @@ def test_kvreuse_serve_with_the_readmes_file_answers_the_readmes_url_command_and
             serve.kill()
 
 
-@pytest.mark.parametrize("which", ["KVReuseModuleCache", '"sparse": {"beta": 4.0'])
-def test_the_readmes_cpu_server_commands_start_as_written(workdir, small_model, which):
+@pytest.mark.parametrize(
+    ("page", "which"), [("plugins/modules.md", "KVReuseModuleCache"), ("plugins/sparse.md", '"beta": 4.0')]
+)
+def test_the_docs_cpu_server_commands_start_as_written(workdir, small_model, page, which):
     port = free_port()
-    command = the_command("vllm.entrypoints.openai.api_server", which).replace("MODEL", str(small_model))
+    command = the_command(page, "vllm.entrypoints.openai.api_server", which).replace("MODEL", str(small_model))
     log = workdir / "server.log"
     with log.open("w") as sink:
         server = shell(
