@@ -8,13 +8,15 @@ The gauge ``kvreuse:reorder_max_skips`` is the setting of that name (the bound o
 ``additional_config`` and ``KVREUSE_REORDER_*`` as the scheduler reads it); the most skips any request has had so
 far, the counters' ``max_skips``, is the gauge ``kvreuse:reorder_most_skips``.
 vLLM loads it from the entry point group ``vllm.stat_logger_plugins``, which its ``AsyncLLM`` front end
-(``vllm serve``) honours and the offline ``LLM`` does not. Offline, read the scheduler's ``reorder_counters()``
+(``vllm serve``) honours and the offline ``LLM`` does not; it also logs the scheduler's summary line there with
+vLLM's periodic figures (:meth:`ReorderStatLogger.log`). Offline, read the scheduler's ``reorder_counters()``
 or its INFO log lines instead. The other plugins' counters take the connectors' way (``kvreuse.vllm.metrics``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from prometheus_client import Counter, Gauge
 from vllm.config import VllmConfig
@@ -22,10 +24,13 @@ from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
 from kvreuse.patches import vllm_0_32
+from kvreuse.reorder.admission import counters_summary
 from kvreuse.reorder.affinity import ReorderCounters
 from kvreuse.reorder.config import ReorderConfig
 from kvreuse.vllm.metrics import replace_metrics
 from kvreuse.vllm.settings import kvreuse_flags
+
+logger = logging.getLogger("vllm.plugins.kvreuse.scheduler")
 
 PREFIX = "kvreuse:reorder_"
 _FIELDS = tuple(f.name for f in dataclasses.fields(ReorderCounters))
@@ -96,6 +101,7 @@ class ReorderStatLogger(AggregateStatLoggerBase):
         for idx in engine_indexes:
             setting.labels(*self._labels[idx]).set(bound)
         self._last = {idx: ReorderCounters() for idx in engine_indexes}
+        self._logged = dict(self._last)
 
     def record(
         self,
@@ -118,6 +124,15 @@ class ReorderStatLogger(AggregateStatLoggerBase):
                 before = getattr(last, name)
                 metric.inc(value - before if value >= before else value)
         self._last[engine_idx] = counters
+
+    def log(self) -> None:
+        """The scheduler's summary line, per engine whose counters moved since the last one: vLLM calls this with its
+        own periodic figures (every ``VLLM_LOG_STATS_INTERVAL`` seconds under ``vllm serve``), in the front end's
+        process, whose log is the one a server's user reads; the scheduler's own lines are the engine core's."""
+        for idx, counters in self._last.items():
+            if counters != self._logged[idx]:
+                logger.info("Engine %03d: %s", idx, counters_summary(counters, "blocks"))
+                self._logged[idx] = counters
 
     def log_engine_initialized(self) -> None:
         """Nothing to say at start-up: the scheduler logs its own settings."""
