@@ -266,14 +266,31 @@ def test_output_columns_may_not_shadow_the_tables(tmp_path):
         AnswerOutput(None, table_of([["x"]], ["cell"]), resume=True)
 
 
-def test_standard_output_gets_rows_as_they_finish(capsys):
-    table = table_of([["x"], ["y"]], ["cell"])
-    write_all(None, table, {0: "a\rb", 1: "c"}, [1, 0])
-    out = capsys.readouterr().out
-    assert list(csv.reader(io.StringIO(out, newline=""))) == [
+def test_standard_output_gets_rows_in_the_tables_order_each_once_the_rows_before_it_are_written(capsys):
+    table = table_of([["x"], ["y"], ["z"]], ["cell"])
+    output = AnswerOutput(None, table)
+    output.write(1, "c", None)
+    assert capsys.readouterr().out == "row,cell,answer,error\r\n"  # row 1 waits for row 0
+    output.write(0, "a\rb", None)
+    assert list(csv.reader(io.StringIO(capsys.readouterr().out, newline=""))) == [
+        ["0", "x", "a\rb", ""],
+        ["1", "y", "c", ""],
+    ]
+    output.write(2, "d", None)
+    output.close(complete=True)
+    assert capsys.readouterr().out == "2,z,d,\r\n"
+
+
+def test_rows_still_waiting_on_standard_output_when_a_job_stops_are_written_in_the_tables_order(capsys):
+    table = table_of([["x"], ["y"], ["z"]], ["cell"])
+    output = AnswerOutput(None, table)
+    output.write(2, "d", None)
+    output.write(1, "c", None)
+    output.close()  # stopped before row 0 was answered: nothing answered is lost
+    assert list(csv.reader(io.StringIO(capsys.readouterr().out, newline=""))) == [
         ["row", "cell", "answer", "error"],
         ["1", "y", "c", ""],
-        ["0", "x", "a\rb", ""],
+        ["2", "z", "d", ""],
     ]
 
 
