@@ -102,7 +102,8 @@ def _log_above_bar() -> list[logging.StreamHandler]:
     for logger in loggers:
         for handler in logger.handlers:
             settable = not isinstance(getattr(type(handler), "stream", None), property)  # logging's last resort
-            if isinstance(handler, logging.StreamHandler) and settable and handler.stream in (sys.stderr, sys.__stderr__):
+            to_stderr = isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, sys.__stderr__)
+            if settable and to_stderr:
                 handler.setStream(_AboveTheBar())  # type: ignore[arg-type]
                 moved.append(handler)
     return moved
