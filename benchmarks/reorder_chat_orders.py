@@ -32,7 +32,8 @@ those planned (:func:`kvreuse.batch.calibrate.planned_stats`, what ``kvreuse run
 original order), wall time against the original's, the measured wall time saved, answers right (the known value,
 a whole word of the answer, case-insensitive) and identical to the original's.
 Usage: ``python benchmarks/reorder_chat_orders.py [--rows 160] [--tables movies,flights,penguins] [--kv-cache-mib 64]
-[--calibrate-rows 30]`` (``--rows``: a random sample per table, seed 0). Writes ``results/reorder_chat_orders.json`` and ``.png``.
+[--calibrate-rows 30]`` (``--rows``: a random sample per table, seed 0). Writes ``results/reorder_chat_orders.json``
+and ``.png``.
 """
 
 from __future__ import annotations
