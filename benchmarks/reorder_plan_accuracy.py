@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
-from reorder_chat_orders import MAX_TOKENS, MODEL, SPECS
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reorder_chat_orders import MAX_TOKENS, MODEL, SPECS  # noqa: E402
 
 from kvreuse.localmodel import DATASETS
 

@@ -164,6 +164,30 @@ def validate_extra_args(check: Callable[[object], tuple[str, str] | None]) -> No
     InputProcessor._validate_params = validate  # type: ignore[method-assign]
 
 
+@MANIFEST.touches(value("vllm.logger:DEFAULT_LOGGING_CONFIG"))
+def filter_vllm_log(factory: str) -> None:
+    """Put a logging filter made by ``factory`` (a class path, e.g. ``kvreuse.vllm.backend.OnceEach``) on vLLM's
+    log handler, now and whenever vLLM configures its logging again (it does, from the engine arguments, while an
+    engine starts: a filter put on the handler of the moment would be dropped with it). vLLM builds its handler
+    from ``vllm.logger.DEFAULT_LOGGING_CONFIG`` each time, so the filter is added there once per process; vLLM's
+    handlers already made get one too. Tested: vLLM 0.32.0.
+    """
+    import logging
+
+    import vllm.logger
+
+    config = vllm.logger.DEFAULT_LOGGING_CONFIG
+    config.setdefault("filters", {})["kvreuse"] = {"()": factory}
+    handler = config["handlers"]["vllm"]
+    if "kvreuse" not in handler.get("filters", []):
+        handler["filters"] = [*handler.get("filters", []), "kvreuse"]
+    module, _, name = factory.rpartition(".")
+    kind = getattr(importlib.import_module(module), name)
+    for existing in logging.getLogger("vllm").handlers:
+        if not any(isinstance(f, kind) for f in existing.filters):
+            existing.addFilter(kind())
+
+
 _SHADOW_TASKS: set[Any] = set()  # background full-prefill copies in flight (kept referenced until done)
 
 

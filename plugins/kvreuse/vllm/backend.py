@@ -160,12 +160,11 @@ def log_to_stderr() -> None:
     per fact: a warning vLLM logs again and again (one per weight of the model when it converts their type) is
     written the first time only (:class:`OnceEach`).
     """
-    moved = os.environ.setdefault(_LOG_STREAM, _STDERR) == _STDERR
-    for handler in logging.getLogger("vllm").handlers:
-        if moved and isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
-            handler.setStream(sys.stderr)
-        if not any(isinstance(f, OnceEach) for f in handler.filters):
-            handler.addFilter(OnceEach())
+    if os.environ.setdefault(_LOG_STREAM, _STDERR) == _STDERR:
+        for handler in logging.getLogger("vllm").handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
+                handler.setStream(sys.stderr)
+    vllm_0_32.filter_vllm_log(f"{OnceEach.__module__}.{OnceEach.__qualname__}")
 
 
 class OnceEach(logging.Filter):
@@ -227,7 +226,6 @@ def vllm_backend(engine_args: Mapping[str, Any], *, chat: bool | None = None, sy
     os.environ.setdefault(IN_PROCESS, "0")
     from vllm import LLM
 
-    log_to_stderr()  # vLLM's handlers exist once it is imported
     llm = _start(LLM, with_cpu_defaults({**ENGINE_DEFAULTS, **engine_args}))
     try:
         return VLLMBackend(llm, chat=chat, system=system)
