@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import random
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvreuse.batch.backend import Completion
 from kvreuse.batch.output import AnswerOutput
 from kvreuse.batch.table_io import csv_chunks, read_table
 from kvreuse.errors import TableError
@@ -360,3 +362,23 @@ def test_a_csv_cell_longer_than_the_limit_is_an_error_naming_the_limit(tmp_path,
     out.write_text(f"row,cell,answer,error\r\n0,x,{'y' * 1001},\r\n", encoding="utf-8")
     with pytest.raises(TableError, match="a cell is longer than 1,000 characters"):
         AnswerOutput(out, table_of([["x"]], ["cell"]), resume=True)
+
+
+def test_log_lines_written_while_the_progress_bar_is_drawn_go_above_it(capsys):
+    import logging
+
+    from kvreuse.batch.progress import JobProgress
+
+    handler = logging.StreamHandler(sys.stderr)
+    logger = logging.getLogger("kvreuse_test_bar")
+    logger.addHandler(handler)
+    try:
+        with JobProgress(2) as bar:
+            assert handler.stream is not sys.stderr  # written through tqdm while the bar is drawn
+            logger.warning("a line above the bar")
+            bar.add(Completion("a", 1, 0))
+        assert handler.stream is sys.stderr
+    finally:
+        logger.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert "a line above the bar\n" in err
