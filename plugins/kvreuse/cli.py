@@ -426,7 +426,7 @@ def _run(args: argparse.Namespace) -> int:
             return _run_replicas(args, table, output, reorder, started)
         with _backend(args) as backend, _kept(output, len(table)):
             field_order = args.field_order
-            calibration = None
+            calibration, calibration_s = None, 0.0
             if args.calibrate is not None:
                 calibrating = time.perf_counter()
                 calibration = calibrate(
@@ -435,7 +435,7 @@ def _run(args: argparse.Namespace) -> int:
                     args.fields,
                     backend=backend,
                     n=args.calibrate,
-                    min_agreement=args.min_agreement,
+                    min_agreement=1.0 if args.min_agreement is None else args.min_agreement,
                     order=args.order,
                     fmt=args.format,
                     max_tokens=args.max_tokens,
@@ -472,33 +472,54 @@ def _run(args: argparse.Namespace) -> int:
             )
             compare_s = time.perf_counter() - comparing
         output.close(complete=True)
-    wall_s = time.perf_counter() - started
-    lines = [f"rows           {bar.tally.requests:,} (order {args.order}, fields {field_order})"]
-    if skip:
-        lines[0] += f", {len(skip):,} answered by an earlier run"
+    times = {
+        "wall": time.perf_counter() - started,
+        "generating": generate_s,
+        "ordering": plan.solve_s,
+        "comparing": compare_s,
+        "calibrating": calibration_s,
+    }
+    print(_summary(args, bar.tally, len(skip), field_order, report, advice, calibration, times), file=sys.stderr)
+    return 0
+
+
+def _summary(
+    args: argparse.Namespace,
+    tally: Tally,
+    resumed: int,
+    field_order: str,
+    report: PrefillReport,
+    advice: str | None,
+    calibration: Calibration | None,
+    times: dict[str, float],
+) -> str:
+    """The lines ``kvreuse run`` ends with: what was asked, the prefill as the engine counted it against the
+    table's own order, the times measured, what failed, a field order worth checking, what is known of the
+    answers, and where they are."""
+    lines = [f"rows           {tally.requests:,} (order {args.order}, fields {field_order})"]
+    if resumed:
+        lines[0] += f", {resumed:,} answered by an earlier run"
     lines += report.lines(original_order=args.order == "original" and field_order == "keep")
-    calibrated_s = 0.0 if calibration is None else calibration_s
-    rest = wall_s - generate_s - plan.solve_s - compare_s - calibrated_s
+    rest = times["wall"] - times["generating"] - times["ordering"] - times["comparing"] - times["calibrating"]
     lines.append(
-        f"time           {wall_s:.1f} s wall: {generate_s:.1f} s generating, {plan.solve_s:.2f} s ordering, "
-        f"{compare_s:.2f} s planning the comparison, {rest:.1f} s reading the table and "
-        + ("starting the engine" if args.url is None else "reaching the server")
+        f"time           {times['wall']:.1f} s wall: {times['generating']:.1f} s generating, "
+        f"{times['ordering']:.2f} s ordering, {times['comparing']:.2f} s planning the comparison, {rest:.1f} s "
+        f"reading the table and {'starting the engine' if args.url is None else 'reaching the server'}"
         + ("" if calibration is None else ", and calibrating (below)")
     )
     if calibration is not None:
         lines.append(
-            f"calibration    {calibration_s:.1f} s, {calibration.requests:,} requests on {calibration.sample_rows} "
-            "sample rows (part of the wall time above)"
+            f"calibration    {times['calibrating']:.1f} s, {calibration.requests:,} requests on "
+            f"{calibration.sample_rows} sample rows (part of the wall time above)"
         )
-    if bar.tally.errors:
-        lines.append(f"errors         {bar.tally.errors:,} row(s) refused by the engine; their error column says why")
+    if tally.errors:
+        lines.append(f"errors         {tally.errors:,} row(s) refused by the engine; their error column says why")
     if advice is not None:
         lines.append(advice)
     lines.append(agreement_line(args.order, field_order, calibration))
     if args.out is not None:
         lines.append(f"written to     {args.out}")
-    print("\n".join(lines), file=sys.stderr)
-    return 0
+    return "\n".join(lines)
 
 
 def _checked_table(args: argparse.Namespace) -> pd.DataFrame:
@@ -539,8 +560,6 @@ def _check_run_options(args: argparse.Namespace) -> None:
             "--min-agreement is the floor of --calibrate and means nothing without it; add --calibrate "
             "(or --calibrate N)"
         )
-    if args.min_agreement is None:
-        args.min_agreement = 1.0
     check_system(args.system)
 
 
