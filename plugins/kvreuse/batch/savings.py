@@ -10,7 +10,7 @@ plan's error on this very job beside the comparison: a user sees how far the pla
 
 No wall time saved is estimated. An earlier estimate (prefill tokens saved times a per-token cost timed by a probe
 after the job) ranged from 1.0 s to 12.2 s over five runs of one plan, and on the project's benchmark its error
-against the measured difference ran from 5% to over 1,500% (``benchmarks/reorder_chat_orders.py``): the two
+against the measured difference ran from 5% to 317% (``benchmarks/reorder_chat_orders.py``): the two
 passes of a probe differ by a few hundred milliseconds, under the noise of a shared machine. The summary gives
 the times it measured and none it did not.
 """
