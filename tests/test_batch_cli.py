@@ -727,3 +727,39 @@ def test_resuming_a_finished_job_exits_at_once_without_an_engine(capsys, server_
     code, _, err = run(capsys, *argv, "--model", "m", "--resume")
     assert code == 0 and err.strip() == f"kvreuse run: all 4 rows are in {out} already; nothing to ask"
     assert out.read_bytes() == written
+
+
+def test_an_engine_that_dies_of_the_users_ctrl_c_before_this_process_sees_it_is_an_interrupt(
+    capsys, table, tmp_path, monkeypatch
+):
+    """An engine process of its own (VLLM_ENABLE_V1_MULTIPROCESSING=1) gets the terminal's SIGINT too and may die
+    first: the job then ends as interrupted (130, one line), not as a failed engine (1)."""
+    from contextlib import contextmanager
+
+    import kvreuse.cli
+    from kvreuse.batch.backend import Completion
+    from kvreuse.errors import BackendError
+
+    class DyingOfCtrlC:
+        cache_model = None
+
+        def stream(self, prompts, *, max_tokens):
+            yield 0, Completion("a", 10, 0)
+            kvreuse.cli._INTERRUPTED.set()  # what the SIGINT handler notes, its KeyboardInterrupt not seen yet
+            raise BackendError("the vLLM engine stopped: EngineDeadError: EngineCore encountered an issue")
+
+        def generate(self, prompts, *, max_tokens, progress=False):
+            raise AssertionError("not used")
+
+    @contextmanager
+    def backend(args):
+        yield DyingOfCtrlC()
+
+    monkeypatch.setattr("kvreuse.cli._backend", backend)
+    out = tmp_path / "a.csv"
+    code, _, err = run(capsys, "run", "--table", str(table), "--prompt", "Q", "--model", "m", "--out", str(out))
+    assert code == 130 and "EngineDeadError" not in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"kvreuse run: interrupted; 1 of 4 rows were answered and are in {out}; run the same command with --resume "
+        "to ask the others"
+    )

@@ -19,7 +19,9 @@ import difflib
 import importlib.util
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.refuse_unknown_flags(argv)  # before argparse, which would first miss the flag the misspelt one meant
     args = parser.parse_args(argv)
     try:
-        return args.command(args)
+        with _noting_interrupts():
+            return args.command(args)
     except Interrupted as stopped:
         print(f"kvreuse {args.name}: interrupted; {stopped}", file=sys.stderr)
         return 130
@@ -69,6 +72,31 @@ def main(argv: list[str] | None = None) -> int:
     except KVReuseError as error:
         print(f"kvreuse {args.name}: error: {error}", file=sys.stderr)
         return 1
+
+
+# Set when Ctrl-C (SIGINT) reached this process: an engine process of its own (VLLM_ENABLE_V1_MULTIPROCESSING=1)
+# gets the terminal's SIGINT too and may die before this process sees its KeyboardInterrupt; the engine's death is
+# then the user's Ctrl-C, not a failure.
+_INTERRUPTED = threading.Event()
+
+
+@contextmanager
+def _noting_interrupts() -> Iterator[None]:
+    """Within: SIGINT raises KeyboardInterrupt as Python's own handler does, and sets :data:`_INTERRUPTED`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupted(signum: int, frame: object) -> None:
+        _INTERRUPTED.set()
+        raise KeyboardInterrupt
+
+    _INTERRUPTED.clear()
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -645,6 +673,8 @@ def _kept(output: AnswerOutput, rows: int) -> Iterator[None]:
         yield
     except BackendError as error:
         output.close()
+        if _INTERRUPTED.is_set():  # the engine died of the user's Ctrl-C (see _INTERRUPTED)
+            raise Interrupted(kept()) from None
         raise BackendError(f"{error}\n{kept()}") from None
     except KeyboardInterrupt:
         output.close()
