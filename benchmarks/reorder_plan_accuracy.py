@@ -17,6 +17,11 @@ Usage: ``python benchmarks/reorder_plan_accuracy.py [--rows 128] [--tables ...] 
 writes ``results/reorder_plan_accuracy.json`` and prints a table: per arm vLLM's computed tokens, the plan's, the
 plan's error, and the ratio to the original order both ways (as the summary states it: counted for the job,
 planned for the original; and as both runs counted it).
+
+``--replay-engine-results`` starts no engine: it plans the orders of ``reorder_engine.py``'s committed results
+(raw prompts, the ``small`` model's tokenizer, blocks of 32, its 256 MiB cache: 4,096 blocks) whose prompts the
+solver still sends (``original``, ``sorted``, ``stats``; its ``ggr`` arm predates token-exact GGR) and prints
+each plan beside the count vLLM recorded then.
 """
 
 from __future__ import annotations
@@ -90,7 +95,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--tables", default=",".join(TABLES))
     parser.add_argument("--kv-cache-mib", default="64,256")
+    parser.add_argument("--replay-engine-results", action="store_true")
     args = parser.parse_args(argv)
+    if args.replay_engine_results:
+        replay_engine_results()
+        return
     from kvreuse.batch import run_table
     from kvreuse.batch.calibrate import planned_stats
     from kvreuse.batch.job import plan_table
@@ -146,6 +155,37 @@ def main(argv: list[str] | None = None) -> None:
     print_table(report)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "reorder_plan_accuracy.json").write_text(json.dumps(report, indent=1) + "\n")
+
+
+def replay_engine_results() -> None:
+    """Plan each order of ``reorder_engine.py``'s committed results and print the plan beside vLLM's count."""
+    from reorder_orders import BLOCK, INSTRUCTION, load_tables
+    from transformers import AutoTokenizer
+
+    from kvreuse.batch.backend import PrefixCacheModel
+    from kvreuse.batch.calibrate import planned_stats
+    from kvreuse.reorder import prepare_table, prompts, solve
+    from kvreuse.vllm.backend import batch_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "build" / "models" / "small")
+    bytes_per_token = 2 * 2 * 2 * 64 * 4  # K and V, 2 layers, 2 KV heads of 64, float32
+    model = PrefixCacheModel(
+        batch_tokenizer(tokenizer), BLOCK, capacity_blocks=(256 << 20) // (bytes_per_token * BLOCK)
+    )
+    tables = load_tables()
+    tables["fec"] = tables["fec"].head(3000)  # reorder_engine.py's --fec-rows
+    print("| table | order | prompt tokens | computed: vLLM | planned | plan's error |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for name in ("movies", "fec", "airports", "penguins"):
+        table = prepare_table(tables[name], None)
+        counted = {e["arm"]: e for e in json.loads((RESULTS / f"reorder_engine_{name}.json").read_text())}
+        for method in ("original", "sorted", "stats"):
+            planned = planned_stats(prompts(solve(table, method), table, INSTRUCTION), model)
+            vllm = counted[method]["computed_prompt_tokens"]
+            print(
+                f"| {name} | {method} | {counted[method]['prompt_tokens']:,} | {vllm:,} | {planned.computed_tokens:,} "
+                f"| {(planned.computed_tokens - vllm) / vllm:+.1%} |"
+            )
 
 
 def print_table(report: list[dict]) -> None:
