@@ -18,10 +18,11 @@ writes ``results/reorder_plan_accuracy.json`` and prints a table: per arm vLLM's
 plan's error, and the ratio to the original order both ways (as the summary states it: counted for the job,
 planned for the original; and as both runs counted it).
 
-``--replay-engine-results`` starts no engine: it plans the orders of ``reorder_engine.py``'s committed results
-(raw prompts, the ``small`` model's tokenizer, blocks of 32, its 256 MiB cache: 4,096 blocks) whose prompts the
-solver still sends (``original``, ``sorted``, ``stats``; its ``ggr`` arm predates token-exact GGR) and prints
-each plan beside the count vLLM recorded then.
+``--replay-engine-results`` starts no engine: it plans the arms of the committed results of ``reorder_engine.py``
+(raw prompts, the ``small`` model's tokenizer, blocks of 32, its 256 MiB cache: 4,096 blocks; the orders whose
+prompts the solver still sends: ``original``, ``sorted``, ``stats``, its ``ggr`` arm predating token-exact GGR)
+and of ``reorder_chat_orders.py`` (SmolLM2's tokenizer and chat template, blocks of 32, its 64 MiB cache: 45
+blocks; ``original``, ``rows only``, ``free``), and prints each plan beside the count vLLM recorded then.
 """
 
 from __future__ import annotations
@@ -185,6 +186,41 @@ def replay_engine_results() -> None:
             print(
                 f"| {name} | {method} | {counted[method]['prompt_tokens']:,} | {vllm:,} | {planned.computed_tokens:,} "
                 f"| {(planned.computed_tokens - vllm) / vllm:+.1%} |"
+            )
+    replay_chat_results()
+
+
+def replay_chat_results() -> None:
+    """The same for ``reorder_chat_orders.py``'s committed results (its 128 rows per table, seed 0)."""
+    import reorder_chat_orders
+    from transformers import AutoTokenizer
+
+    from kvreuse.batch.backend import PrefixCacheModel
+    from kvreuse.batch.calibrate import planned_stats
+    from kvreuse.batch.chat import template_frame
+    from kvreuse.batch.job import plan_table
+    from kvreuse.vllm.backend import batch_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
+    head, tail = template_frame(
+        lambda messages: str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    )
+    bytes_per_token = 30 * 2 * 3 * 64 * 4  # SmolLM2 in float32: 30 layers, K and V, 3 KV heads of 64
+    blocks = (64 << 20) // (bytes_per_token * 32)
+    model = PrefixCacheModel(
+        batch_tokenizer(tokenizer, special_tokens=False), 32, prefix=head, suffix=tail, capacity_blocks=blocks
+    )
+    counted = {(e["table"], e["arm"]): e for e in json.loads((RESULTS / "reorder_chat_orders.json").read_text())}
+    names = list(dict.fromkeys(table for table, _ in counted))
+    chosen = reorder_chat_orders.tables(128, names)
+    for name in names:
+        df, fields, question, _ = chosen[name]
+        for arm, options in ARMS.items():
+            planned = planned_stats(plan_table(df, question, fields, cache_model=model, **options).prompts, model)
+            vllm = counted[(name, arm)]["computed_tokens"]
+            print(
+                f"| {name} (chat, {blocks} blocks) | {arm} | {counted[(name, arm)]['prompt_tokens']:,} | {vllm:,} | "
+                f"{planned.computed_tokens:,} | {(planned.computed_tokens - vllm) / vllm:+.1%} |"
             )
 
 
