@@ -66,8 +66,10 @@ unit: setup models
 integration: setup models
 	$(PYTEST) integration_tests
 
+# Everything built or written by a run (benchmark runs write under build/benchmarks); the committed results the docs
+# cite (docs/benchmarks/results) stay.
 clean:
-	rm -rf build benchmarks/results/*.json benchmarks/results/*.png
+	rm -rf build
 
 # SGLang adapter tests, in their own environment (SGLang's wheel pins a CUDA torch that must stay out of .venv):
 # `make test-sglang` creates $(VENV_SGLANG) on first use from tests/sglang/requirements.txt (all pinned, installed

@@ -14,9 +14,9 @@ tuned for: ``barley`` and ``weather`` (PyPI ``vega_datasets``: a field trial's y
 blocks of 32 tokens, a job larger than its cache; 256: one that holds it).
 
 Usage: ``python benchmarks/reorder_plan_accuracy.py [--rows 128] [--tables ...] [--kv-cache-mib 64,256]``;
-writes ``results/reorder_plan_accuracy.json`` and prints a table: per arm vLLM's computed tokens, the plan's, the
-plan's error, and the ratio to the original order both ways (as the summary states it: counted for the job,
-planned for the original; and as both runs counted it).
+writes ``reorder_plan_accuracy.json`` (the harness's output folder) and prints a table: per arm vLLM's computed
+tokens, the plan's, the plan's error, and the ratio to the original order both ways (as the summary states it:
+counted for the job, planned for the original; and as both runs counted it).
 
 ``--replay-engine-results`` starts no engine: it plans the arms of the committed results of ``reorder_engine.py``
 (raw prompts, the ``small`` model's tokenizer, blocks of 32, its 256 MiB cache: 4,096 blocks; the orders whose
@@ -27,19 +27,18 @@ blocks; ``original``, ``rows only``, ``free``), and prints each plan beside the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, RESULTS, bench_parser, output_dir, write_results  # noqa: E402
 from reorder_chat_orders import MAX_TOKENS, MODEL, SPECS  # noqa: E402
 
 from kvreuse.localmodel import DATASETS
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 FEC = DATASETS / "fec_contributions.csv"
 ARMS = {
     "original": dict(order="original"),
@@ -92,7 +91,7 @@ TABLES = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--tables", default=",".join(TABLES))
     parser.add_argument("--kv-cache-mib", default="64,256")
@@ -154,8 +153,13 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             shutdown_llm(backend.llm)
     print_table(report)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "reorder_plan_accuracy.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_results("reorder_plan_accuracy", {"settings": vars(args), "rows": report}, output_dir(args))
+
+
+def committed_rows(name: str) -> list[dict[str, Any]]:
+    """The rows of a committed result (the harness's record, or a list of rows written before it)."""
+    data = json.loads((RESULTS / f"{name}.json").read_text())
+    return data["rows"] if isinstance(data, dict) else data
 
 
 def replay_engine_results() -> None:
@@ -179,7 +183,7 @@ def replay_engine_results() -> None:
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for name in ("movies", "fec", "airports", "penguins"):
         table = prepare_table(tables[name], None)
-        counted = {e["arm"]: e for e in json.loads((RESULTS / f"reorder_engine_{name}.json").read_text())}
+        counted = {e["arm"]: e for e in committed_rows(f"reorder_engine_{name}")}
         for method in ("original", "sorted", "stats"):
             planned = planned_stats(prompts(solve(table, method), table, INSTRUCTION), model)
             vllm = counted[method]["computed_prompt_tokens"]
@@ -210,7 +214,7 @@ def replay_chat_results() -> None:
     model = PrefixCacheModel(
         batch_tokenizer(tokenizer, special_tokens=False), 32, prefix=head, suffix=tail, capacity_blocks=blocks
     )
-    counted = {(e["table"], e["arm"]): e for e in json.loads((RESULTS / "reorder_chat_orders.json").read_text())}
+    counted = {(e["table"], e["arm"]): e for e in committed_rows("reorder_chat_orders")}
     names = list(dict.fromkeys(table for table, _ in counted))
     chosen = reorder_chat_orders.tables(128, names)
     for name in names:
