@@ -344,8 +344,9 @@ class ModuleScheduler:
             return
         self._spliced.add(rid)
         look = self._looks.get(rid)
+        loaded = plan.pieces if num_external_tokens == plan.external else _first(plan.pieces, num_external_tokens, rid)
         if look is not None:
-            for piece in _first(plan.pieces, num_external_tokens, rid):
+            for piece in loaded:
                 choice = look.choices.get(piece.module_start)
                 self.taken[choice.match if choice is not None else EncodingMatch.UNMATCHED] += 1
         if num_external_tokens != plan.external:
