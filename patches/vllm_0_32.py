@@ -862,6 +862,24 @@ def prefix_cache_hit(manager: KVCacheManager, request: Request) -> int:
     return int(tokens)
 
 
+@MANIFEST.touches(attribute("vllm.v1.request:Request.block_hashes"))
+def block_hashes(request: Request) -> Sequence[Any]:
+    """``request``'s prefix-cache hashes, one per full block of its tokens (as ``fold_into_block_hashes`` left
+    them). Tested: vLLM 0.32.0."""
+    return request.block_hashes
+
+
+@MANIFEST.touches(
+    attribute(f"{_MANAGER}.block_pool"), call("vllm.v1.core.block_pool:BlockPool.evict_blocks", "self", "block_ids")
+)
+def uncache_blocks(manager: KVCacheManager, block_ids: Collection[int]) -> None:
+    """Take these blocks out of vLLM's prefix cache (no later request finds them; the request holding them keeps
+    them, and vLLM does not cache them again). vLLM caches a request's full blocks when it allocates them, before
+    the step computes them; a connector whose KV of a block is final only in a later step uncaches it. Tested: vLLM
+    0.32.0 (``BlockPool.evict_blocks``, which vLLM's own connectors' failed loads use)."""
+    manager.block_pool.evict_blocks(set(block_ids))
+
+
 @MANIFEST.touches(attribute("vllm.config:VllmConfig.device_config"), attribute("vllm.config:DeviceConfig.device_type"))
 def device_type(vllm_config: VllmConfig) -> str:
     """The kind of device the engine's workers run the model on (``"cpu"``, ``"cuda"``, ...). Tested: vLLM 0.32.0."""
