@@ -17,14 +17,15 @@ minutes. Question by question the arms alternate: stock, then the sparse engine 
 Per length and arm: ``found`` the questions whose answer is in the completion, ``kept`` the stock's right answers
 this arm also gets, ``identical`` the completions whose tokens equal stock's; ``blocks``: the share of KV blocks the
 decodes read over the DIPR layers (the backend's counters); ``decode ms``: time per output token after the first
-(vLLM's own timestamps), median over the questions, and ``decode x``: median over the questions of the ratio to
-stock's on the same question; ``prefill ms/token``: the document's prefill (first question) per prompt token, and its
-ratio to stock's. The load average is taken with every length.
+(vLLM's own timestamps), median over the questions, and ``decode / stock``: median over the questions of the ratio to
+stock's on the same question; ``prefill ms/token``: the document's prefill (each engine's first question; later arms
+find it cached) per prompt token, and its ratio to stock's. The load average is taken with every length.
 
-Run: ``KVREUSE_DATASETS=/work/shared/datasets .venv/bin/python benchmarks/sparse_long.py --lengths 16384``
-(``--lengths 8000,16384,32000 --questions 20 --betas inf,4,2``); writes ``benchmarks/results/NAME.json`` (``--name``,
+Run: ``KVREUSE_DATASETS=/work/shared/datasets .venv/bin/python benchmarks/sparse_long.py --lengths 16000``
+(``--lengths 8000,16000,32000 --questions 20 --betas inf,4,2``); writes ``benchmarks/results/NAME.json`` (``--name``,
 default ``sparse_long``) and prints the table. One length per invocation keeps a run within ~25 minutes on the
-2-core machine at 32K; ``--combine A.json B.json`` prints the table of several runs.
+2-core machine at 32K; ``--combine A.json B.tmp`` prints the table of several runs (a ``.tmp`` file holds the
+questions a run has answered so far).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def load() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
-def run_length(length: int, args: argparse.Namespace, settings: dict) -> dict:
+def run_length(length: int, args: argparse.Namespace, settings: dict, partial: Path) -> dict:
     from vllm import LLM, SamplingParams
 
     from kvreuse.localmodel import extended_context, local_engine_args
@@ -109,6 +110,13 @@ def run_length(length: int, args: argparse.Namespace, settings: dict) -> dict:
         )
 
     cases: list[RetrievalCase] = make_document_cases(length, args.questions, count, chat)
+    run = {
+        "length": length,
+        "scaling": args.scaling if factor > 1 else "none",
+        "factor": factor,
+        "tokens": args.tokens,
+        "settings": settings,
+    }
     betas = [float(b) for b in args.betas.split(",")]
     for engine in (stock, sparse):
         engine.generate(["Hello, who are you?"], sampling, use_tqdm=False)
@@ -148,19 +156,12 @@ def run_length(length: int, args: argparse.Namespace, settings: dict) -> dict:
                 }
             records.append(record)
             loads.append(load())
+            partial.write_text(json.dumps({"runs": [{**run, "load": loads, "questions": records}]}, indent=1))
             print(f"{length}: question {case.index} {json.dumps({a: e['text'] for a, e in record['arms'].items()})}")
     finally:
         for engine in (stock, sparse):
             engine.llm_engine.engine_core.shutdown()
-    return {
-        "length": length,
-        "scaling": args.scaling if factor > 1 else "none",
-        "factor": factor,
-        "tokens": args.tokens,
-        "settings": settings,
-        "load": loads,
-        "questions": records,
-    }
+    return {**run, "load": loads, "questions": records}
 
 
 def summarise(runs: list[dict]) -> list[dict]:
@@ -180,22 +181,25 @@ def summarise(runs: list[dict]) -> list[dict]:
                 "stock_found": sum(s["found"] for s in stock),
                 "kept": sum(e["found"] and s["found"] for e, s in zip(entries, stock)),
                 "decode_ms": 1e3 * statistics.median(e["decode_s"] for e in entries),
-                "prefill_ms_per_token": 1e3 * first["arms"][arm]["prefill_s"] / first["prompt_tokens"],
                 "load": [min(run["load"]), max(run["load"])],
             }
+            # the document's prefill: each engine's first question (later arms find it in the prefix cache)
+            if (first["arms"][arm].get("cached_tokens") or 0) < first["prompt_tokens"] // 2:
+                row["prefill_ms_per_token"] = 1e3 * first["arms"][arm]["prefill_s"] / first["prompt_tokens"]
             if arm != "stock":
                 row["identical"] = sum(e["identical"] for e in entries)
                 read, total = sum(e["blocks_read"] for e in entries), sum(e["blocks_total"] for e in entries)
                 row["blocks_read"] = read / total if total else None
                 row["decode_ratio"] = statistics.median(e["decode_s"] / s["decode_s"] for e, s in zip(entries, stock))
-                row["prefill_ratio"] = first["arms"][arm]["prefill_s"] / first["arms"]["stock"]["prefill_s"]
+                if "prefill_ms_per_token" in row:
+                    row["prefill_ratio"] = first["arms"][arm]["prefill_s"] / first["arms"]["stock"]["prefill_s"]
             rows.append(row)
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ["length", "RoPE", "arm", "found", "kept", "identical", "blocks read", "decode ms", "decode x",
-              "prefill ms/token", "prefill x", "load"]  # fmt: skip
+    header = ["length", "RoPE", "arm", "found", "kept", "identical", "blocks read", "decode ms/token",
+              "decode / stock", "prefill ms/token", "prefill / stock", "load"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         n = r["questions"]
@@ -209,7 +213,7 @@ def format_table(rows: list[dict]) -> str:
             "-" if r.get("blocks_read") is None else f"{r['blocks_read']:.1%}",
             f"{r['decode_ms']:.1f}",
             f"{r['decode_ratio']:.2f}" if "decode_ratio" in r else "-",
-            f"{r['prefill_ms_per_token']:.2f}",
+            f"{r['prefill_ms_per_token']:.2f}" if "prefill_ms_per_token" in r else "-",
             f"{r['prefill_ratio']:.2f}" if "prefill_ratio" in r else "-",
             f"{r['load'][0]:.1f}-{r['load'][1]:.1f}",
         ]
@@ -219,7 +223,7 @@ def format_table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lengths", default="16384", help="prompt tokens, comma-separated (one engine pair each)")
+    parser.add_argument("--lengths", default="16000", help="prompt tokens, comma-separated (one engine pair each)")
     parser.add_argument("--questions", type=int, default=20, help="needle questions per length (one document)")
     parser.add_argument("--betas", default="inf,4", help="the sparse engine's arms")
     parser.add_argument("--tokens", type=int, default=12, help="greedy tokens per answer")
@@ -234,8 +238,9 @@ def main() -> None:
     else:
         started = time.time()
         settings = json.loads(args.sparse)
-        runs = [run_length(int(n), args, settings) for n in args.lengths.split(",")]
         RESULTS.mkdir(parents=True, exist_ok=True)
+        partial = RESULTS / f"{args.name}.tmp"  # the questions so far, for a run cut short (--combine reads it)
+        runs = [run_length(int(n), args, settings, partial) for n in args.lengths.split(",")]
         rows = summarise(runs)
         (RESULTS / f"{args.name}.json").write_text(json.dumps({"rows": rows, "runs": runs}, indent=1))
         print(f"wrote {RESULTS / (args.name + '.json')} in {time.time() - started:.0f} s")
