@@ -265,10 +265,10 @@ def test_top_pages_calibration_measures_each_budget_against_dense_attention_and_
     from kvreuse.vllm.sparse.calibrate import calibrate_top_pages
 
     sparse_llm.collective_rpc(_configure(EXACT))
-    found = calibrate_top_pages(sparse_llm, [LONG_PROMPT, PROMPTS[2]], 0.5, beta=8.0, candidates=(1, 100), max_tokens=4)
+    found = calibrate_top_pages(sparse_llm, [LONG_PROMPT, PROMPTS[2]], 0.5, beta=2.0, candidates=(1, 100), max_tokens=4)
     by_budget = {m.top_pages: m for m in found.curve}
     assert set(by_budget) == {EXACT_DIPR, 1, 100} and all(m.prompts == 2 for m in found.curve)
-    assert by_budget[1].blocks_read < by_budget[EXACT_DIPR].blocks_read < 1.0
+    assert by_budget[1].blocks_read < by_budget[EXACT_DIPR].blocks_read
     assert by_budget[100].blocks_read == by_budget[EXACT_DIPR].blocks_read
     assert by_budget[100].agreed == by_budget[EXACT_DIPR].agreed
     assert found.chosen in (1, 100) and "top_pages" in found.report()
