@@ -33,6 +33,14 @@ the reference's tokens exactly (and, where not, the first output token that diff
     python benchmarks/module_quality_vllm.py --set mixed --cases 20
     python benchmarks/module_quality_vllm.py --set long --cases 8 --ttft-only   # the issue's shape: 8 modules x ~256
 
+``--curves --sets schema-2,schema-4,schema-8``: the same arms on the schema workload (``module_quality_data.py``:
+Spider schemas of 2, 4 or 8 tables, one module per table encoded after the tables it references, as TableCache
+does, and probed after the header; a question asking for a SQL query, 32 greedy tokens). It has no answers: each
+arm's query is compared with full prefill's, token for token (``same_as_full``) and normalised
+(``normalise_sql``: ``same_sql_as_full``)::
+
+    python benchmarks/module_quality_vllm.py --curves --sets schema-2,schema-4,schema-8 --cases 20
+
 ``--curves``: issue 27's accuracy-compute curves, every recovery at a few compute points on the ``docs-1``,
 ``docs-2``, ``docs-4`` and ``docs-8`` sets (1, 2, 4, 8 documents of 100-140 tokens after the header) in one engine,
 the arms taking turns per case (so TTFT ratios compare like with like), 16 greedy tokens each: full prefill, the
@@ -59,9 +67,20 @@ import time
 from pathlib import Path
 
 from module_quality import EOS_TEXT, MAX_NEW_TOKENS, RESULTS, RUNS
-from module_quality_data import HEADER, QA_SETS, is_correct, make_cases, tokenize_case
+from module_quality_data import (
+    HEADER,
+    QA_SETS,
+    SCHEMA_SETS,
+    TokenizedCase,
+    is_correct,
+    make_cases,
+    make_schema_cases,
+    normalise_sql,
+    tokenize_case,
+    tokenize_schema_case,
+)
 
-from kvreuse.localmodel import local_engine_args
+from kvreuse.localmodel import DATASETS, local_engine_args
 
 REPO = Path(__file__).resolve().parents[1]
 CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
@@ -102,6 +121,7 @@ CURVE_ARMS: dict[str, dict | None] = {
     "budget-20%": {"kvreuse_recompute_budget": 0.20},
 }
 CURVE_SETS = ("docs-1", "docs-2", "docs-4", "docs-8")
+SCHEMA_CURVE_SETS = tuple(SCHEMA_SETS)  # schema-2, schema-4, schema-8: --curves --sets schema-2,schema-4,schema-8
 
 
 def _ttft(out) -> float | None:
@@ -154,13 +174,46 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {path}")
 
 
+def curve_cases(name: str, encode, num_cases: int) -> list[TokenizedCase]:
+    """The first ``num_cases`` tokenized cases of a document set (``QA_SETS``) or a schema set (``SCHEMA_SETS``)."""
+    if name in SCHEMA_SETS:
+        from kvreuse.modules.schemas import spider_schemas
+
+        schemas = spider_schemas(DATASETS / "spider" / "tables.json")
+        return [tokenize_schema_case(c, encode) for c in make_schema_cases(SCHEMA_SETS[name], schemas)[:num_cases]]
+    return [tokenize_case(c, encode) for c in make_cases(QA_SETS[name], encode)[:num_cases]]
+
+
+def encode_curve_modules(llm, sets: dict[str, list[TokenizedCase]]) -> int:
+    """Encode every header of ``sets`` alone (exact at the prompt's start: never recomputed, no probe) and every
+    module after its own context (none for a document, the referenced tables for a schema's table: TableCache),
+    probed after its case's header; the number of modules."""
+    from kvreuse.vllm.modules import encode_modules
+
+    headers = list(dict.fromkeys(tc.header for tcs in sets.values() for tc in tcs))
+    encode_modules(llm, {f"header-{i}": list(h) for i, h in enumerate(headers)})
+    count = 0
+    for h, header in enumerate(headers):
+        contexts: dict[tuple[int, ...], tuple[int, ...]] = {}
+        for tc in (tc for tcs in sets.values() for tc in tcs if tc.header == header):
+            for i, ids in enumerate(tc.modules):
+                contexts.setdefault(ids, tc.contexts[i] if tc.contexts else ())
+        names = {f"module-{h}-{i}": ids for i, ids in enumerate(contexts)}
+        encode_modules(
+            llm,
+            {name: list(ids) for name, ids in names.items()},
+            {name: list(contexts[ids]) for name, ids in names.items() if contexts[ids]},
+            probe=header,
+        )
+        count += len(names)
+    return count
+
+
 def _curves(set_names: list[str], num_cases: int) -> None:
     """Every arm of :data:`CURVE_ARMS` on the first ``num_cases`` cases of each set, in one engine, the arms taking
     turns per case, the prefix cache reset before each request."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    from kvreuse.vllm.modules import encode_modules
 
     llm = LLM(
         **local_engine_args(
@@ -173,23 +226,20 @@ def _curves(set_names: list[str], num_cases: int) -> None:
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
-    header = encode(HEADER)
-    sets = {
-        name: [tokenize_case(c, encode) for c in make_cases(QA_SETS[name], encode)[:num_cases]] for name in set_names
-    }
-    unique = list(dict.fromkeys(ids for tcs in sets.values() for tc in tcs for ids in tc.modules))
+    sets = {name: curve_cases(name, encode, num_cases) for name in set_names}
     rows: list[dict] = []
     started = time.perf_counter()
     try:
-        encode_modules(llm, {"header": header})  # exact at the prompt's start: never recomputed, no probe
-        encode_modules(llm, {f"module-{i}": list(ids) for i, ids in enumerate(unique)}, probe=header)
-        print(f"encoded {len(unique)} modules in {time.perf_counter() - started:.0f} s", flush=True)
+        count = encode_curve_modules(llm, sets)
+        print(f"encoded {count} modules in {time.perf_counter() - started:.0f} s", flush=True)
         for name, tokenized in sets.items():
+            schema = name in SCHEMA_SETS
+            max_tokens = SCHEMA_SETS[name].max_tokens if schema else MAX_NEW_TOKENS
             for n, tc in enumerate(tokenized):
                 full_tokens: list[int] = []
                 for arm, transfer in CURVE_ARMS.items():
                     params = SamplingParams(
-                        max_tokens=MAX_NEW_TOKENS,
+                        max_tokens=max_tokens,
                         temperature=0.0,
                         stop_token_ids=[eos],
                         skip_reading_prefix_cache=transfer is None,
@@ -203,13 +253,16 @@ def _curves(set_names: list[str], num_cases: int) -> None:
                         raise SystemExit("vLLM gave no request stats (disable_log_stats must be off)")
                     if transfer is None:
                         full_tokens = tokens
+                    text = tokenizer.decode(tokens, skip_special_tokens=True)
+                    full_text = tokenizer.decode(full_tokens, skip_special_tokens=True)
                     rows.append(
                         {
                             "set": name,
                             "case": tc.case.key,
                             "arm": arm,
-                            "right": is_correct(tokenizer.decode(tokens, skip_special_tokens=True), tc.case),
+                            "right": None if schema else is_correct(text, tc.case),
                             "same_as_full": tokens == full_tokens,
+                            "same_sql_as_full": normalise_sql(text) == normalise_sql(full_text) if schema else None,
                             "prompt_tokens": len(tc.prompt),
                             "computed": len(tc.prompt) - out.num_cached_tokens,
                             "ttft_s": ttft,
@@ -234,18 +287,20 @@ def _curve_summary(rows: list[dict]) -> dict[str, dict[str, dict]]:
     summary: dict[str, dict[str, dict]] = {}
     for name in dict.fromkeys(r["set"] for r in rows):
         mine = [r for r in rows if r["set"] == name]
+        answered = mine[0].get("right") is not None  # a schema set has no answers
         full_ttft = statistics.median(r["ttft_s"] for r in mine if r["arm"] == "full")
-        full_right = sum(r["right"] for r in mine if r["arm"] == "full")
+        full_right = sum(r["right"] for r in mine if r["arm"] == "full") if answered else 0
         summary[name] = {}
         for arm in CURVE_ARMS:
             arm_rows = [r for r in mine if r["arm"] == arm]
-            right = sum(r["right"] for r in arm_rows)
+            right = sum(r["right"] for r in arm_rows) if answered else None
             ttft = statistics.median(r["ttft_s"] for r in arm_rows)
             summary[name][arm] = {
                 "cases": len(arm_rows),
                 "right": right,
-                "vs_full": round(right / full_right, 4) if full_right else None,
+                "vs_full": round(right / full_right, 4) if right is not None and full_right else None,
                 "same_as_full": sum(r["same_as_full"] for r in arm_rows),
+                "same_sql_as_full": None if answered else sum(r["same_sql_as_full"] for r in arm_rows),
                 "computed_share": round(
                     sum(r["computed"] for r in arm_rows) / sum(r["prompt_tokens"] for r in arm_rows), 4
                 ),
@@ -256,13 +311,18 @@ def _curve_summary(rows: list[dict]) -> dict[str, dict[str, dict]]:
 
 
 def _print_curves(summary: dict[str, dict[str, dict]]) -> None:
-    print("| set | arm | right | of full's | same 16 tokens as full | prompt tokens computed | TTFT full/arm |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "| set | arm | right | of full's | same tokens as full | same SQL as full | prompt tokens computed | "
+        "TTFT full/arm |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, arms in summary.items():
         for arm, r in arms.items():
             vs_full = f"{r['vs_full']:.0%}" if r["vs_full"] is not None else "n/a"
+            right = f"{r['right']}/{r['cases']}" if r["right"] is not None else "n/a"
+            sql = f"{r['same_sql_as_full']}/{r['cases']}" if r.get("same_sql_as_full") is not None else "n/a"
             print(
-                f"| {name} | {arm} | {r['right']}/{r['cases']} | {vs_full} | {r['same_as_full']}/{r['cases']} | "
+                f"| {name} | {arm} | {right} | {vs_full} | {r['same_as_full']}/{r['cases']} | {sql} | "
                 f"{r['computed_share']:.1%} | {r['speedup']:.1f}x |"
             )
 
@@ -281,7 +341,7 @@ def _plot_curves(summary: dict[str, dict[str, dict]], path: Path) -> None:
     for ax, (name, arms) in zip(axes[0], summary.items()):
         for i, family in enumerate(families):
             points = sorted(
-                (r["computed_share"], r["vs_full"] or 0.0) for arm, r in arms.items() if arm.split("-")[0] == family
+                (r["computed_share"], _agreement(r)) for arm, r in arms.items() if arm.split("-")[0] == family
             )
             ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color=colours(i), label=family, markersize=5)
         ax.fill_between([0, 0.2], 0.95, 1.3, color="#1b9e77", alpha=0.15, label="goal: >= 95% at <= 20%")
@@ -289,11 +349,21 @@ def _plot_curves(summary: dict[str, dict[str, dict]], path: Path) -> None:
         ax.set_xlabel("share of prompt tokens computed")
         ax.set_xscale("symlog", linthresh=0.05)
         ax.set_xlim(0, 1.1)
-    axes[0][0].set_ylabel("right answers as a share of full prefill's")
+    axes[0][0].set_ylabel("right answers as a share of full's (schema sets: same SQL as full)")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _agreement(figures: dict) -> float:
+    """An arm's y in the plot: its right answers as a share of full prefill's, or, on a schema set (no answers),
+    the share of its queries equal to full prefill's after normalising."""
+    if figures["vs_full"] is not None:
+        return float(figures["vs_full"])
+    if figures.get("same_sql_as_full") is not None:
+        return figures["same_sql_as_full"] / figures["cases"]
+    return 0.0
 
 
 def _ttft_side_by_side(set_name: str, num_cases: int) -> None:

@@ -21,20 +21,22 @@ blocks, over the fixture's consecutive decode queries (``tests/data/smollm2_keys
 20 on a 1K-token needle prompt). Bounds are taken on the exact keys (a lower bound of each candidate's reads: its
 codes would only widen them).
 
-Run: ``.venv/bin/python -P benchmarks/sparse_decisions.py``; writes ``benchmarks/results/sparse_decisions.json``.
+Run: ``.venv/bin/python -P benchmarks/sparse_decisions.py --update-results`` (writes
+``docs/benchmarks/results/sparse_decisions.json``; without the option, under ``build/benchmarks/``).
 """
 
 from __future__ import annotations
 
-import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, bench_parser, output_dir, write_results  # noqa: E402
+
 FIXTURE = REPO / "tests" / "data" / "smollm2_keys.pt"
-RESULTS = REPO / "benchmarks" / "results"
 BLOCK, BETA, SINK, LOCAL = 32, 4.0, 16, 64
 
 
@@ -102,14 +104,14 @@ def measure(data: dict) -> list[dict]:
 
 
 def main() -> None:
+    args = bench_parser(__doc__).parse_args()
     rows = measure(torch.load(FIXTURE))
     print("| layer | decision | blocks read outside the window (beta 4) | work / the sketch scan's |")
     print("|---:|---|---:|---:|")
     for r in rows:
         work = "-" if r["work"] is None else f"{r['work']:.2f}"
         print(f"| {r['layer']} | {r['decision']} | {r['blocks_read']:.1%} | {work} |")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "sparse_decisions.json").write_text(json.dumps({"beta": BETA, "block": BLOCK, "rows": rows}, indent=1))
+    write_results("sparse_decisions", {"beta": BETA, "block": BLOCK, "rows": rows}, output_dir(args))
 
 
 if __name__ == "__main__":

@@ -22,10 +22,10 @@ stock's on the same question; ``prefill ms/token``: the document's prefill (each
 find it cached) per prompt token, and its ratio to stock's. The load average is taken with every length.
 
 Run: ``KVREUSE_DATASETS=/work/shared/datasets .venv/bin/python benchmarks/sparse_long.py --lengths 16000``
-(``--lengths 8000,16000,32000 --questions 20 --betas inf,4,2``); writes ``benchmarks/results/NAME.json`` (``--name``,
-default ``sparse_long``) and prints the table. One length per invocation keeps a run within ~25 minutes on the
-2-core machine at 32K; ``--combine A.json B.tmp`` prints the table of several runs (a ``.tmp`` file holds the
-questions a run has answered so far).
+(``--lengths 8000,16000,32000 --questions 20 --betas inf,4,2``); writes ``NAME.json`` (``--name``, default
+``sparse_long``) under ``build/benchmarks/``, or ``docs/benchmarks/results/`` with ``--update-results``, and prints
+the table. One length per invocation keeps a run within ~25 minutes on the 2-core machine at 32K; ``--combine
+A.json B.tmp`` prints the table of several runs (a ``.tmp`` file holds the questions a run has answered so far).
 """
 
 from __future__ import annotations
@@ -39,11 +39,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, bench_parser, output_dir, write_results  # noqa: E402
 from retrieval_cases import RetrievalCase, make_document_cases  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "build" / "models" / "smollm2"
-RESULTS = REPO / "benchmarks" / "results"
 TRAINED = 8192  # SmolLM2's positions
 
 
@@ -222,7 +221,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--lengths", default="16000", help="prompt tokens, comma-separated (one engine pair each)")
     parser.add_argument("--questions", type=int, default=20, help="needle questions per length (one document)")
     parser.add_argument("--betas", default="inf,4", help="the sparse engine's arms")
@@ -238,12 +237,12 @@ def main() -> None:
     else:
         started = time.time()
         settings = json.loads(args.sparse)
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        partial = RESULTS / f"{args.name}.tmp"  # the questions so far, for a run cut short (--combine reads it)
+        out = output_dir(args)
+        out.mkdir(parents=True, exist_ok=True)
+        partial = out / f"{args.name}.tmp"  # the questions so far, for a run cut short (--combine reads it)
         runs = [run_length(int(n), args, settings, partial) for n in args.lengths.split(",")]
-        rows = summarise(runs)
-        (RESULTS / f"{args.name}.json").write_text(json.dumps({"rows": rows, "runs": runs}, indent=1))
-        print(f"wrote {RESULTS / (args.name + '.json')} in {time.time() - started:.0f} s")
+        write_results(args.name, {"rows": summarise(runs), "runs": runs}, out)
+        print(f"in {time.time() - started:.0f} s")
     print(format_table(summarise(runs)))
 
 
