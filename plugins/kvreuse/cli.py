@@ -48,6 +48,7 @@ from kvreuse.reorder import (
     resolve_pin,
 )
 from kvreuse.reorder.routing import ROUTERS
+from kvreuse.sparse.calibrate import CANDIDATES as SPARSE_CANDIDATES
 
 
 class Interrupted(KVReuseError):
@@ -138,6 +139,7 @@ def build_parser() -> CommandParser:
     _add_run(commands)
     _add_serve(commands)
     _add_calibrate_modules(commands)
+    _add_calibrate_sparse(commands)
     return parser
 
 
@@ -363,6 +365,51 @@ def _add_calibrate_modules(commands: argparse._SubParsersAction) -> None:
     calibrate.add_argument("--probe", help="text the modules are probed after (needed for --shares; used by --budgets)")
     calibrate.add_argument("--engine-args", type=_engine_args, default={}, help="JSON object of vLLM engine arguments")
     calibrate.set_defaults(command=_calibrate_modules)
+
+
+def _add_calibrate_sparse(commands: argparse._SubParsersAction) -> None:
+    calibrate = commands.add_parser(
+        "calibrate-sparse",
+        help="pick the smallest sparse.top_pages page budget whose answers agree with dense attention's on a floor",
+        description="Start vLLM on --model with the sparse backend, run every --prompts line with dense attention "
+        "(beta = inf), exact DIPR at --beta and each --top-pages budget, print the curve and the budget reading the "
+        "fewest blocks that keeps --min-agreement, as --additional-config (kvreuse.vllm.sparse.calibrate).",
+    )
+    calibrate.add_argument("--model", required=True, help="the model (path or name)")
+    calibrate.add_argument("--prompts", required=True, type=Path, help="one JSON string per line: sample prompts")
+    calibrate.add_argument("--min-agreement", type=float, default=0.95, help="the floor, 0 to 1 (default: 0.95)")
+    calibrate.add_argument("--beta", type=float, default=8.0, help="DIPR's beta the budgets run at (default: 8)")
+    calibrate.add_argument(
+        "--top-pages", type=_page_list, default=list(SPARSE_CANDIDATES), help="budgets, comma-separated, e.g. 8,16"
+    )
+    calibrate.add_argument("--engine-args", type=_engine_args, default={}, help="JSON object of vLLM engine arguments")
+    calibrate.set_defaults(command=_calibrate_sparse)
+
+
+def _calibrate_sparse(args: argparse.Namespace) -> int:
+    """``kvreuse calibrate-sparse``: check the inputs, then calibrate in a new engine and print the report."""
+    from kvreuse.vllm.sparse.calibrate import calibrate_sparse_in_new_engine, read_prompt_lines
+
+    if not 0.0 <= args.min_agreement <= 1.0:
+        raise ConfigError(f"--min-agreement must be between 0 and 1, got {args.min_agreement}")
+    if not 0.0 <= args.beta < float("inf"):
+        raise ConfigError(f"--beta must be a finite number >= 0 (the budget caps DIPR's blocks), got {args.beta}")
+    prompts = read_prompt_lines(args.prompts)
+    found = calibrate_sparse_in_new_engine(
+        args.model, prompts, args.min_agreement, beta=args.beta, candidates=args.top_pages, engine_args=args.engine_args
+    )
+    print(found.report())
+    return 0
+
+
+def _page_list(text: str) -> list[int]:
+    try:
+        pages = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not all(1 <= page <= 1_000_000 for page in pages):
+        raise argparse.ArgumentTypeError(f"{text!r}: each budget must be from 1 to 1000000 pages")
+    return pages
 
 
 def _calibrate_modules(args: argparse.Namespace) -> int:

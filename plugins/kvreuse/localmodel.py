@@ -19,12 +19,18 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvreuse.errors import ConfigError
+
 # The repository keeps real data in ../shared/datasets; KVREUSE_DATASETS points elsewhere.
 DATASETS = Path(os.environ.get("KVREUSE_DATASETS", Path(__file__).resolve().parents[2].parent / "shared" / "datasets"))
+
+
+MAX_ROPE_FACTOR = 64.0  # extended_context: past 64x a model's trained context its positions carry too little
 
 
 @dataclass(frozen=True)
@@ -300,3 +306,42 @@ def local_engine_args(model: str | os.PathLike, **overrides) -> dict:
     )
     args.update(overrides)
     return args
+
+
+ROPE_EXTENSIONS = ("linear", "yarn")
+"""The RoPE scalings ``extended_context`` asks vLLM for: both are implemented by vLLM's own rotary embeddings
+(``LinearScalingRotaryEmbedding``, ``YaRNScalingRotaryEmbedding``) and need nothing from the model but its base and
+trained length."""
+
+
+def extended_context(model: str | os.PathLike, scaling: str, factor: float) -> dict:
+    """Engine arguments (``hf_overrides`` and ``max_model_len``) that run ``model`` at ``factor`` times its trained
+    context through vLLM's own model overrides: RoPE ``scaling`` (``"linear"``: positions divided by ``factor``;
+    ``"yarn"``: YaRN's per-band interpolation with its attention temperature) over the model's ``rope_theta``.
+
+    vLLM multiplies ``max_position_embeddings`` by a linear factor itself and takes YaRN's as already scaled (as
+    transformers does), so YaRN's is set here. Raises ``ConfigError`` naming an unsupported scaling, a factor that
+    is not a finite number above 1, or a model whose config has no RoPE base or trained length."""
+    if scaling not in ROPE_EXTENSIONS:
+        raise ConfigError(
+            f"RoPE scaling {scaling!r} is not supported for extending a local model's context; supported: "
+            f"{', '.join(ROPE_EXTENSIONS)}"
+        )
+    if not (isinstance(factor, int | float) and math.isfinite(factor) and 1 < factor <= MAX_ROPE_FACTOR):
+        raise ConfigError(f"RoPE scaling factor must be a number in (1, {MAX_ROPE_FACTOR}], got {factor!r}")
+    config = json.loads((Path(model) / "config.json").read_text())
+    rope = config.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    trained = config.get("max_position_embeddings")
+    if theta is None or not trained or rope.get("rope_type", "default") != "default":
+        raise ConfigError(
+            f"{model}: extending the context needs a model with plain RoPE (rope_theta, max_position_embeddings, "
+            f"no scaling yet); its config has rope_parameters {rope!r}, max_position_embeddings {trained!r}"
+        )
+    longest = int(trained * factor)
+    parameters = {"rope_type": scaling, "rope_theta": theta, "factor": float(factor)}
+    overrides: dict = {"rope_parameters": parameters}
+    if scaling == "yarn":
+        parameters["original_max_position_embeddings"] = trained
+        overrides["max_position_embeddings"] = longest
+    return {"hf_overrides": overrides, "max_model_len": longest}
