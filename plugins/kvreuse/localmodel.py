@@ -218,6 +218,63 @@ def build_model(preset: str = "small", out: str | os.PathLike | None = None, dat
     return out
 
 
+@dataclass(frozen=True)
+class LoraPreset:
+    """A random LoRA adapter (PEFT's format) on the attention projections: ``rank``; A ~ N(0, 1/in), B ~ N(0,
+    ``scale``^2) (PEFT starts B at 0, which changes nothing; a random B changes every layer's keys, values and
+    outputs, as a fine-tuned adapter does)."""
+
+    rank: int = 8
+    scale: float = 0.1
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    seed: int = 0
+
+
+def build_lora_adapter(model: str | os.PathLike, out: str | os.PathLike, preset: LoraPreset = LoraPreset()) -> Path:
+    """Build (or reuse) a random LoRA adapter for the Llama model in ``model`` into ``out``: what vLLM loads with
+    ``LoRARequest(name, id, out)`` (``enable_lora=True``). No adapter of SmolLM2 ships in a PyPI package; a random
+    one tests what depends on an adapter (its KV differs from the base model's), not answer quality."""
+    out = Path(out)
+    config = json.loads((Path(model) / "config.json").read_text())
+    identity = {**asdict(preset), "model": config}
+    stamp = out / _STAMP
+    if stamp.exists() and json.loads(stamp.read_text()) == json.loads(json.dumps(identity)):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config["num_key_value_heads"] * head_dim
+    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv)}
+    shapes["o_proj"] = (heads * head_dim, hidden)
+    generator = torch.Generator().manual_seed(preset.seed)
+    weights = {}
+    for layer in range(config["num_hidden_layers"]):
+        for target in preset.targets:
+            fan_in, fan_out = shapes[target]
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{target}"
+            weights[f"{prefix}.lora_A.weight"] = torch.randn(preset.rank, fan_in, generator=generator) / fan_in**0.5
+            weights[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, preset.rank, generator=generator) * preset.scale
+    save_file(weights, out / "adapter_model.safetensors")
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": preset.rank,
+        "lora_alpha": preset.rank,
+        "lora_dropout": 0.0,
+        "target_modules": list(preset.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "base_model_name_or_path": str(model),
+    }
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=1))
+    stamp.write_text(json.dumps(identity))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted([*PRESETS, *GGUF_PRESETS]), default="small")
