@@ -20,26 +20,29 @@ process; each figure is the median over steps of (sparse time / stock time), so 
 on a shared machine falls on both sides alike. ``--profile`` prints where the sparse side's time goes.
 
 Run: ``.venv/bin/python benchmarks/sparse_cpu_step.py`` (``--lengths 1024,8192 --steps 20``); writes
-``benchmarks/results/sparse_cpu_step.json``.
+``sparse_cpu_step.json`` (``--name``) under ``build/benchmarks/``, or ``docs/benchmarks/results/`` with
+``--update-results``. ``--breakdown`` also times, per DIPR layer, the filter's decision and its pruned attention
+beside stock's dense call.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from kvreuse.sparse.config import SparseConfig
-from kvreuse.sparse.paged import PagedBatch, SparseAttention
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import bench_parser, output_dir, write_results  # noqa: E402
+
+from kvreuse.sparse.config import SparseConfig  # noqa: E402
+from kvreuse.sparse.paged import PagedBatch, SparseAttention  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "data" / "smollm2_keys.pt"
-RESULTS = REPO / "benchmarks" / "results"
 LAYERS, Q_HEADS, KV_HEADS, DIM, BLOCK = 30, 9, 3, 64, 32
 SKETCH_ROWS = 5  # token rows of one block's sketch (kvreuse.vllm.sparse.backend.sketch_rows for this shape)
 BETAS = [float("inf"), 4.0, 2.0]
@@ -256,7 +259,7 @@ def measure(length: int, steps: int, profile: bool, kinds: list[str], split: boo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--lengths", default="1024,8192")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--profile", action="store_true")
@@ -282,12 +285,9 @@ def main() -> None:
     for r in rows:
         cells = [f"{r[n]:.2f} ({r[n + '_blocks']:.0%})" for n in names]
         print(f"| {r['length']:,} | {r['stock_ms']:.1f} | " + " | ".join(cells) + " |")
-    RESULTS.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
     print(f"load average (1 min) at the end: {load:.1f}")
-    (RESULTS / f"{args.name}.json").write_text(
-        json.dumps({"rows": rows, "threads": torch.get_num_threads(), "load_average": load}, indent=1)
-    )
+    write_results(args.name, {"rows": rows, "threads": torch.get_num_threads()}, output_dir(args))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import REPO, bench_parser, output_dir, write_results  # noqa: E402
 from retrieval_cases import RetrievalCase, make_document_cases  # noqa: E402
+from sparse_qa import _configure, _timing  # noqa: E402  (the same worker call and vLLM timestamps)
 
 MODEL = REPO / "build" / "models" / "smollm2"
 TRAINED = 8192  # SmolLM2's positions
@@ -54,28 +55,12 @@ def rope_factor(length: int) -> int:
     return factor
 
 
-def _configure(beta: float, settings: dict):
-    def call(worker):
-        from kvreuse.vllm import runtime
-
-        runtime.configure_sparse({**settings, "beta": beta})
-        runtime.reset_sparse_figures()
-
-    return call
-
-
 def _figures(worker):
     from kvreuse.vllm.runtime import sparse_attention
 
     attention = sparse_attention()
     rows = [r for r in attention.figures.rows() if r["layer"] >= attention.config.dense_layers]
     return {"blocks_read": sum(r["blocks_read"] for r in rows), "blocks_total": sum(r["blocks_total"] for r in rows)}
-
-
-def _timing(output) -> tuple[float, float]:
-    m = output.metrics
-    tokens = len(output.outputs[0].token_ids)
-    return m.first_token_ts - m.scheduled_ts, (m.last_token_ts - m.first_token_ts) / max(tokens - 1, 1)
 
 
 def load() -> float:

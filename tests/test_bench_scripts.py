@@ -25,6 +25,9 @@ ON_THE_HARNESS = [
     "reorder_serve",
     "request_fuzz",
     "router_simulation",
+    "sparse_cpu_step",
+    "sparse_decisions",
+    "sparse_long",
 ]
 
 HELP_EACH = """

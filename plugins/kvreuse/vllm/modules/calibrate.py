@@ -21,9 +21,8 @@ from kvreuse.modules.calibrate import (
     ALL_TOKENS,
     Measured,
     Setting,
-    agreement_lower_bound,
     cheapest,
-    prompts_needed,
+    sample_notes,
 )
 from kvreuse.patches import vllm_0_32
 from kvreuse.vllm.sparse.calibrate import read_prompt_lines
@@ -119,15 +118,7 @@ def calibrate_modules(
         curve.append(Measured(setting, agreed, len(runs), computed))
     curve.sort(key=lambda m: m.computed)
     best = cheapest(curve, min_agreement)
-    notes = []
-    needed = prompts_needed(min_agreement, confidence) if 0.0 < min_agreement < 1.0 else None
-    if needed is not None and len(prompts) < needed:
-        notes.append(
-            f"{len(prompts)} prompts cannot show {min_agreement:.0%} at {confidence:.0%} confidence even where all "
-            f"agree ({needed} can): the choice keeps the floor on this sample, an estimate of your prompts'"
-        )
-    elif best is not None and agreement_lower_bound(best.agreed, best.prompts, confidence) < min_agreement:
-        notes.append(f"the chosen setting's lower bound is below the floor at {confidence:.0%} confidence")
+    notes = sample_notes(len(prompts), min_agreement, None if best is None else (best.agreed, best.prompts), confidence)
     if best is None:
         return Calibration(min_agreement, curve, Setting(ALL_TOKENS), False, confidence, notes)
     return Calibration(min_agreement, curve, best.setting, True, confidence, notes)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.errors import ConfigError
-from kvreuse.modules.calibrate import prompts_needed
+from kvreuse.modules.calibrate import sample_notes
 from kvreuse.patches import vllm_0_32
 from kvreuse.sparse.calibrate import CANDIDATES, EXACT, BudgetMeasured, cheapest_budget
 
@@ -129,13 +129,7 @@ def calibrate_top_pages(
             llm.collective_rpc(_configure(before))
     curve.sort(key=lambda m: m.blocks_read)
     best = cheapest_budget([m for m in curve if m.top_pages != EXACT], min_agreement)
-    notes = []
-    needed = prompts_needed(min_agreement, confidence) if 0.0 < min_agreement < 1.0 else None
-    if needed is not None and len(prompts) < needed:
-        notes.append(
-            f"{len(prompts)} prompts cannot show {min_agreement:.0%} at {confidence:.0%} confidence even where all "
-            f"agree ({needed} can): the choice keeps the floor on this sample, an estimate of your prompts'"
-        )
+    notes = sample_notes(len(prompts), min_agreement, None if best is None else (best.agreed, best.prompts), confidence)
     return SparseCalibration(beta, min_agreement, curve, best.top_pages if best else EXACT, confidence, notes)
 
 
