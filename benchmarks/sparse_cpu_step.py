@@ -165,7 +165,50 @@ class Stock:
             )  # fmt: skip
 
 
-def measure(length: int, steps: int, profile: bool, kinds: list[str]) -> dict:
+def breakdown(filter_side: Filter, stock: Stock, length: int, queries, repeats: int = 5) -> dict:
+    """Per DIPR layer (1-29), milliseconds of each piece of a filtered decode at its beta, beside stock's op over
+    the same context: the decision (``prune_by_sketch``, one compiled call), the op over the pruned tables, and
+    stock's dense call; medians over ``repeats``, summed over the layers."""
+    from kvreuse.sparse.sketch_scan import prune_by_sketch
+
+    attention = filter_side.attention
+    config = attention.config
+    kernel = attention.paged_kernel
+    assert kernel is not None
+    lens = torch.tensor([length], dtype=torch.int32)
+    starts = torch.tensor([0, 1], dtype=torch.int32)
+    metadata = stock.ops.cpu_attn_get_scheduler_metadata(
+        1, Q_HEADS, KV_HEADS, DIM, lens, torch.float32, starts, True, -1, stock.isa, True
+    )
+    sums = {"decision_ms": 0.0, "pruned_attention_ms": 0.0, "stock_attention_ms": 0.0}
+    for layer in range(1, LAYERS):
+        key_cache, value_cache, sketch = filter_side.layers[layer]
+        q = queries[layer][None]
+        scaled = q.view(1, KV_HEADS, Q_HEADS // KV_HEADS, DIM) * DIM**-0.5
+        times: dict[str, list[float]] = {name: [] for name in sums}
+        out = torch.empty(1, Q_HEADS, DIM)
+        for _ in range(repeats):
+            started = time.perf_counter()
+            tables = prune_by_sketch(
+                scaled, sketch, filter_side.block_table, lens, config.beta, config.sink, config.local, config.top_pages
+            )
+            times["decision_ms"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            kernel.attend_pruned(q, key_cache, value_cache, out, tables)
+            times["pruned_attention_ms"].append(time.perf_counter() - started)
+            stock_keys, stock_values = stock.layers[layer]
+            started = time.perf_counter()
+            stock.ops.cpu_attention_with_kv_cache(
+                q, stock_keys, stock_values, out, starts, lens, DIM**-0.5, True, None, -1, stock.block_table, 0.0,
+                metadata, None,
+            )  # fmt: skip
+            times["stock_attention_ms"].append(time.perf_counter() - started)
+        for name, values in times.items():
+            sums[name] += 1e3 * statistics.median(values)
+    return sums
+
+
+def measure(length: int, steps: int, profile: bool, kinds: list[str], split: bool = False) -> dict:
     """One row: each side's step time over a context of ``length`` tokens, the decoded token's the last (at slot
     ``length - 1``: a block the step does not start, as in 31 of 32 decode steps)."""
     prefilled = length - 1
@@ -194,6 +237,13 @@ def measure(length: int, steps: int, profile: bool, kinds: list[str]) -> dict:
             rows = sparse.attention.figures.rows()
             read = sum(r["blocks_read"] for r in rows) / max(1, sum(r["blocks_total"] for r in rows))
             row[f"{name}_blocks"] = read
+    if split:
+        for name in sides:
+            if name.startswith("filter") and name.split("=")[-1] != "inf":
+                row[f"{name}_breakdown"] = parts = breakdown(sides[name], stock, prefilled, queries)
+                print(
+                    f"{length} tokens, {name}, 29 DIPR layers: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items())
+                )
     if profile:
         for name in sides:
             if name != "stock" and name.split("=")[-1] in ("inf", "4"):
@@ -210,6 +260,11 @@ def main() -> None:
     parser.add_argument("--lengths", default="1024,8192")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="time the filter's decision and pruned attention per layer beside stock's",
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: PyTorch's, as the engine's worker)")
     parser.add_argument("--name", default="sparse_cpu_step")
     parser.add_argument(
@@ -219,7 +274,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     kinds = args.sides.split(",")
-    rows = [measure(int(n), args.steps, args.profile, kinds) for n in args.lengths.split(",")]
+    rows = [measure(int(n), args.steps, args.profile, kinds, args.breakdown) for n in args.lengths.split(",")]
     prefixes = [prefix for kind, prefix in (("own", ""), ("filter", "filter ")) if kind in kinds]
     names = [f"{prefix}beta={b:g}" for prefix in prefixes for b in BETAS]
     print("| context | stock ms/step | " + " | ".join(f"{n} / stock (blocks read)" for n in names) + " |")

@@ -101,6 +101,15 @@ class SparseConfig:
         low=0,
         high=config.MAX_TOKENS,
     )
+    top_pages: int = config.setting(
+        0,
+        "approximate, opt-in: each KV head of a DIPR decode reads the window's blocks and at most this many others, "
+        "those whose sketch bound reaches furthest above DIPR's threshold (Quest's top pages); keys within beta of "
+        "the largest may be dropped, so calibrate it on your own prompts (kvreuse calibrate-sparse) (0 = off: exact "
+        "DIPR; vLLM's CPU engine kernel path only)",
+        low=0,
+        high=1_000_000,
+    )
     engine_kernel: bool = config.setting(
         True,
         "exact attention by the engine's own kernel, DIPR choosing the blocks each KV head reads: vLLM's CPU "

@@ -26,6 +26,7 @@ from kvreuse.modules.calibrate import (
     prompts_needed,
 )
 from kvreuse.patches import vllm_0_32
+from kvreuse.vllm.sparse.calibrate import read_prompt_lines
 
 FIRSTS = (0, 16, 32, 64)  # recompute_first candidates: the plain splice to a quarter of a ~250-token module
 
@@ -137,14 +138,11 @@ def read_calibration_inputs(modules_path: Path, prompts_path: Path) -> tuple[dic
     ``kvreuse calibrate-modules`` command; a file that is not so raises :class:`ConfigError` naming it."""
     try:
         modules = json.loads(modules_path.read_text(encoding="utf-8"))
-        prompts = [json.loads(line) for line in prompts_path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except (OSError, json.JSONDecodeError) as why:
         raise ConfigError(f"calibration inputs: {why}") from None
     if not isinstance(modules, dict) or not modules or not all(isinstance(t, str) for t in modules.values()):
         raise ConfigError(f"{modules_path}: must be a JSON object of module name -> text, at least one")
-    if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise ConfigError(f"{prompts_path}: must hold one JSON string (a sample prompt) per line, at least one")
-    return modules, prompts
+    return modules, read_prompt_lines(prompts_path)
 
 
 def calibrate_in_new_engine(

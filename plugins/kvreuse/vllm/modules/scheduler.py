@@ -18,16 +18,30 @@ are refused (logged, counted as ``writes_refused``) and the request runs as
 a plain one. An allowed encode request never reads vLLM's prefix cache: when it arrives (``on_new_request``, before
 vLLM's first look-up), the scheduler side sets the request's ``skip_reading_prefix_cache``.
 
+Which KV a request gets. The plan depends on the prompt, the store's entries and the settings, never on what
+else the engine runs: a request splices the run of adjacent stored modules that starts at its first token, each
+module in the encoding it takes (``kvreuse.modules.encodings``: computed with the request's adapter, after the
+prompt's own tokens where one was, else after a context that fits it), with the tokens its recovery recomputes;
+every other token is computed, modules after free text too. vLLM computes a request from the end of its own prefix
+hit, so the scheduler side offers the rest of that run from there (``splice.run_from``).
+
 What vLLM's prefix cache may give. Blocks a splice filled enter vLLM's prefix cache like computed ones, and the
-blocks after them were computed attending to that KV. So that none of them is ever given for another module entry
-(an entry replaced since, another tenant's), the first time vLLM asks about a request the scheduler side folds, into
-the hash of every block from vLLM's prefix hit on that holds tokens of a registered module, the identity of the
-module's entry (``ModuleKey.identity``: namespace, name, fingerprint, version; ``vllm_0_32.fold_into_block_hashes``).
-The hashes of later blocks chain from these, so only a request that finds the same entries in the same places
-computes them again: a replaced or dropped entry's blocks are never matched again (they age out of vLLM's cache).
-If the folded hashes are in the cache beyond vLLM's hit, the scheduler side answers "ask again" (``None``) once, so
-vLLM looks the request up with them: identical prompts still share their spliced blocks. A request whose folded
-entries left the store while it waited is folded again the same way.
+blocks after them were computed attending to that KV. So that none of them is ever given for another plan (an
+entry replaced since, another tenant's, another adapter's encoding, other recomputed tokens), the first time vLLM
+asks about a request the scheduler side folds, into the hash of every block holding tokens of its run, the
+identity of each module's entry (``ModuleKey.identity``: namespace, name, fingerprint, version) and what is
+recomputed in it (``vllm_0_32.fold_into_block_hashes``). The hashes of later blocks chain from these, so a prefix
+hit holds blocks computed by the same plan: a replaced or dropped entry's blocks are never matched again (they age
+out of vLLM's cache). If vLLM's hit used hashes the fold changed, or the folded hashes are in the cache beyond it,
+the scheduler side answers "ask again" (``None``) once, so vLLM looks the request up with them: identical prompts
+still share their spliced blocks. A request whose folded entries left the store while it waited is planned again.
+
+Chunked prefill. vLLM may schedule fewer tokens than the rest of a prompt (other requests took the step's budget).
+The run is then loaded as vLLM allocates its blocks, and the tokens it recomputes are computed in whichever steps
+vLLM schedules them, each step's metadata carrying the run's recompute (the worker moves the step's scheduled
+tokens to their positions): the same KV as in one step. vLLM caches full blocks when it allocates them, before
+a later step computes their recomputed tokens: such blocks leave its prefix cache (``vllm_0_32.uncache_blocks``),
+and a request admitted in the same step whose hit holds one waits a step.
 
 APE (``modules.ape_temperature`` / ``ape_scale``, ``kvreuse_ape`` per request) changes how the tokens after a
 request's spliced modules attend to them, not the modules' KV: the scheduler side sends the modules' spans of every
@@ -66,7 +80,7 @@ from kvreuse.modules.splice import (
     first_tokens,
     merge_positions,
     plan_splice,
-    run_start,
+    run_from,
     skipped_modules,
     token_slots,
 )
@@ -119,15 +133,18 @@ class WriteRefusal(StrEnum):
 
 @dataclass(frozen=True)
 class _Look:
-    """What the scheduler found in a waiting request's prompt, and the entries folded into its block hashes from
-    block ``first_block`` on, with the tokens per module it recomputes (``recompute_first``, allotted over the
-    spliced run as ``first``; ``recompute_share`` of each module's ``rankings``, as they were when folded; folded
-    too), the tokens the run's one budget chose (``budgeted``: ``modules.recompute_budget``, by module start, token
-    indices in the module; folded too), the modules whose KV is a full prefill's already (``exact``, by prompt
-    position: nothing of them is recomputed) and the modules its later tokens attend to with APE (its setting
-    folded into the first block after them)."""
+    """What the scheduler found in a waiting request's prompt and the plan it made of it (``ModuleScheduler._fold``):
+    the run it splices (``run``: the adjacent stored modules from the prompt's first token), the entries folded
+    into its block hashes from block ``first_block`` on, with the tokens per module it recomputes
+    (``recompute_first``, allotted over the run as ``first``; ``recompute_share`` of each module's ``rankings``, as
+    they were when folded; folded too), the tokens the run's one budget chose (``budgeted``:
+    ``modules.recompute_budget``, by module start, token indices in the module; folded too), the modules whose KV is
+    a full prefill's already (``exact``, by prompt position: nothing of them is recomputed), the modules its later
+    tokens attend to with APE (its setting folded into the first block after them) and the encoding each module
+    takes (``choices``)."""
 
     matches: list[ModuleMatch]
+    run: tuple[Piece, ...]
     first_block: int
     folded: frozenset[ModuleKey]
     recompute_first: int = 0
@@ -140,9 +157,8 @@ class _Look:
     choices: Mapping[int, Choice] = field(default_factory=dict)  # module start -> the encoding taken, how it fits
 
     def first_count(self, module_start: int) -> int:
-        """The first tokens the module at ``module_start`` recomputes: its allotment, or ``recompute_first`` for a
-        module outside the run allotted when the request was folded (vLLM's hit moved past it since)."""
-        return self.first.get(module_start, self.recompute_first)
+        """The first tokens the module of the run at ``module_start`` recomputes (its allotment)."""
+        return self.first.get(module_start, 0)
 
     def recompute(self, pieces: Sequence[Piece]) -> tuple[int, ...]:
         """Prompt positions of ``pieces`` to recompute: LegoLink's first tokens, as allotted, the encode-time
@@ -153,6 +169,19 @@ class _Look:
             return merge_positions(first, budgeted) if budgeted else first
         inexact = [piece for piece in pieces if piece.module_start not in self.exact]
         return merge_positions(first, budgeted, chosen_tokens(inexact, self.rankings, self.recompute_share))
+
+
+@dataclass
+class _Loading:
+    """A request vLLM admitted with its planned run: the run from vLLM's hit (``pieces``), the positions in it
+    that are recomputed, vLLM's count of computed tokens after the load (``start``: the run's end less the
+    recomputed), the request's blocks as last seen and the prompt position up to which the run is loaded."""
+
+    pieces: tuple[Piece, ...]
+    recompute: tuple[int, ...]
+    start: int
+    block_ids: list[int]
+    loaded: int
 
 
 @dataclass(frozen=True)
@@ -206,8 +235,10 @@ class ModuleScheduler:
         self._looks: dict[str, _Look] = {}
         self._counted: set[str] = set()  # requests whose skipped modules were counted
         self._plans: dict[str, _Plan] = {}  # asked about, not yet allocated
-        self._loads: list[LoadSpec] = []  # allocated, for the next step's metadata
-        self._prompt_lens: dict[str, int] = {}  # requests of self._loads that recompute: their prompt's length
+        self._loading: dict[str, _Loading] = {}  # allocated, loading over one step or more (vLLM may chunk)
+        # Requests allocated in the step being scheduled that recompute tokens: the hashes of their blocks that hold
+        # a recomputed token, until the step's metadata says which ones that step computes (build_metadata).
+        self._recomputing: dict[str, dict[int, Hashable]] = {}
         self._ape: dict[str, ApeSpans] = {}  # requests whose later tokens attend to their modules with APE
         # APE is applied by kvreuse's attention backend in PyTorch; the Triton kernels (CUDA) know no APE bias.
         self.applies_ape = applies_ape(vllm_config)
@@ -258,44 +289,49 @@ class ModuleScheduler:
             self._plans.pop(rid, None)
             self._refuse_non_token_inputs(request, prompt)
             return 0
-        hit_block = num_computed_tokens // self.block_size
-        stale = look is not None and not look.folded <= self.available
-        if look is None or stale or hit_block < look.first_block:
-            matches, choices = (
-                (look.matches, look.choices) if look is not None and not stale else self._find(request, prompt)
-            )
-            first_block = hit_block if look is None else min(hit_block, look.first_block)
+        stop = min(len(prompt), request.num_tokens) - 1  # vLLM computes at least the last token
+        if look is None or not look.folded <= self.available:  # new, or an entry it took left the store since
             if look is not None:
                 ape = (look.ape.temperature, look.ape.scale) if look.ape is not None else self._ape_setting(request)
-            stop = min(len(prompt), request.num_tokens) - 1
+            matches, choices = self._find(request, prompt)
             look = self._looks[rid] = self._fold(
                 request,
                 matches,
-                first_block,
+                choices,
+                stop,
                 self._recompute_first(request),
                 self._recompute_share(request),
                 ape,
-                stop,
                 self._recompute_budget(request),
-                choices,
             )
             if look.ape is not None:
                 self._ape[rid] = look.ape
             else:
                 self._ape.pop(rid, None)
             if look.folded and (
-                num_computed_tokens > first_block * self.block_size  # vLLM's hit used hashes just changed
+                num_computed_tokens > look.first_block * self.block_size  # vLLM's hit used hashes just changed
                 or vllm_0_32.prefix_cache_hit(self.kv_cache_manager, request) > num_computed_tokens
             ):
                 self._plans.pop(rid, None)
                 return None
-        stop = min(len(prompt), request.num_tokens) - 1  # vLLM computes at least the last token
-        pieces = plan_splice(look.matches, num_computed_tokens, stop, self.available.__contains__)
+        if self._recomputing and self._reads_recomputed_blocks(request, num_computed_tokens):
+            self._plans.pop(rid, None)
+            return None  # its hit holds blocks a request admitted this step may recompute later: wait a step
+        # What vLLM's prefix hit holds was computed by this same plan (the fold names it); the rest of the run is
+        # loaded. A hit past the run leaves nothing to load: modules after it are computed, as the plan says.
+        pieces = run_from(look.run, num_computed_tokens)
         plan = self._plans[rid] = _Plan(pieces, look.recompute(pieces))
         if rid not in self._counted:  # counted once per request (vLLM may ask again while it waits)
             self._counted.add(rid)
-            self._count_skipped(request, prompt, look.matches, pieces, num_computed_tokens, stop)
+            self._count_skipped(request, prompt, look.matches, list(look.run), 0, stop)
         return plan.external
+
+    def _reads_recomputed_blocks(self, request: Request, num_computed_tokens: int) -> bool:
+        """Whether vLLM's prefix hit of ``request`` holds a block of a request admitted in this step that recomputes
+        tokens in it (``_recomputing``): which of them that step computes is known only when the step is built."""
+        pending = {block_hash for hashes in self._recomputing.values() for block_hash in hashes.values()}
+        hit = vllm_0_32.block_hashes(request)[: num_computed_tokens // self.block_size]
+        return any(block_hash in pending for block_hash in hit)
 
     def allocated(self, request: Request, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM gave the request its blocks and took ``num_external_tokens`` of the planned tokens."""
@@ -308,36 +344,37 @@ class ModuleScheduler:
             return
         self._spliced.add(rid)
         look = self._looks.get(rid)
+        loaded = plan.pieces if num_external_tokens == plan.external else _first(plan.pieces, num_external_tokens, rid)
         if look is not None:
-            for piece in _first(plan.pieces, num_external_tokens, rid):
+            for piece in loaded:
                 choice = look.choices.get(piece.module_start)
                 self.taken[choice.match if choice is not None else EncodingMatch.UNMATCHED] += 1
-        if (
-            plan.recompute
-            and num_external_tokens == plan.external
-            and plan.pieces[-1].prompt_end <= len(block_ids) * self.block_size
-        ):
-            # The whole run is loaded; the recomputed positions are overwritten by the forward.
-            self._loads.append(self._load(rid, plan.pieces, block_ids, plan.recompute))
-            self._prompt_lens[rid] = request.num_tokens
+        if num_external_tokens != plan.external:
+            # vLLM took fewer tokens than offered (it trims a hit to whole blocks on models kvreuse does not splice
+            # into, hybrid ones): load the first ones; vLLM computes the rest of the run at its own positions.
+            logger.warning(
+                "kvreuse: vLLM took %d of the %d tokens planned for request %s", num_external_tokens, plan.external, rid
+            )
+            pieces = _first(plan.pieces, num_external_tokens, rid)
+            self._loading[rid] = _Loading(tuple(pieces), (), 0, list(block_ids), pieces[0].prompt_start)
             return
-        # vLLM took fewer tokens than offered (or the run's blocks are not all allocated): load the first ones;
-        # vLLM computes the rest of the run at its own positions (more recompute than asked, never a wrong one).
-        self._loads.append(self._load(rid, _first(plan.pieces, num_external_tokens, rid), block_ids, ()))
-
-    def _load(self, rid: str, pieces: list[Piece], block_ids: Sequence[int], recompute: tuple[int, ...]) -> LoadSpec:
-        slots = tuple(tuple(token_slots(block_ids, self.block_size, p.prompt_start, p.prompt_end)) for p in pieces)
-        blocks = tuple(tuple(sorted({s // self.block_size for s in piece_slots})) for piece_slots in slots)
-        start = pieces[-1].prompt_end - len(recompute) if recompute else 0
-        return LoadSpec(rid, tuple(pieces), slots, blocks, recompute, start)
+        start = plan.pieces[-1].prompt_end - len(plan.recompute) if plan.recompute else 0
+        self._loading[rid] = _Loading(
+            tuple(plan.pieces), plan.recompute, start, list(block_ids), plan.pieces[0].prompt_start
+        )
+        if plan.recompute:
+            # vLLM cached this request's full blocks when it allocated them; until the step's metadata says which
+            # of the recomputed tokens this step computes, a request admitted after it in this step must not read
+            # them (matched_tokens asks it to wait a step).
+            hashes = vllm_0_32.block_hashes(request)
+            self._recomputing[rid] = {
+                b: hashes[b] for b in sorted({p // self.block_size for p in plan.recompute}) if b < len(hashes)
+            }
 
     def build_metadata(self, scheduler_output: SchedulerOutput) -> ModuleCacheMetadata:
-        loads = [self._whole_or_plain(spec, scheduler_output) for spec in self._loads]
-        meta = ModuleCacheMetadata(loads=loads, saves=self._saves(scheduler_output))
+        meta = ModuleCacheMetadata(loads=self._loads(scheduler_output), saves=self._saves(scheduler_output))
         scheduled = scheduler_output.num_scheduled_tokens
         meta.ape = {rid: spans for rid, spans in self._ape.items() if rid in scheduled}
-        self._loads = []
-        self._prompt_lens.clear()
         seen: set[ModuleKey] = set()
         for plan in self._plans.values():  # requests still waiting: their modules are worth promoting now
             for piece in plan.pieces:
@@ -346,30 +383,50 @@ class ModuleScheduler:
                     meta.prefetch.append(piece.name)
         return meta
 
-    def _whole_or_plain(self, spec: LoadSpec, scheduler_output: SchedulerOutput) -> LoadSpec:
-        """``spec`` if it recomputes nothing or vLLM scheduled the whole rest of the prompt in this step; else
-        (chunked prefill) the plain load of its first ``spec.start`` tokens: the recomputed tokens would be spread
-        over steps whose slots and keys the worker does not see, so vLLM computes the run's end at its own
-        positions instead (more recompute than asked, never a wrong one)."""
-        if not spec.recompute:
-            return spec
-        scheduled = scheduler_output.num_scheduled_tokens.get(spec.req_id, 0)
-        if spec.start + scheduled == self._prompt_lens.get(spec.req_id, -1):
-            return spec
-        pieces = _first(list(spec.pieces), spec.start - spec.pieces[0].prompt_start, spec.req_id)
-        kept = [slots[: piece.length] for piece, slots in zip(pieces, spec.slots)]
-        blocks = tuple(tuple(sorted({s // self.block_size for s in piece_slots})) for piece_slots in kept)
-        return LoadSpec(spec.req_id, tuple(pieces), tuple(kept), blocks)
+    def _loads(self, scheduler_output: SchedulerOutput) -> list[LoadSpec]:
+        """What this step writes into requests' blocks, and the recomputed tokens it computes.
+
+        A run is loaded as its blocks are allocated: all of it in the step vLLM admits the request, unless vLLM
+        chunks the prefill and allocates the run's last blocks in later steps (then each step loads what it
+        allocated). The recomputed tokens are computed in the steps vLLM schedules them, wherever vLLM cuts the
+        chunks: each step's ``LoadSpec`` carries the run's ``recompute`` and ``start``, and the worker moves that
+        step's scheduled tokens to their positions (``true_positions``), so the KV is the plan's whatever else is
+        scheduled. A block vLLM cached (it caches full blocks when it allocates them) that holds a recomputed token
+        a later step computes is taken out of vLLM's prefix cache, so that no other request reads it before then
+        (``vllm_0_32.uncache_blocks``; the request keeps it)."""
+        loads = []
+        progress = _progress(scheduler_output)
+        for rid, loading in list(self._loading.items()):
+            scheduled = scheduler_output.num_scheduled_tokens.get(rid, 0)
+            if not scheduled or rid not in progress:
+                continue
+            if self.kv_cache_manager is not None:  # vLLM allocates more blocks as it schedules more of the prompt
+                loading.block_ids = vllm_0_32.request_block_ids(self.kv_cache_manager, rid)
+            run_end = loading.pieces[-1].prompt_end
+            allocated = min(run_end, len(loading.block_ids) * self.block_size)
+            pieces = run_from(loading.pieces, loading.loaded, allocated)
+            slots = tuple(
+                tuple(token_slots(loading.block_ids, self.block_size, p.prompt_start, p.prompt_end)) for p in pieces
+            )
+            blocks = tuple(tuple(sorted({s // self.block_size for s in piece_slots})) for piece_slots in slots)
+            loads.append(LoadSpec(rid, tuple(pieces), slots, blocks, loading.recompute, loading.start))
+            loading.loaded = max(loading.loaded, allocated)
+            done = progress[rid] + scheduled  # vLLM's count of computed tokens after this step
+            pending = loading.recompute[max(0, done - loading.start) :] if loading.recompute else ()
+            cached = {p // self.block_size for p in pending if p // self.block_size < done // self.block_size}
+            if cached and self.kv_cache_manager is not None:
+                vllm_0_32.uncache_blocks(self.kv_cache_manager, [loading.block_ids[b] for b in sorted(cached)])
+            if loading.loaded >= run_end and not pending:
+                del self._loading[rid]
+        self._recomputing.clear()
+        return loads
 
     def _saves(self, scheduler_output: SchedulerOutput) -> list[SaveSpec]:
         """The encode requests whose prompt is complete after this step."""
         saves: list[SaveSpec] = []
         if not self._encodes:
             return saves
-        progress = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
-        cached = scheduler_output.scheduled_cached_reqs
-        progress.update(zip(cached.req_ids, cached.num_computed_tokens))
-        for rid, computed in progress.items():
+        for rid, computed in _progress(scheduler_output).items():
             encode = self._encodes.get(rid)
             if encode is None:
                 continue
@@ -466,7 +523,15 @@ class ModuleScheduler:
             self.shadow_counts["shadow_agreed"] += agreed
 
     def finished(self, request_id: str) -> None:
-        for state in (self._looks, self._plans, self._writes, self._encodes, self._prompt_lens, self._ape):
+        for state in (
+            self._looks,
+            self._plans,
+            self._writes,
+            self._encodes,
+            self._loading,
+            self._recomputing,
+            self._ape,
+        ):
             state.pop(request_id, None)
         self._counted.discard(request_id)
         self._spliced.discard(request_id)
@@ -569,22 +634,26 @@ class ModuleScheduler:
         self,
         request: Request,
         matches: list[ModuleMatch],
-        first_block: int,
+        choices: Mapping[int, Choice],
+        stop: int,
         recompute: int,
         share: float = 0.0,
         ape: tuple[float, float] = OFF,
-        stop: int = 0,
         budget: float = 0.0,
-        choices: Mapping[int, Choice] | None = None,
     ) -> _Look:
-        """Fold the entries of ``matches`` into the request's block hashes from ``first_block`` on (module doc),
-        and ``recompute`` and ``share`` where they are not 0 (with the ranking of each module in the block):
-        blocks whose spliced KV was partly recomputed differ from those of a plain splice or of another choice,
-        so none may be given for another.
+        """The request's plan, and its entries folded into the request's block hashes (module doc).
 
-        With APE on, the modules it applies to are the run the request splices from ``first_block`` (vLLM's hit
-        before the fold: the computed prefix) to ``stop``, taken back to the run's first module (``run_start``),
-        less a module at the prompt's start (nothing precedes it, so its KV is a prefill's: APE's shared prefix).
+        The plan depends on the prompt, the store's entries and the settings only, never on vLLM's prefix hit
+        (which depends on what other requests left in the cache): the request splices the run of adjacent stored
+        modules that starts at its first token, up to ``stop`` (``plan_splice`` from 0), each with the encoding
+        it takes (``choices``); every other token is computed, modules after free text too. The entries of the run
+        are folded into the hashes of the blocks holding its tokens, with ``recompute`` and ``share`` where they
+        are not 0 (with the ranking of each module in the block): blocks whose spliced KV was partly recomputed
+        differ from those of a plain splice or of another choice, so none may be given for another, and every
+        later block chains from them. A prefix hit in vLLM's cache was therefore computed by this same plan.
+
+        With APE on, the modules it applies to are the run less a module at the prompt's start (nothing precedes
+        it, so its KV is a prefill's: APE's shared prefix).
         APE changes no module's KV, only that of the tokens after the run, so APE's setting (and the spans) is
         folded into the block holding the first of them: blocks of module tokens alone stay shared with plain
         splices, and every block from there on (its hash chains) is told apart from a plain splice's and another
@@ -595,10 +664,8 @@ class ModuleScheduler:
         ``kvreuse.modules.encodings``) recomputes none, the others share its budget. Each module's count is folded
         into its blocks, and so is the choice of ``budget`` (``budgeted_tokens``, over the same run) in each
         module."""
-        choices = choices or {}
         rankings = self._rankings(request, matches, share)
-        available = self.available.__contains__
-        run = plan_splice(matches, run_start(matches, first_block * self.block_size, available), stop, available)
+        run = plan_splice(matches, 0, stop, self.available.__contains__)
         exact = frozenset(start for start, choice in choices.items() if choice.exact)
         first = allot_first_tokens(run, recompute, lambda piece: piece.module_start in exact)
         budgeted = (
@@ -608,15 +675,26 @@ class ModuleScheduler:
         if ape != OFF:
             ranges = tuple((p.prompt_start, p.prompt_end) for p in run if not (p.prompt_start == 0 and p.offset == 0))
             spans = ApeSpans(ranges, *ape) if ranges else None
+        num_blocks = request.num_tokens // self.block_size
         look = _Look(
-            matches, first_block, frozenset(), recompute, share, rankings, spans, first, exact, budgeted, choices
+            matches,
+            tuple(run),
+            num_blocks,
+            frozenset(),
+            recompute,
+            share,
+            rankings,
+            spans,
+            first,
+            exact,
+            budgeted,
+            choices,
         )
         manager = self.kv_cache_manager
-        if manager is None or not vllm_0_32.caches_prefixes(manager):
-            return look  # nothing is cached: no block to tell apart
-        stored = [match for match in matches if match.name in self.available]
-        num_blocks = request.num_tokens // self.block_size
-        blocks = block_modules(stored, self.block_size, first_block, num_blocks)
+        if manager is None or not vllm_0_32.caches_prefixes(manager) or not run:
+            return look  # nothing is cached (no block to tell apart), or nothing spliced (every token computed)
+        spliced = [match for match in matches if match.start < run[-1].prompt_end]  # the run's modules, in order
+        blocks = block_modules(spliced, self.block_size, 0, num_blocks)
         shared: tuple[str, ...] = (f"recompute_share={share!r}",) if share else ()
         keys = {
             block: tuple(match.name.identity for match in found)
@@ -629,14 +707,16 @@ class ModuleScheduler:
         if spans is not None and spans.after // self.block_size < num_blocks:
             after = spans.after // self.block_size
             keys[after] = (*keys.get(after, ()), f"ape={spans.temperature!r},{spans.scale!r},{spans.ranges!r}")
+        first_block = min(keys, default=num_blocks)
         if keys and not vllm_0_32.fold_into_block_hashes(self.vllm_config, manager, request, first_block, keys):
             logger.warning(
                 "kvreuse: request %s: this engine's prefix-cache hashes cannot name module entries (hybrid "
                 "KV cache); no module is spliced into it",
                 request.request_id,
             )
-            return _Look([], first_block, frozenset(), recompute, share)
-        return replace(look, folded=frozenset(match.name for found in blocks.values() for match in found))
+            return _Look([], (), num_blocks, frozenset(), recompute, share)
+        folded = frozenset(match.name for found in blocks.values() for match in found)
+        return replace(look, first_block=first_block, folded=folded)
 
     def _count_skipped(
         self,
@@ -729,6 +809,14 @@ NO_APE = (
 def applies_ape(vllm_config: VllmConfig) -> bool:
     """Whether this engine's attention applies APE: kvreuse's backend in place of CPU_ATTN on vLLM's CPU build."""
     return vllm_0_32.device_type(vllm_config) == "cpu" and os.environ.get(SPARSE_CPU_SWITCH, "").lower() in TRUE_WORDS
+
+
+def _progress(scheduler_output: SchedulerOutput) -> dict[str, int]:
+    """vLLM's count of computed tokens, before this step, of each request the step schedules."""
+    progress = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    progress.update(zip(cached.req_ids, cached.num_computed_tokens))
+    return progress
 
 
 def _first(pieces: list[Piece], tokens: int, rid: str) -> list[Piece]:
