@@ -247,6 +247,11 @@ PYTHON_RUN_ELSEWHERE = [
     ),
     ("guides/serving-sglang.md", "started_sglang", "an SGLang engine needs a GPU; tests/sglang/test_batch_backends.py"),
     ("guides/serving-sglang.md", "json.dump(", "writes a modules file with the model's tokenizer; no engine"),
+    (
+        "plugins/sparse.md",
+        "extended_context(",
+        "benchmarks/sparse_long.py starts SmolLM2 so (a 32K engine); tests/test_localmodel_rope.py checks the arguments",
+    ),
 ]
 
 
