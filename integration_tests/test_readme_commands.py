@@ -250,7 +250,7 @@ PYTHON_RUN_ELSEWHERE = [
     (
         "plugins/sparse.md",
         "extended_context(",
-        "benchmarks/sparse_long.py starts SmolLM2 so (a 32K engine); tests/test_localmodel_rope.py checks the arguments",
+        "benchmarks/sparse_long.py starts this 32K engine; tests/test_localmodel_rope.py checks the arguments",
     ),
 ]
 
