@@ -182,7 +182,7 @@ def print_table(arms: list[dict[str, Any]], rows: int) -> None:
 def plot(arms: list[dict[str, Any]], rows: int) -> Any:
     """Three panels, one colour per arm: prefill computed, speed against the table order (with the rounds' range),
     and answers identical to the table order's."""
-    names = [a["arm"] for a in arms]
+    names = [a["arm"] + ("" if a["arm"] in (STOCK, "kvreuse (default)") else "\n(opt-in)") for a in arms]
     colours = ["#7f7f7f", "#1b9e77", "#d95f02", "#7570b3"][: len(arms)]
     fig, (tokens, speed, same) = new_figure(1, 3, figsize=(13, 4.2))
     tokens.bar(names, [a["computed_tokens"] for a in arms], color=colours)
