@@ -61,6 +61,9 @@ def own_kernels_llm(small_model):
         mp.setenv("KVREUSE_SPARSE_CPU_BACKEND", "1")
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         mp.setenv("TRITON_INTERPRET", "1")  # read when the worker first imports a kernel
+        # so the worker is a process of its own, which imports the kernels afresh (the suite's process imported them
+        # without the interpreter: the Triton path then fails in an in-process worker)
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
         llm = start_llm(small_model, additional_config={"kvreuse": {"sparse": OWN_KERNELS}})
         try:
             yield llm
