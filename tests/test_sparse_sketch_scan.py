@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvreuse.errors import KernelArgumentError
 from kvreuse.kernels.key_sketch import CODE_MAX, CODE_SLACK, KeySketch, sketch_reference
 from kvreuse.sparse.cpu_attention import dipr_read_blocks
 from kvreuse.sparse.pruned import PrunedTables, prune_block_table
@@ -227,3 +228,10 @@ def test_top_pages_at_least_the_blocks_dipr_reads_changes_nothing(real):
     q, _, sketch, table, lens = real_step(real, 1, 2)
     exact = prune_by_sketch(q, sketch, table, lens, 4.0, 16, 64)
     assert_same_tables(prune_by_sketch(q, sketch, table, lens, 4.0, 16, 64, int(table.shape[1])), exact)
+
+
+def test_prune_by_sketch_refuses_a_head_dim_whose_integer_dot_products_could_overflow():
+    sketch = KeySketch.allocate(1, BLOCK, 1, 320, "cpu")
+    q = torch.zeros(1, 1, 1, 320)
+    with pytest.raises(KernelArgumentError, match="head_dim 320 over 256"):
+        prune_by_sketch(q, sketch, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 4.0, 0, 1)

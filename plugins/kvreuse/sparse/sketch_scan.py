@@ -12,11 +12,11 @@ that walks the codes once:
   table (``kvreuse.sparse.pruned.PrunedTables``), straight from the int8 codes.
 
 The decision is ``dipr_read_blocks``' (its PyTorch reference) with the query rounded to int16, so that the dot
-products are exact integer sums the compiler vectorizes (``vpmaddwd``/VNNI ``vpdpwssd`` on x86: int16 x int16 ->
-int32, ~1.4x the fp32 loop's speed and no fp32 rounding of the sum). The rounding is bounded, not ignored (the
-symmetric integer quantization of Jacob et al., CVPR 2018, with its error carried into the bounds): per query head ``q = sigma (q16 +
-e)`` with ``sigma = max_c |q_c| / 32767`` and ``e = q / sigma - q16`` (``|e_c| <= 1/2``, summed in float64), and a
-key is ``k_j = s_j (u_j + r_j)`` with ``|r_jc| <= 1/2 + CODE_SLACK`` and ``|u_jc| <= 127``, so
+products are exact integer sums the compiler vectorizes (``vpmaddwd``/VNNI ``vpdpwssd`` on x86: int8 codes x int16 ->
+int32, ~1.4x the fp32 loop's speed, and no fp32 rounding of the sum). The rounding is bounded, not ignored (the
+symmetric integer quantization of Jacob et al., CVPR 2018, with its error carried into the bounds): per query head
+``q = sigma (q16 + e)`` with ``sigma = max_c |q_c| / 32767`` and ``e = q / sigma - q16`` (``|e_c| <= 1/2``, summed
+in float64), and a key is ``k_j = s_j (u_j + r_j)`` with ``|r_jc| <= 1/2 + CODE_SLACK`` and ``|u_jc| <= 127``, so
 
     q . k_j = s_j sigma (q16 . u_j) + s_j sigma (e . u_j) + s_j (q . r_j)
     |s_j sigma (e . u_j) + s_j (q . r_j)| <= s_j (127 sigma ||e||_1 + ||q||_1 (1/2 + CODE_SLACK)) = s_j W
@@ -24,10 +24,10 @@ key is ``k_j = s_j (u_j + r_j)`` with ``|r_jc| <= 1/2 + CODE_SLACK`` and ``|u_jc
 and the bounds are ``s_j sigma (q16 . u_j) +- s_j W`` (``query_codes`` computes ``sigma``, ``q16`` and ``W``,
 rounded up). ``q16 . u_j`` is exact in int32 (at most ``256 * 32767 * 127 < 2**31``); the three fp32 roundings of
 ``s_j sigma D`` are within ``2**-22`` of ``127 ||q||_1 s_j``, far inside CODE_SLACK (sized for the fp32 dot product
-this replaces). The widening is ``127 sigma ||e||_1`` ~ ``0.25 max_c |q_c|``: ~2% of the half-width on SmolLM2's
-queries, 0.4% more blocks read at beta = 4. ``tau_g = max_j L_gj - beta``, and a KV head reads a block if it holds a
-window token or a key whose ``U_gj`` reaches ``tau_g`` for one of its query heads: no key within beta of the
-largest logit is dropped, and every block the reference reads is read (the tests check both on real keys).
+this replaces). The widening is ``127 sigma ||e||_1 <= 0.12 max_c |q_c|`` (head_dim 64): ~2% of the half-width
+on SmolLM2's queries, 0.4% more blocks read at beta = 4. ``tau_g = max_j L_gj - beta``, and a KV head reads a block
+if it holds a window token or a key whose ``U_gj`` reaches ``tau_g`` for one of its query heads: no key within beta
+of the largest logit is dropped, and every block the reference reads is read (the tests check both on real keys).
 
 The scan walks the blocks once, all KV heads of a block together (a block's sketch is one stretch of its page) and
 fetches the codes two blocks ahead (``llvm.prefetch``): the pages lie apart (a page holds the block's keys and
@@ -332,6 +332,7 @@ def prune_by_sketch(
         block_table.shape[0] == m and seq_lens.shape == (m,),
         f"block_table {list(block_table.shape)} and seq_lens {list(seq_lens.shape)} must have {m} rows like q",
     )
+    _check(q.shape[3] <= 256, f"head_dim {q.shape[3]} over 256: the int32 dot products could overflow")
     # the compiled loop reads the table and the sketch without bounds checks
     _check(
         m == 0 or int(seq_lens.max()) <= width * sketch.codes.shape[1],
