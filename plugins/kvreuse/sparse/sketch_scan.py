@@ -165,7 +165,7 @@ def _prune(
     above ``tau``."""
     m, kv, group, dim = q.shape
     width = block_table.shape[1]
-    reach = np.empty((kv, group, width), np.float32)  # per query head and block, its keys' largest upper bound
+    reach = np.empty((kv, group, width), np.float32)  # per KV head, query head and block: its largest upper bound
     margin = np.empty(width, np.float32)  # per block, how far its bound reaches above tau (for top_pages)
     tau = np.empty((kv, group), np.float32)
     q16 = np.empty((kv, group, dim), np.int16)
