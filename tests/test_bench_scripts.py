@@ -25,6 +25,7 @@ ON_THE_HARNESS = [
     "reorder_serve",
     "request_fuzz",
     "router_simulation",
+    "sparse_bytes",
     "sparse_cpu_step",
     "sparse_decisions",
     "sparse_long",
