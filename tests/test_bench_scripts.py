@@ -29,6 +29,7 @@ ON_THE_HARNESS = [
     "sparse_cpu_step",
     "sparse_decisions",
     "sparse_long",
+    "sparse_real_keys",
 ]
 
 HELP_EACH = """
