@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ON_THE_HARNESS = [
     "all_plugins",
     "demo",
+    "module_encodings_vllm",
     "module_index",
     "ray_replicas",
     "reorder_answers",
@@ -29,6 +30,7 @@ ON_THE_HARNESS = [
     "sparse_cpu_step",
     "sparse_decisions",
     "sparse_long",
+    "sparse_qa",
     "sparse_real_keys",
 ]
 
