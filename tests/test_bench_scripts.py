@@ -29,6 +29,7 @@ ON_THE_HARNESS = [
     "sparse_bytes",
     "sparse_cpu_step",
     "sparse_decisions",
+    "sparse_decode_gpu",
     "sparse_long",
     "sparse_qa",
     "sparse_real_keys",
