@@ -4,10 +4,10 @@
 #    them tests/test_sparse_gpu_filter.py: DIPR as a filter in front of FlashAttention (the sketch scan's read mask,
 #    the pruned tables, a CUDA graph replay; the FlashAttention cases run only where vLLM's CUDA build is installed);
 # 2. benchmarks/sparse_decode_gpu.py (DIPR decode, the filter in front of FlashAttention's paged decode, and the
-#    paged prefill, against FlashAttention, real and synthetic keys), which writes results/sparse_decode_gpu.json and
-#    .png and prints issue 28's GPU goals; without an importable FlashAttention (vLLM's or the flash_attn package)
-#    it says so, times dense decode by torch's scaled_dot_product_attention only, and judges the goals from the
-#    filter's own cost against it (as bounds).
+#    paged prefill, against FlashAttention, real and synthetic keys), which writes
+#    build/benchmarks/sparse_decode_gpu.json and .png (through benchmarks/harness.py) and prints issue 28's GPU goals;
+#    without an importable FlashAttention (vLLM's or the flash_attn package) it says so, times dense decode by torch's
+#    scaled_dot_product_attention only, and judges the goals from the filter's own cost against it (as bounds).
 # Usage, from the repository root: bash benchmarks/gpu_check.sh [OUTDIR]  (logs and results are copied to OUTDIR).
 set -uo pipefail
 out=${1:-build/gpu_check}
@@ -35,6 +35,6 @@ python3 -P -m pytest -p no:cacheprovider -q $KERNEL_TESTS 2>&1 | tee "$out/kerne
 tests=${PIPESTATUS[0]}
 python3 benchmarks/sparse_decode_gpu.py 2>&1 | tee "$out/sparse_decode_gpu.log"
 bench=${PIPESTATUS[0]}
-cp benchmarks/results/sparse_decode_gpu.json benchmarks/results/sparse_decode_gpu.png "$out/" 2>/dev/null
+cp build/benchmarks/sparse_decode_gpu.json build/benchmarks/sparse_decode_gpu.png "$out/" 2>/dev/null
 echo "kernel tests exit $tests, benchmark exit $bench"
 [ "$tests" = 0 ] && [ "$bench" = 0 ]

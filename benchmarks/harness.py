@@ -18,6 +18,10 @@ A/B table over vLLM's own figures.
   what they are meant to differ in; every arm starts after the same warm-up. :func:`run_ab` collects vLLM's own
   figures per arm (prompt tokens, tokens served from cache per request and per the engine's counters, TTFT) and wall
   time, then prints a table (:func:`format_table`) and writes JSON and a plot (:func:`report`).
+
+Importing the harness needs only the standard library (vLLM, kvreuse's cores and matplotlib are imported where they
+are used), so a benchmark that runs where no engine is installed, such as the GPU kernels' on a bare GPU machine,
+writes its results the same way.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -34,8 +39,6 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
-
-from kvreuse.reorder.measures import hit_rate
 
 REPO = Path(__file__).resolve().parents[1]
 # The committed results the docs cite (the site serves them beside the benchmark pages).
@@ -50,9 +53,11 @@ T = TypeVar("T")
 
 
 def bench_parser(doc: str | None) -> argparse.ArgumentParser:
-    """A benchmark's argument parser: its description is the first line of ``doc`` (the script's docstring), with
-    the harness's ``--update-results``."""
-    parser = argparse.ArgumentParser(description=(doc or "").strip().splitlines()[0] if doc else None)
+    """A benchmark's argument parser: its description is the first sentence of ``doc`` (the script's docstring,
+    which may wrap over several lines), with the harness's ``--update-results``."""
+    paragraph = " ".join((doc or "").strip().split("\n\n")[0].split())
+    sentence = re.match(r".+?\.(?=\s|$)", paragraph)
+    parser = argparse.ArgumentParser(description=(sentence.group(0) if sentence else paragraph) or None)
     parser.add_argument(
         "--update-results",
         action="store_true",
@@ -231,6 +236,8 @@ class ArmFigures:
 
     @property
     def hit_rate(self) -> float:
+        from kvreuse.reorder.measures import hit_rate
+
         return hit_rate(self.cached_tokens, self.prompt_tokens)
 
 

@@ -19,24 +19,24 @@ Figures per set, phase and arm: outputs with full prefill's tokens, with full pr
 sets), right answers (document sets), the share of prompt tokens the engine computed (vLLM's own
 ``num_cached_tokens``) and which encodings were spliced (``kvreuse:module_encodings_taken_total``)::
 
-    python benchmarks/module_encodings_vllm.py --sets schema-4,docs-4 --cases 20
+    .venv/bin/python -P benchmarks/module_encodings_vllm.py --sets schema-4,docs-4 --cases 20
 
-writes ``benchmarks/results/module_encodings_vllm.json``.
+writes ``module_encodings_vllm.json`` under ``build/benchmarks/`` (``--update-results``: into
+``docs/benchmarks/results/``).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
+import sys
 import time
 from pathlib import Path
 
-from module_quality import EOS_TEXT, MAX_NEW_TOKENS, RESULTS
-from module_quality_data import SCHEMA_SETS, TokenizedCase, is_correct, normalise_sql
-from module_quality_vllm import CONNECTOR, REPO, SETTINGS, curve_cases, encode_curve_modules
-
-from kvreuse.localmodel import local_engine_args
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, bench_parser, engine, output_dir, write_results  # noqa: E402
+from module_quality import EOS_TEXT, MAX_NEW_TOKENS  # noqa: E402
+from module_quality_data import SCHEMA_SETS, TokenizedCase, is_correct, normalise_sql  # noqa: E402
+from module_quality_vllm import CONNECTOR, SETTINGS, curve_cases, encode_curve_modules  # noqa: E402
 
 ARMS = {"full": None, "splice": {"kvreuse_recompute_first": 0}, "legolink-16": {"kvreuse_recompute_first": 16}}
 
@@ -72,14 +72,16 @@ def taken(llm) -> dict[str, float]:
 
 
 def run(set_names: list[str], num_cases: int) -> dict:
-    from vllm import LLM, SamplingParams
+    """The sets' cases on SmolLM2 with the module connector: every arm of both phases, summarised."""
+    model = REPO / "build" / "models" / "smollm2"
+    with engine(model, kv_transfer_config=CONNECTOR, additional_config=SETTINGS) as llm:
+        return measure(llm, set_names, num_cases)
+
+
+def measure(llm, set_names: list[str], num_cases: int) -> dict:
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(
-        **local_engine_args(
-            REPO / "build" / "models" / "smollm2", kv_transfer_config=CONNECTOR, additional_config=SETTINGS
-        )
-    )
     tokenizer = llm.get_tokenizer()
     eos = tokenizer.convert_tokens_to_ids(EOS_TEXT)
 
@@ -90,52 +92,49 @@ def run(set_names: list[str], num_cases: int) -> dict:
     rows: list[dict] = []
     encodings: dict[str, dict[str, float]] = {}
     started = time.perf_counter()
-    try:
-        names = encode_curve_modules(llm, sets)
-        for phase in ("first", "per-context"):
-            if phase == "per-context":
-                added = add_context_encodings(llm, sets, names)
-                print(f"added {added} encodings ({time.perf_counter() - started:.0f} s)", flush=True)
-            before = taken(llm)
-            for name, tokenized in sets.items():
-                schema = name in SCHEMA_SETS
-                max_tokens = SCHEMA_SETS[name].max_tokens if schema else MAX_NEW_TOKENS
-                for tc in tokenized:
-                    full_text, full_tokens = "", []
-                    for arm, transfer in ARMS.items():
-                        params = SamplingParams(
-                            max_tokens=max_tokens,
-                            temperature=0.0,
-                            stop_token_ids=[eos],
-                            skip_reading_prefix_cache=transfer is None,
-                            extra_args={"kv_transfer_params": transfer} if transfer else None,
-                        )
-                        llm.reset_prefix_cache()
-                        out = llm.generate([TokensPrompt(prompt_token_ids=list(tc.prompt))], params, use_tqdm=False)[0]
-                        tokens = list(out.outputs[0].token_ids)
-                        text = tokenizer.decode(tokens, skip_special_tokens=True)
-                        if transfer is None:
-                            full_text, full_tokens = text, tokens
-                        rows.append(
-                            {
-                                "set": name,
-                                "case": tc.case.key,
-                                "phase": phase,
-                                "arm": arm,
-                                "right": None if schema else is_correct(text, tc.case),
-                                "same_as_full": tokens == full_tokens,
-                                "same_sql_as_full": normalise_sql(text) == normalise_sql(full_text) if schema else None,
-                                "prompt_tokens": len(tc.prompt),
-                                "computed": len(tc.prompt) - (out.num_cached_tokens or 0),
-                            }
-                        )
-                print(f"{phase} {name}: {len(tokenized)} cases, {time.perf_counter() - started:.0f} s", flush=True)
-            # vLLM publishes connector stats with its periodic metrics: one more request flushes them
-            llm.generate([TokensPrompt(prompt_token_ids=[1, 2])], SamplingParams(max_tokens=1), use_tqdm=False)
-            after = taken(llm)
-            encodings[phase] = {match: after.get(match, 0.0) - before.get(match, 0.0) for match in after}
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    names = encode_curve_modules(llm, sets)
+    for phase in ("first", "per-context"):
+        if phase == "per-context":
+            added = add_context_encodings(llm, sets, names)
+            print(f"added {added} encodings ({time.perf_counter() - started:.0f} s)", flush=True)
+        before = taken(llm)
+        for name, tokenized in sets.items():
+            schema = name in SCHEMA_SETS
+            max_tokens = SCHEMA_SETS[name].max_tokens if schema else MAX_NEW_TOKENS
+            for tc in tokenized:
+                full_text, full_tokens = "", []
+                for arm, transfer in ARMS.items():
+                    params = SamplingParams(
+                        max_tokens=max_tokens,
+                        temperature=0.0,
+                        stop_token_ids=[eos],
+                        skip_reading_prefix_cache=transfer is None,
+                        extra_args={"kv_transfer_params": transfer} if transfer else None,
+                    )
+                    llm.reset_prefix_cache()
+                    out = llm.generate([TokensPrompt(prompt_token_ids=list(tc.prompt))], params, use_tqdm=False)[0]
+                    tokens = list(out.outputs[0].token_ids)
+                    text = tokenizer.decode(tokens, skip_special_tokens=True)
+                    if transfer is None:
+                        full_text, full_tokens = text, tokens
+                    rows.append(
+                        {
+                            "set": name,
+                            "case": tc.case.key,
+                            "phase": phase,
+                            "arm": arm,
+                            "right": None if schema else is_correct(text, tc.case),
+                            "same_as_full": tokens == full_tokens,
+                            "same_sql_as_full": normalise_sql(text) == normalise_sql(full_text) if schema else None,
+                            "prompt_tokens": len(tc.prompt),
+                            "computed": len(tc.prompt) - (out.num_cached_tokens or 0),
+                        }
+                    )
+            print(f"{phase} {name}: {len(tokenized)} cases, {time.perf_counter() - started:.0f} s", flush=True)
+        # vLLM publishes connector stats with its periodic metrics: one more request flushes them
+        llm.generate([TokensPrompt(prompt_token_ids=[1, 2])], SamplingParams(max_tokens=1), use_tqdm=False)
+        after = taken(llm)
+        encodings[phase] = {match: after.get(match, 0.0) - before.get(match, 0.0) for match in after}
     return {"cases_per_set": num_cases, "summary": summarise(rows), "encodings_taken": encodings, "rows": rows}
 
 
@@ -178,18 +177,15 @@ def print_table(results: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--sets", default="schema-4,docs-4", help="sets, comma-separated")
-    parser.add_argument("--cases", type=int, default=20)
-    parser.add_argument("--out", default=str(RESULTS / "module_encodings_vllm.json"))
+    parser.add_argument("--cases", type=int, default=20, help="cases per set (default 20)")
     args = parser.parse_args(argv)
     os.environ["KVREUSE_SPARSE_CPU_BACKEND"] = "1"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     results = run(args.sets.split(","), args.cases)
     print_table(results)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
-    print(f"wrote {args.out}")
+    write_results("module_encodings_vllm", results, output_dir(args))
 
 
 if __name__ == "__main__":

@@ -24,25 +24,29 @@ logits have a chosen distribution (all figures in nats of logit):
 The bytes saved depend on beta relative to that spread (max - mean ~ 11): they are a property of the model's
 attention, and real-model figures need a GPU run.
 
-Run: ``.venv/bin/python benchmarks/sparse_bytes.py`` (~30 s on a CPU); prints a table and writes
-``benchmarks/results/sparse_bytes.json`` and ``.png``. Columns: ``bytes`` the ratio above, ``blocks`` / ``tokens`` the
-fractions of blocks read and tokens attended, ``exact`` the size of the exact DIPR set, ``recov`` / ``rec.min``
-the mean / least share of dense attention mass kept over query heads.
+Run: ``.venv/bin/python -P benchmarks/sparse_bytes.py`` (~30 s on a CPU); prints a table and writes
+``sparse_bytes.json`` and ``.png`` under ``build/benchmarks/`` (``--update-results``: into
+``docs/benchmarks/results/``, the figures the docs cite). Columns: ``bytes`` the ratio above, ``blocks`` /
+``tokens`` the fractions of blocks read and tokens attended, ``exact`` the size of the exact DIPR set, ``recov`` /
+``rec.min`` the mean / least share of dense attention mass kept over query heads.
 """
 
 from __future__ import annotations
 
-import json
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import bench_parser, new_figure, output_dir, write_results  # noqa: E402
 
 from kvreuse.kernels.dipr_decode import dipr_selection_reference
 from kvreuse.kernels.key_sketch import KeySketch, sketch_reference
 from kvreuse.sparse.figures import recovery_ratio
 
-RESULTS = Path(__file__).resolve().parent / "results"
 CONTEXTS = [4096, 8192, 16384, 32768]
 BETAS = [4.0, 6.0, 8.0, 12.0]
 BLOCK_SIZES = [16, 32]
@@ -121,6 +125,7 @@ def measure(n: int, beta: float, block_size: int, query, keys) -> dict:
 
 
 def main() -> None:
+    args = bench_parser(__doc__).parse_args()
     started = time.time()
     rows = []
     for n in CONTEXTS:
@@ -139,7 +144,6 @@ def main() -> None:
             f"{r['block_fraction']:>7.3f} {r['token_fraction']:>7.4f} {r['exact_token_fraction']:>7.4f} "
             f"{r['recovery_mean']:>7.4f} {r['recovery_min']:>7.4f}"
         )
-    RESULTS.mkdir(parents=True, exist_ok=True)
     setup = {
         "kv_heads": KV_HEADS,
         "q_heads_per_kv_head": GROUP,
@@ -155,18 +159,13 @@ def main() -> None:
         "cache_bytes_per_value": ELEMENT_BYTES,
         "measured_by": "kvreuse.kernels.dipr_decode.dipr_selection_reference",
     }
-    (RESULTS / "sparse_bytes.json").write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))
-    plot(rows)
-    print(f"wrote {RESULTS / 'sparse_bytes.json'} and .png in {time.time() - started:.0f} s")
+    write_results("sparse_bytes", {"setup": setup, "rows": rows}, output_dir(args), plot(rows))
+    print(f"in {time.time() - started:.0f} s")
 
 
-def plot(rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+def plot(rows: list[dict]) -> Any:
+    """Bytes read, DIPR over dense, against the context, one line per beta; a panel per block size."""
+    fig, axes = new_figure(1, 2, figsize=(10, 4), sharey=True)
     for ax, block_size in zip(axes, BLOCK_SIZES):
         for beta in BETAS:
             pts = [r for r in rows if r["block_size"] == block_size and r["beta"] == beta]
@@ -186,7 +185,7 @@ def plot(rows: list[dict]) -> None:
     axes[0].set_ylabel("K/V bytes read, DIPR / dense")
     fig.suptitle("DIPR decode on synthetic structured keys (reference path)")
     fig.tight_layout()
-    fig.savefig(RESULTS / "sparse_bytes.png", dpi=120)
+    return fig
 
 
 if __name__ == "__main__":

@@ -38,9 +38,10 @@ and KV head), and the graphed time over the floor = those bytes / the device's m
 targets (issue 28), printed at the end: ``filter+flash`` within 1.5x of ``flash paged``'s time at ~1K tokens, and
 at 32K+ tokens with at most 10% of the blocks read at least 3x faster than it.
 
-Run on a GPU: ``.venv/bin/python benchmarks/sparse_decode_gpu.py`` (writes ``results/sparse_decode_gpu.json``
-and ``.png``). ``--smoke`` runs tiny sizes on the CPU in Triton's interpreter to check the script itself; its
-times mean nothing.
+Run on a GPU: ``.venv/bin/python benchmarks/sparse_decode_gpu.py`` (writes ``sparse_decode_gpu.json`` and ``.png``
+under ``build/benchmarks/``; ``--update-results``: into ``docs/benchmarks/results/``, the figures the docs cite).
+``--smoke`` runs tiny sizes on the CPU in Triton's interpreter to check the script itself (``sparse_decode_smoke.json``
+and ``.png``); its times mean nothing.
 """
 
 from __future__ import annotations
@@ -48,17 +49,20 @@ from __future__ import annotations
 import os
 import sys
 
-SMOKE = "--smoke" in sys.argv
+SMOKE = "--smoke" in sys.argv  # read before the arguments are parsed: Triton's mode is chosen at its import
 if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
 
-import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import bench_parser, new_figure, output_dir, write_results  # noqa: E402
 from sparse_bytes import DIM, GROUP, KV_HEADS, LOCAL, SINK, synthetic_step  # noqa: E402
 
 from kvreuse.kernels.dipr_decode import DIPRDecode  # noqa: E402
@@ -66,7 +70,6 @@ from kvreuse.kernels.key_sketch import KeySketch, sketch_reference  # noqa: E402
 from kvreuse.kernels.paged_causal import PagedCausalAttention  # noqa: E402
 from kvreuse.sparse.filtered_decode import FilteredDecode, PagedDecodeKernel  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 REAL_KEYS = Path(__file__).resolve().parents[1] / "tests" / "data" / "smollm2_keys.pt"
 REAL_TILES = [1] if SMOKE else [1, 4, 16, 64]  # the real prompt, and copies of it end to end
 BLOCK = 16
@@ -330,6 +333,11 @@ def real_batches(device: torch.device, dtype: torch.dtype):
 
 
 def main() -> None:
+    parser = bench_parser(__doc__)
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny sizes on the CPU in Triton's interpreter: checks the script only"
+    )
+    args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not SMOKE else "cpu")  # --smoke: the CPU, always
     if device.type != "cuda" and not SMOKE:
         sys.exit("no GPU: run with --smoke to check the script in Triton's interpreter")
@@ -373,13 +381,12 @@ def main() -> None:
             f"{r['tokens']:>8} {r['arm']:>22} {r['seconds'] * 1e3:>9.2f} {r['speedup_vs_flash']:>8.2f}x "
             f"{r.get('max_abs_diff_vs_flash', 0.0):>11.2e}"
         )
-    name = "sparse_decode_smoke" if SMOKE else "sparse_decode_gpu"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(
-        json.dumps({"decode": rows, "prefill": prefills, "flash": FLASH_SOURCE, "goals": goals(rows)}, indent=2)
+    write_results(
+        "sparse_decode_smoke" if SMOKE else "sparse_decode_gpu",
+        {"decode": rows, "prefill": prefills, "flash": FLASH_SOURCE, "goals": goals(rows)},
+        output_dir(args),
+        plot([r for r in rows if r["keys"] == "synthetic"]),
     )
-    plot([r for r in rows if r["keys"] == "synthetic"], RESULTS / f"{name}.png")
-    print(f"wrote {RESULTS / (name + '.json')} and {RESULTS / (name + '.png')}")
 
 
 def prefill_rows(device: torch.device, dtype: torch.dtype, repeats: int) -> list[dict]:
@@ -419,15 +426,10 @@ def prefill_rows(device: torch.device, dtype: torch.dtype, repeats: int) -> list
     return rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict]) -> Any:
     """Graphed speed-up over dense decode against context, one panel per batch size, a line per arm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(4 * len(batches), 3.6), squeeze=False, sharey=True)
+    fig, axes = new_figure(1, len(batches), figsize=(4 * len(batches), 3.6), squeeze=False, sharey=True)
     for ax, batch in zip(axes[0], batches):
         for arm in dict.fromkeys(r["arm"] for r in rows if r["arm"] != "dense"):  # dense paged and each beta
             points = [
@@ -444,8 +446,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[0][0].set_ylabel("speed-up over dense decode (CUDA graph)")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 if __name__ == "__main__":

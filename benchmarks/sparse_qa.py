@@ -21,7 +21,9 @@ the first, from vLLM's own per-request timestamps) and ``prefill x`` (time to th
 it isolates what pruning changes from the float-order differences between two attention implementations.
 
 Run: ``KVREUSE_DATASETS=/work/shared/datasets .venv/bin/python benchmarks/sparse_qa.py`` (``--cases N`` per length,
-``--lengths 1024,2048``); writes ``benchmarks/results/sparse_qa.json`` and ``.png`` and prints the table. On a
+``--lengths 1024,2048``); prints the table and writes ``sparse_qa.json`` and ``.png`` (``--name``) under
+``build/benchmarks/`` (``--update-results``: into ``docs/benchmarks/results/``, the figures the docs cite; the
+partial file ``NAME.tmp`` of a run still going stays under ``build/benchmarks/``). On a
 2-core shared CPU the full run takes hours, most of it prefills: ``--stock-cases N`` runs the stock engine on the
 first N cases of each length only (``agree`` is then over those, the ``cases`` column says how many), and
 ``--combine A.json B.tmp ...`` summarises several runs (or the partial file of one) into one table, and
@@ -36,20 +38,20 @@ compared). Timings are ratios taken side by side, but still noisy. ``--betas inf
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, SCRATCH, bench_parser, engine, new_figure, output_dir, write_results  # noqa: E402
 from retrieval_cases import RetrievalCase, make_cases  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "build" / "models" / "smollm2"
-RESULTS = REPO / "benchmarks" / "results"
 BETAS = [float("inf"), 8.0, 4.0, 2.0, 1.0]
 LENGTHS = [1024, 2048, 4096, 8000]
 CASES = {1024: 50, 2048: 50, 4096: 50, 8000: 20}  # 8K: fewer, a case costs ~4 minutes of a shared 2-core CPU
@@ -109,23 +111,21 @@ def run(
     betas: list[float] = BETAS,
     model: Path = MODEL,
 ) -> dict:
-    from vllm import LLM, SamplingParams
-
-    from kvreuse.localmodel import local_engine_args
+    from vllm import SamplingParams
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc sends the closures above
-    args = local_engine_args(model, max_model_len=8192, kv_cache_memory_bytes=KV_CACHE_BYTES)
-    stock = LLM(**args) if stock_cases != 0 else None
-    os.environ["KVREUSE_SPARSE_CPU_BACKEND"] = "1"  # read by the sparse engine's processes when they start
-    sparse = LLM(**args) if not stock_only else None
-    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    tokenizer = (stock or sparse).get_tokenizer()
-    warm = make_cases(1024, 100, tokenizer)[-1].prompt  # not one of the measured cases (no prefix-cache hit)
-    for engine in (stock, sparse):
-        if engine is not None:
-            engine.generate([warm], sampling, use_tqdm=False)
+    args: dict[str, Any] = {"max_model_len": 8192, "kv_cache_memory_bytes": KV_CACHE_BYTES}
     result: dict = {"cases": [], "groups": []}
-    try:
+    with ExitStack() as engines:  # both shut down when the run ends, whatever happens in it
+        stock = engines.enter_context(engine(model, **args)) if stock_cases != 0 else None
+        os.environ["KVREUSE_SPARSE_CPU_BACKEND"] = "1"  # read by the sparse engine's processes when they start
+        sparse = engines.enter_context(engine(model, **args)) if not stock_only else None
+        sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        tokenizer = (stock or sparse).get_tokenizer()
+        warm = make_cases(1024, 100, tokenizer)[-1].prompt  # not one of the measured cases (no prefix-cache hit)
+        for llm in (stock, sparse):
+            if llm is not None:
+                llm.generate([warm], sampling, use_tqdm=False)
         for length in lengths:
             first = (start_at or {}).get(length, 0)
             cases = make_cases(length, cases_per_length[length], tokenizer)
@@ -140,10 +140,6 @@ def run(
                 run_group(group, stock if with_stock else None, sparse, sampling, settings, result, alone, betas)
                 partial.write_text(json.dumps(result, indent=1))  # a long run can be read while it goes
             print(f"{length} tokens: {len(cases)} cases in {time.time() - started:.0f} s", flush=True)
-    finally:
-        for engine in (stock, sparse):
-            if engine is not None:
-                engine.llm_engine.engine_core.shutdown()
     return result
 
 
@@ -327,13 +323,9 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+def plot(rows: list[dict]) -> Any:
+    """Accuracy, blocks read and decode time over stock's against the prompt length, one line per arm."""
+    fig, axes = new_figure(1, 3, figsize=(15, 4))
     lengths = sorted({r["length"] for r in rows})
     for arm in dict.fromkeys(r["arm"] for r in rows):  # each arm over the lengths it ran (runs can omit stock)
         pts = sorted((r for r in rows if r["arm"] == arm), key=lambda r: r["length"])
@@ -358,12 +350,11 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[0].legend(fontsize=7)
     fig.suptitle("DIPR on SmolLM2-135M, vLLM CPU: retrieval QA")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--cases", type=int, help="cases per length (default: 50, 20 at 8K)")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--name", default="sparse_qa")
@@ -391,14 +382,14 @@ def main() -> None:
     if args.stock_cases is not None and args.stock_cases < args.timed:
         parser.error(f"--stock-cases must be at least --timed ({args.timed}): the timed cases need the stock engine")
     started = time.time()
-    RESULTS.mkdir(parents=True, exist_ok=True)
     if args.combine:
         runs = [json.loads(path.read_text()) for path in args.combine]
         records = join_runs(runs)
     else:
         lengths = [int(x) for x in args.lengths.split(",")]
         per_length = {n: args.cases or CASES.get(n, 50) for n in lengths}
-        partial = RESULTS / f"{args.name}.tmp"
+        SCRATCH.mkdir(parents=True, exist_ok=True)
+        partial = SCRATCH / f"{args.name}.tmp"  # the run so far, beside the results (never among those committed)
         start_at = {int(n): int(i) for n, i in (item.split(":") for item in args.start_at.split(",") if item)}
         settings = json.loads(args.sparse)
         betas = [float(b) for b in args.betas.split(",")]
@@ -408,9 +399,8 @@ def main() -> None:
         )  # fmt: skip
     rows = summarise(records)
     print(format_table(rows))
-    (RESULTS / f"{args.name}.json").write_text(json.dumps({"rows": rows, **records}, indent=1))
-    plot(rows, RESULTS / f"{args.name}.png")
-    print(f"wrote {RESULTS / (args.name + '.json')} and .png in {time.time() - started:.0f} s")
+    write_results(args.name, {"rows": rows, **records}, output_dir(args), plot(rows))
+    print(f"in {time.time() - started:.0f} s")
 
 
 if __name__ == "__main__":

@@ -30,13 +30,13 @@ per channel (outlier channels).
 
 Run: ``KVREUSE_DATASETS=/work/shared/datasets .venv/bin/python benchmarks/sparse_real_keys.py`` (dumps once into
 ``build/real_keys/``, ~1 GB, then analyses; ``--fixture`` also writes the small real-key fixture of the unit tests
-and of ``sparse_decode_gpu.py``). Writes ``benchmarks/results/sparse_real_keys.json`` and prints per-layer tables
-at beta 4 and a summary over layer groups.
+and of ``sparse_decode_gpu.py``). Prints per-layer tables at beta 4 and a summary over layer groups, and writes
+``sparse_real_keys.json`` under ``build/benchmarks/`` (``--update-results``: into ``docs/benchmarks/results/``, the
+figures the docs cite).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -44,14 +44,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, bench_parser, output_dir, write_results  # noqa: E402
 from retrieval_cases import make_case  # noqa: E402
 
 from kvreuse.kernels.key_sketch import logit_bounds_reference, sketch_reference  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "build" / "models" / "smollm2"
 DUMPS = REPO / "build" / "real_keys"
-RESULTS = REPO / "benchmarks" / "results"
 FIXTURE = REPO / "tests" / "data" / "smollm2_keys.pt"
 CASES = [("needle", 2048, 0), ("multi", 2048, 1), ("needle", 4096, 0), ("multi", 4096, 1), ("needle", 8000, 0)]
 DECODE_TOKENS = 16
@@ -287,15 +286,19 @@ def pca_basis(path: Path) -> dict[tuple[int, int], torch.Tensor]:
 
 
 def main() -> None:
+    parser = bench_parser(__doc__)
+    parser.add_argument(
+        "--fixture", action="store_true", help=f"also write the real-key fixture {FIXTURE.relative_to(REPO)}"
+    )
+    args = parser.parse_args()
     paths = [dump(*case) for case in CASES]
     calibration = dump("needle", 2048, 7)  # a different prompt fits the PCA axes
     basis = pca_basis(calibration)
     results = [analyse_case(p, basis) for p in paths]
-    RESULTS.mkdir(parents=True, exist_ok=True)
     report(results)
     summary = summarise(results)
-    (RESULTS / "sparse_real_keys.json").write_text(json.dumps({"summary": summary, "cases": results}, indent=1))
-    if "--fixture" in sys.argv:
+    write_results("sparse_real_keys", {"summary": summary, "cases": results}, output_dir(args))
+    if args.fixture:
         write_fixture()
 
 

@@ -69,6 +69,16 @@ def test_a_run_writes_under_build_unless_asked_to_update_the_results_the_docs_ci
     assert RESULTS.parts[-3:] == ("docs", "benchmarks", "results")
 
 
+def test_a_benchmarks_help_opens_with_the_first_sentence_of_its_docstring_even_where_it_wraps():
+    doc = "What encodings buy, in the engine: the same prompts\nspliced with each module's first encoding only.\n"
+    doc += "More.\n\nDetails."
+    assert (
+        bench_parser(doc).description == "What encodings buy, in the engine: the same prompts spliced with each "
+        "module's first encoding only."
+    )
+    assert bench_parser("DIPR on CPU (v1.2)\n\nDetails.").description == "DIPR on CPU (v1.2)"
+
+
 def test_arms_alternate_forward_then_backward():
     assert [arm for _, arm in alternate(["a", "b", "c"], 3)] == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
 

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ON_THE_HARNESS = [
     "all_plugins",
     "demo",
+    "module_encodings_vllm",
     "module_index",
     "ray_replicas",
     "reorder_answers",
@@ -25,9 +26,13 @@ ON_THE_HARNESS = [
     "reorder_serve",
     "request_fuzz",
     "router_simulation",
+    "sparse_bytes",
     "sparse_cpu_step",
     "sparse_decisions",
+    "sparse_decode_gpu",
     "sparse_long",
+    "sparse_qa",
+    "sparse_real_keys",
 ]
 
 HELP_EACH = """

@@ -9,9 +9,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from harness import SCRATCH  # noqa: E402
 
 
 def test_the_gpu_benchmark_runs_every_arm_and_counts_what_dipr_reads():
+    written = SCRATCH / "sparse_decode_smoke.json"  # a run writes under build/ (the harness's scratch folder)
+    written.unlink(missing_ok=True)  # so the figures read below are this run's
     # A script's own folder (benchmarks/) goes on sys.path, not the working directory: triton_kernels/ stays hidden.
     done = subprocess.run(
         [sys.executable, "benchmarks/sparse_decode_gpu.py", "--smoke"],
@@ -21,7 +26,7 @@ def test_the_gpu_benchmark_runs_every_arm_and_counts_what_dipr_reads():
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    results = json.loads((ROOT / "benchmarks" / "results" / "sparse_decode_smoke.json").read_text())
+    results = json.loads(written.read_text())
     arms: dict[tuple, dict[str, dict]] = {}
     for row in results["decode"]:
         arms.setdefault((row["keys"], row["context"], row["batch"]), {})[row["arm"]] = row
