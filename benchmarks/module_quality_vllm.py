@@ -62,6 +62,7 @@ from module_quality import EOS_TEXT, MAX_NEW_TOKENS, RESULTS, RUNS
 from module_quality_data import HEADER, QA_SETS, is_correct, make_cases, tokenize_case
 
 from kvreuse.localmodel import local_engine_args
+from kvreuse.modules.agreement import Normaliser, same_output
 
 REPO = Path(__file__).resolve().parents[1]
 CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
@@ -88,19 +89,25 @@ NAIVE_ARMS = {
 ANCHORED_ARMS = {"ape-anchored-T0.8": APE, "ape+legolink-16": {**APE, "kvreuse_recompute_first": 16}}
 TRANSFER = {**NAIVE_ARMS, **ANCHORED_ARMS}
 SPLICED = ("naive", "anchored", "ape-alone-T0.8", "ape-anchored-T0.8")  # the whole run of modules from the cache
-# --curves: arm -> its requests' kv_transfer_params (over modules encoded alone and probed after the header)
+# --curves: arm -> its requests' kv_transfer_params (over modules encoded alone and probed after the header): full
+# prefill, the plain splice, LegoLink's first tokens (16 is the engine's default), CacheBlend's choice made at encode
+# time (recompute_share), the one budget (recompute_budget) and CacheBlend's choice from the request
+# (recompute_blend after blend_layers exact layers; +first: with the default's first tokens too).
 CURVE_ARMS: dict[str, dict | None] = {
     "full": None,
-    "naive": {},
-    "sink-4": {"kvreuse_recompute_first": 4},
-    "legolink-16": {"kvreuse_recompute_first": 16},
-    "legolink-32": {"kvreuse_recompute_first": 32},
-    "blend-10%": {"kvreuse_recompute_share": 0.10},
-    "blend-20%": {"kvreuse_recompute_share": 0.20},
-    "budget-10%": {"kvreuse_recompute_budget": 0.10},
-    "budget-15%": {"kvreuse_recompute_budget": 0.15},
-    "budget-20%": {"kvreuse_recompute_budget": 0.20},
+    "naive": {"kvreuse_recompute_first": 0},
+    "first-16": {"kvreuse_recompute_first": 16},
+    "first-32": {"kvreuse_recompute_first": 32},
+    "first-64": {"kvreuse_recompute_first": 64},
+    "share-20%": {"kvreuse_recompute_share": 0.2},
+    "budget-20%": {"kvreuse_recompute_budget": 0.2},
+    **{f"blend-{p}%": {"kvreuse_recompute_blend": p / 100} for p in (10, 15, 20, 25, 30)},
+    **{f"blend-L2-{p}%": {"kvreuse_recompute_blend": p / 100, "kvreuse_blend_layers": 2} for p in (15, 20)},
+    **{f"first-16+blend-{p}%": {"kvreuse_recompute_first": 16, "kvreuse_recompute_blend": p / 100} for p in (10, 15)},
 }
+DEFAULT_CURVE_ARMS = ("naive", "first-16", "first-64", "share-20%", "blend-15%", "blend-20%", "blend-30%")
+ANSWER = Normaliser.parse(["first-line", "case", "whitespace"])  # what a reader of these answers compares
+NUM_LAYERS = 30  # SmolLM2-135M's
 CURVE_SETS = ("docs-1", "docs-2", "docs-4", "docs-8")
 
 
@@ -126,13 +133,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", default="mixed", choices=sorted(QA_SETS))
     parser.add_argument("--cases", type=int, default=20)
     parser.add_argument("--ttft-only", action="store_true", help="TTFT per arm, arms interleaved per case")
-    parser.add_argument("--curves", action="store_true", help="issue 27's curves: 1, 2, 4, 8 documents, every arm")
+    parser.add_argument("--curves", action="store_true", help="answers against compute per arm, arms interleaved")
     parser.add_argument("--sets", default=",".join(CURVE_SETS), help="--curves: the sets, comma-separated")
+    parser.add_argument(
+        "--arms", default=",".join(DEFAULT_CURVE_ARMS), help=f"--curves: arms of {', '.join(CURVE_ARMS)}"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="--curves: the seed the cases are drawn with")
+    parser.add_argument("--minutes", type=float, default=20.0, help="--curves: start no case after this long")
+    parser.add_argument("--tag", default="curves", help="--curves: name of the resumable log and the results")
+    parser.add_argument("--report-only", action="store_true", help="--curves: summarise the log, run nothing")
     args = parser.parse_args(argv)
     os.environ["KVREUSE_SPARSE_CPU_BACKEND"] = "1"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if args.curves:
-        _curves(args.sets.split(","), args.cases)
+        arms = args.arms.split(",")
+        unknown = [arm for arm in arms if arm not in CURVE_ARMS or arm == "full"]
+        if unknown:
+            raise SystemExit(f"unknown arms {unknown}; known: {', '.join(a for a in CURVE_ARMS if a != 'full')}")
+        sets = args.sets.split(",")
+        if not args.report_only:
+            _curves(sets, args.cases, arms, args.seed, args.minutes, args.tag)
+        log = RUNS.parent / "module_quality_vllm" / f"curves-{args.tag}.jsonl"
+        keys = {name: {f"{name}-{i}" for i in range(args.cases)} for name in sets}  # make_cases' keys: "<set>-<index>"
+        rows = [r for r in _rows(log) if r["set"] in keys and r["case"] in keys[r["set"]] and r["seed"] == args.seed]
+        summary = _curve_summary(rows, arms)
+        _print_curves(summary)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        path = RESULTS / f"module_quality_vllm_{args.tag}.json"
+        meta = {"cases_per_set": args.cases, "seed": args.seed, "answer": str(ANSWER)}
+        path.write_text(json.dumps({**meta, "summary": summary, "rows": rows}, indent=1))
+        _plot_curves(summary, RESULTS / f"module_quality_vllm_{args.tag}.png")
+        print(f"wrote {path}")
         return
     if args.ttft_only:
         _ttft_side_by_side(args.set, args.cases)
@@ -154,14 +185,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {path}")
 
 
-def _curves(set_names: list[str], num_cases: int) -> None:
-    """Every arm of :data:`CURVE_ARMS` on the first ``num_cases`` cases of each set, in one engine, the arms taking
-    turns per case, the prefix cache reset before each request."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def _curves(set_names: list[str], num_cases: int, arms: list[str], seed: int, minutes: float, tag: str) -> None:
+    """The arms ``arms`` of :data:`CURVE_ARMS` on the first ``num_cases`` cases of each set (drawn with ``seed``), in
+    one engine, the arms taking turns per case, the prefix cache reset before each request. Rows go to
+    ``build/module_quality_vllm/curves-<tag>.jsonl`` as each case finishes; a run stops starting cases after
+    ``minutes`` and the next one resumes (each piece fits the machine's CPU lock)."""
+    from vllm import LLM
 
     from kvreuse.vllm.modules import encode_modules
 
+    log = RUNS.parent / "module_quality_vllm" / f"curves-{tag}.jsonl"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    done = {(r["set"], r["case"], r["arm"]) for r in _rows(log)}
     llm = LLM(
         **local_engine_args(
             REPO / "build" / "models" / "smollm2", kv_transfer_config=CONNECTOR, additional_config=SETTINGS
@@ -175,121 +210,178 @@ def _curves(set_names: list[str], num_cases: int) -> None:
 
     header = encode(HEADER)
     sets = {
-        name: [tokenize_case(c, encode) for c in make_cases(QA_SETS[name], encode)[:num_cases]] for name in set_names
+        name: [tokenize_case(c, encode) for c in make_cases(QA_SETS[name], encode, seed)[:num_cases]]
+        for name in set_names
     }
-    unique = list(dict.fromkeys(ids for tcs in sets.values() for tc in tcs for ids in tc.modules))
-    rows: list[dict] = []
+    todo = {
+        name: [tc for tc in tokenized if any((name, tc.case.key, arm) not in done for arm in ["full", *arms])]
+        for name, tokenized in sets.items()
+    }
+    unique = list(dict.fromkeys(ids for tcs in todo.values() for tc in tcs for ids in tc.modules))
     started = time.perf_counter()
     try:
         encode_modules(llm, {"header": header})  # exact at the prompt's start: never recomputed, no probe
         encode_modules(llm, {f"module-{i}": list(ids) for i, ids in enumerate(unique)}, probe=header)
         print(f"encoded {len(unique)} modules in {time.perf_counter() - started:.0f} s", flush=True)
-        for name, tokenized in sets.items():
-            for n, tc in enumerate(tokenized):
-                full_tokens: list[int] = []
-                for arm, transfer in CURVE_ARMS.items():
-                    params = SamplingParams(
-                        max_tokens=MAX_NEW_TOKENS,
-                        temperature=0.0,
-                        stop_token_ids=[eos],
-                        skip_reading_prefix_cache=transfer is None,
-                        extra_args={"kv_transfer_params": transfer} if transfer else None,
-                    )
-                    llm.reset_prefix_cache()
-                    out = llm.generate([TokensPrompt(prompt_token_ids=list(tc.prompt))], params, use_tqdm=False)[0]
-                    tokens = list(out.outputs[0].token_ids)
-                    ttft = _ttft(out)
-                    if ttft is None:
-                        raise SystemExit("vLLM gave no request stats (disable_log_stats must be off)")
-                    if transfer is None:
-                        full_tokens = tokens
-                    rows.append(
-                        {
-                            "set": name,
-                            "case": tc.case.key,
-                            "arm": arm,
-                            "right": is_correct(tokenizer.decode(tokens, skip_special_tokens=True), tc.case),
-                            "same_as_full": tokens == full_tokens,
-                            "prompt_tokens": len(tc.prompt),
-                            "computed": len(tc.prompt) - out.num_cached_tokens,
-                            "ttft_s": ttft,
-                        }
-                    )
-                elapsed = time.perf_counter() - started
-                print(f"{name} [{n + 1}/{len(tokenized)}] {len(tc.prompt)} tokens, {elapsed:.0f} s", flush=True)
+        with log.open("a") as out:
+            for name, tokenized in todo.items():
+                for tc in tokenized:
+                    if time.perf_counter() - started > minutes * 60:
+                        print(f"stopped after {minutes} minutes: run again to go on", flush=True)
+                        return
+                    rows = _case_rows(llm, tokenizer, eos, name, seed, tc, ["full", *arms])
+                    for row in rows:
+                        out.write(json.dumps(row) + "\n")
+                    out.flush()
+                    elapsed = time.perf_counter() - started
+                    print(f"{name} {tc.case.key}: {len(tc.prompt)} tokens, {elapsed:.0f} s", flush=True)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    summary = _curve_summary(rows)
-    _print_curves(summary)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "module_quality_vllm_curves.json"
-    path.write_text(json.dumps({"cases_per_set": num_cases, "summary": summary, "rows": rows}, indent=1))
-    _plot_curves(summary, RESULTS / "module_quality_vllm_curves.png")
-    print(f"wrote {path}")
 
 
-def _curve_summary(rows: list[dict]) -> dict[str, dict[str, dict]]:
-    """Per set and arm: right answers, as a share of full prefill's, outputs equal to full's, share of prompt
-    tokens computed, median TTFT and full's median TTFT over it."""
+def _case_rows(llm, tokenizer, eos: int, name: str, seed: int, tc, arms: list[str]) -> list[dict]:
+    """One case under every arm in turn: its figures per arm (full prefill first: the others compare with it)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvreuse.vllm.modules.common import BLEND_PASS
+
+    rows: list[dict] = []
+    full_tokens: list[int] = []
+    full_right = False
+    for arm in arms:
+        transfer = CURVE_ARMS[arm]
+        params = SamplingParams(
+            max_tokens=MAX_NEW_TOKENS,
+            temperature=0.0,
+            stop_token_ids=[eos],
+            skip_reading_prefix_cache=transfer is None,
+            extra_args={"kv_transfer_params": transfer} if transfer else None,
+        )
+        llm.reset_prefix_cache()
+        before = llm.collective_rpc(_worker_figures)[0]
+        out = llm.generate([TokensPrompt(prompt_token_ids=list(tc.prompt))], params, use_tqdm=False)[0]
+        after = llm.collective_rpc(_worker_figures)[0]
+        tokens = list(out.outputs[0].token_ids)
+        ttft = _ttft(out)
+        if ttft is None:
+            raise SystemExit("vLLM gave no request stats (disable_log_stats must be off)")
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        right = is_correct(text, tc.case)
+        if transfer is None:
+            full_tokens, full_right = tokens, right
+        report = (out.kv_transfer_params or {}).get(BLEND_PASS)
+        rows.append(
+            {
+                "set": name,
+                "seed": seed,
+                "case": tc.case.key,
+                "arm": arm,
+                "right": right,
+                "full_right": full_right,
+                "same_as_full": tokens == full_tokens,
+                "same_answer_as_full": same_output(full_tokens, tokens, ANSWER, tokenizer.decode),
+                "prompt_tokens": len(tc.prompt),
+                "computed": len(tc.prompt) - out.num_cached_tokens,
+                "passed": report["tokens"] * (report["layers"] + 1) / NUM_LAYERS if report else 0.0,
+                "ttft_s": ttft,
+                "load_s": after["load_s"] - before["load_s"],
+                "blend_s": after["blend_s"] - before["blend_s"],
+                "loadavg": os.getloadavg()[0],
+            }
+        )
+    return rows
+
+
+def _worker_figures(worker) -> dict:
+    from kvreuse.vllm.runtime import module_figures
+
+    return module_figures()
+
+
+def _rows(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _curve_summary(rows: list[dict], arms: list[str]) -> dict[str, dict[str, dict]]:
+    """Per set and arm: right answers, full prefill's right answers kept, outputs equal to full's (tokens; answers
+    after :data:`ANSWER`), prompt tokens computed (vLLM's count; with the pass), median TTFT and full's median over
+    it, and where the arm's TTFT went (module loads, the pass), each a share of its median TTFT."""
     summary: dict[str, dict[str, dict]] = {}
     for name in dict.fromkeys(r["set"] for r in rows):
         mine = [r for r in rows if r["set"] == name]
-        full_ttft = statistics.median(r["ttft_s"] for r in mine if r["arm"] == "full")
-        full_right = sum(r["right"] for r in mine if r["arm"] == "full")
+        full = {r["case"]: r for r in mine if r["arm"] == "full"}
+        full_ttft = statistics.median(r["ttft_s"] for r in full.values())
         summary[name] = {}
-        for arm in CURVE_ARMS:
-            arm_rows = [r for r in mine if r["arm"] == arm]
-            right = sum(r["right"] for r in arm_rows)
+        for arm in ["full", *arms]:
+            arm_rows = [r for r in mine if r["arm"] == arm and r["case"] in full]
+            if not arm_rows:
+                continue
             ttft = statistics.median(r["ttft_s"] for r in arm_rows)
+            tokens = sum(r["prompt_tokens"] for r in arm_rows)
             summary[name][arm] = {
                 "cases": len(arm_rows),
-                "right": right,
-                "vs_full": round(right / full_right, 4) if full_right else None,
+                "right": sum(r["right"] for r in arm_rows),
+                "full_right": sum(full[r["case"]]["right"] for r in arm_rows),
+                "kept": sum(r["right"] and full[r["case"]]["right"] for r in arm_rows),
                 "same_as_full": sum(r["same_as_full"] for r in arm_rows),
-                "computed_share": round(
-                    sum(r["computed"] for r in arm_rows) / sum(r["prompt_tokens"] for r in arm_rows), 4
-                ),
+                "same_answer_as_full": sum(r["same_answer_as_full"] for r in arm_rows),
+                "computed_share": round(sum(r["computed"] for r in arm_rows) / tokens, 4),
+                "with_pass_share": round(sum(r["computed"] + r["passed"] for r in arm_rows) / tokens, 4),
                 "ttft_median_s": round(ttft, 5),
                 "speedup": round(full_ttft / ttft, 2),
+                "load_share": round(statistics.median(r["load_s"] / r["ttft_s"] for r in arm_rows), 3),
+                "pass_share": round(statistics.median(r["blend_s"] / r["ttft_s"] for r in arm_rows), 3),
+                "loadavg": [
+                    round(min(r["loadavg"] for r in arm_rows), 1),
+                    round(max(r["loadavg"] for r in arm_rows), 1),
+                ],
             }
     return summary
 
 
 def _print_curves(summary: dict[str, dict[str, dict]]) -> None:
-    print("| set | arm | right | of full's | same 16 tokens as full | prompt tokens computed | TTFT full/arm |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "| set | arm | right | full's right answers kept | same 16 tokens as full | same answer as full "
+        "| prompt tokens computed (with the pass) | TTFT full/arm | of its TTFT: loads, pass |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, arms in summary.items():
         for arm, r in arms.items():
-            vs_full = f"{r['vs_full']:.0%}" if r["vs_full"] is not None else "n/a"
+            n = r["cases"]
+            with_pass = f" ({r['with_pass_share']:.1%})" if r["with_pass_share"] != r["computed_share"] else ""
             print(
-                f"| {name} | {arm} | {r['right']}/{r['cases']} | {vs_full} | {r['same_as_full']}/{r['cases']} | "
-                f"{r['computed_share']:.1%} | {r['speedup']:.1f}x |"
+                f"| {name} | {arm} | {r['right']}/{n} | {r['kept']}/{r['full_right']} | {r['same_as_full']}/{n} "
+                f"| {r['same_answer_as_full']}/{n} | {r['computed_share']:.1%}{with_pass} | {r['speedup']:.1f}x "
+                f"| {r['load_share']:.0%}, {r['pass_share']:.0%} |"
             )
 
 
 def _plot_curves(summary: dict[str, dict[str, dict]], path: Path) -> None:
-    """Per set, accuracy as a share of full prefill's against the share of prompt tokens computed, one colour per
-    recovery (its compute points joined); the goal's corner shaded."""
+    """Per set, full prefill's answers kept and outputs the same as full's against the share of prompt tokens
+    computed (with the pass), one point per arm; the goal's corner shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    families = dict.fromkeys(arm.split("-")[0] for arm in CURVE_ARMS)
-    colours = plt.get_cmap("tab10")
-    fig, axes = plt.subplots(1, len(summary), figsize=(4.2 * len(summary), 4.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(summary), figsize=(5 * len(summary), 4.4), squeeze=False, sharey=True)
     for ax, (name, arms) in zip(axes[0], summary.items()):
-        for i, family in enumerate(families):
-            points = sorted(
-                (r["computed_share"], r["vs_full"] or 0.0) for arm, r in arms.items() if arm.split("-")[0] == family
-            )
-            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color=colours(i), label=family, markersize=5)
-        ax.fill_between([0, 0.2], 0.95, 1.3, color="#1b9e77", alpha=0.15, label="goal: >= 95% at <= 20%")
-        ax.set_title(f"{name} ({next(iter(arms.values()))['cases']} cases)")
-        ax.set_xlabel("share of prompt tokens computed")
+        for arm, r in arms.items():
+            x = r["with_pass_share"]
+            kept = r["kept"] / r["full_right"] if r["full_right"] else 0.0
+            same = r["same_answer_as_full"] / r["cases"]
+            ax.scatter([x], [kept], marker="o", color="tab:blue")
+            ax.scatter([x], [same], marker="x", color="tab:orange")
+            ax.annotate(arm, (x, kept), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.scatter([], [], marker="o", color="tab:blue", label="full's right answers kept")
+        ax.scatter([], [], marker="x", color="tab:orange", label="same answer (first line) as full")
+        ax.fill_between([0, 0.3], 0.9, 1.05, color="#1b9e77", alpha=0.15, label="goal: >= 0.9 at <= 30%")
+        ax.set_title(f"{name} ({arms['full']['cases']} cases)")
+        ax.set_xlabel("share of prompt tokens computed (with the pass)")
         ax.set_xscale("symlog", linthresh=0.05)
         ax.set_xlim(0, 1.1)
-    axes[0][0].set_ylabel("right answers as a share of full prefill's")
+    axes[0][0].set_ylabel("share of cases")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -28,6 +28,7 @@ class EvictionPolicy(StrEnum):
 
 EVICTION_POLICIES = tuple(EvictionPolicy)
 AUTO = -1  # gpu_bytes: the device tier's size is the budget the engine adapter gives the store
+MAX_BLEND_LAYERS = 1024  # blend_layers: more than any model's layer count (past the model's: the whole run)
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,27 @@ class ModulesConfig:
         "with recompute_first and recompute_share, the union (0 = none)",
         low=0,
         high=1,
+    )
+    recompute_blend: float = config.setting(
+        0.0,
+        "engine: share (0 to 1) of a spliced run's module tokens whose KV is not a full prefill's, computed afresh "
+        "as chosen from the request itself (CacheBlend): every such token is first computed through the first "
+        "blend_layers layers with the prompt before it (its KV there, and on the next layer, becomes a full "
+        "prefill's), ranked by how far its KV on the next layer lies from the spliced KV, and the top share is "
+        "recomputed in every layer (kvreuse.modules.blend); one budget per prompt; a request may set its own with "
+        'kv_transfer_params {"kvreuse_recompute_blend": R}; with recompute_first, recompute_share and '
+        "recompute_budget, the union (0 = off); needs kvreuse's attention backend and a Llama-type model on one "
+        "worker",
+        low=0,
+        high=1,
+    )
+    blend_layers: int = config.setting(
+        1,
+        "engine: layers computed for every spliced token before recompute_blend's choice (the exact first layers; "
+        "1 = layer 0 alone, as CacheBlend); at least the model's layer count computes the whole run; a request may "
+        'set its own with kv_transfer_params {"kvreuse_blend_layers": L}',
+        low=1,
+        high=MAX_BLEND_LAYERS,
     )
 
     ape_temperature: float = config.setting(

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, TypeVar
 from kvreuse.config import TRUE_WORDS
 from kvreuse.errors import ConfigError, ModuleRegistrationError, RequestParameterError, UnsupportedPositionalEncoding
 from kvreuse.kernels.rerotate import rope_spec_from_hf_config
-from kvreuse.modules.blend import ranking
+from kvreuse.modules.blend import blend_count, ranking
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.namespace import namespace_label, namespace_of
 from kvreuse.modules.shadow import ShadowPairs
@@ -76,14 +76,18 @@ from kvreuse.patches import vllm_0_32
 from kvreuse.sparse.ape import OFF, ApeSpans
 from kvreuse.vllm.modules.common import (
     APE,
+    BLEND_PASS,
+    BlendSpec,
     LoadSpec,
     ModuleCacheMetadata,
     ModuleCacheWorkerMeta,
     ModuleWrite,
     SaveSpec,
     ape_setting,
+    blend_layers,
     encode_request,
     marks_encode,
+    recompute_blend,
     recompute_budget,
     recompute_first,
     recompute_share,
@@ -133,6 +137,11 @@ class _Look:
     first: Mapping[int, int] = field(default_factory=dict)  # module start -> first tokens (allot_first_tokens)
     exact: frozenset[int] = frozenset()  # starts of the run's modules encoded in place (splice.in_place)
     budgeted: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # module start -> budgeted_tokens' choice
+    # modules.recompute_blend: the tokens the worker chooses from the request's context (blend_count over the run's
+    # inexact tokens, ``inexact`` of them), after ``blend_layers`` exact layers; folded too.
+    blend_count: int = 0
+    blend_layers: int = 1
+    inexact: int = 0
 
     def first_count(self, module_start: int) -> int:
         """The first tokens the module at ``module_start`` recomputes: its allotment, or ``recompute_first`` for a
@@ -149,6 +158,18 @@ class _Look:
         inexact = [piece for piece in pieces if piece.module_start not in self.exact]
         return merge_positions(first, budgeted, chosen_tokens(inexact, self.rankings, self.recompute_share))
 
+    def blend_candidates(self, pieces: Sequence[Piece]) -> tuple[int, ...] | None:
+        """Prompt positions of ``pieces``' tokens whose spliced KV is not a full prefill's (the candidates of
+        ``recompute_blend``'s choice), or ``None`` where the pieces do not hold all of the run's (vLLM's prefix hit
+        ended past the run's first inexact token: the choice, made over the whole run, cannot be made again)."""
+        candidates = tuple(
+            position
+            for piece in pieces
+            if piece.module_start not in self.exact
+            for position in range(piece.prompt_start, piece.prompt_end)
+        )
+        return candidates if len(candidates) == self.inexact else None
+
 
 @dataclass(frozen=True)
 class _Plan:
@@ -156,11 +177,13 @@ class _Plan:
 
     pieces: list[Piece]
     recompute: tuple[int, ...] = ()
+    blend: BlendSpec | None = None  # context_slots filled in once vLLM allocated the blocks
 
     @property
     def external(self) -> int:
         """The tokens offered to vLLM as computed."""
-        return sum(piece.length for piece in self.pieces) - len(self.recompute)
+        chosen = self.blend.count if self.blend is not None else 0
+        return sum(piece.length for piece in self.pieces) - len(self.recompute) - chosen
 
 
 class ModuleScheduler:
@@ -202,6 +225,7 @@ class ModuleScheduler:
         self._loads: list[LoadSpec] = []  # allocated, for the next step's metadata
         self._prompt_lens: dict[str, int] = {}  # requests of self._loads that recompute: their prompt's length
         self._ape: dict[str, ApeSpans] = {}  # requests whose later tokens attend to their modules with APE
+        self._blended: dict[str, tuple[int, int]] = {}  # requests whose load ran recompute_blend's pass: its size
         # APE is applied by kvreuse's attention backend in PyTorch; the Triton kernels (CUDA) know no APE bias.
         self.applies_ape = applies_ape(vllm_config)
         if self.config.ape != OFF and not self.applies_ape:
@@ -209,6 +233,12 @@ class ModuleScheduler:
                 f"modules.ape_temperature / modules.ape_scale ({self.config.ape}) need kvreuse's attention backend "
                 f"over vLLM's CPU build ({SPARSE_CPU_SWITCH}=1); this engine {NO_APE}"
             )
+        # modules.recompute_blend's pass runs the model's first layers in the worker, over its own heads: one
+        # worker holds every head and layer (a tensor- or pipeline-parallel engine would rank each share apart).
+        self.blend_refusal = blend_refusal(vllm_config)
+        if self.config.recompute_blend and self.blend_refusal:
+            raise ConfigError(f"modules.recompute_blend ({self.config.recompute_blend}) {self.blend_refusal}")
+        self.num_layers = int(vllm_config.model_config.hf_config.num_hidden_layers)
         self._writes: dict[str, ModuleWrite | None] = {}  # encode requests asked about: the write, None if refused
         self._encodes: dict[str, tuple[ModuleWrite, tuple[int, ...]]] = {}  # req id -> write, prompt
         self.skipped: Counter[str] = Counter()  # modules found but not spliced, by reason (since take_stats)
@@ -263,6 +293,7 @@ class ModuleScheduler:
                 ape,
                 stop,
                 self._recompute_budget(request),
+                self._blend_setting(request),
             )
             if look.ape is not None:
                 self._ape[rid] = look.ape
@@ -276,7 +307,18 @@ class ModuleScheduler:
                 return None
         stop = min(len(prompt), request.num_tokens) - 1  # vLLM computes at least the last token
         pieces = plan_splice(look.matches, num_computed_tokens, stop, self.available.__contains__)
-        plan = self._plans[rid] = _Plan(pieces, look.recompute(pieces))
+        fixed = look.recompute(pieces)
+        blend = None
+        if look.blend_count:
+            candidates = look.blend_candidates(pieces)
+            if candidates is None:
+                # The hit holds inexact tokens of a run chosen over as a whole (an identical request's blocks): the
+                # rest of the run is computed, never chosen again over a part of it.
+                self._plans.pop(rid, None)
+                return 0
+            count = min(look.blend_count, len(set(candidates) - set(fixed)))
+            blend = BlendSpec(count, look.blend_layers, candidates, ()) if count else None
+        plan = self._plans[rid] = _Plan(pieces, fixed, blend)
         if rid not in self._counted:  # counted once per request (vLLM may ask again while it waits)
             self._counted.add(rid)
             self._count_skipped(request, prompt, look.matches, pieces, num_computed_tokens, stop)
@@ -293,26 +335,41 @@ class ModuleScheduler:
             return
         self._spliced.add(rid)
         if (
-            plan.recompute
+            (plan.recompute or plan.blend is not None)
             and num_external_tokens == plan.external
             and plan.pieces[-1].prompt_end <= len(block_ids) * self.block_size
         ):
             # The whole run is loaded; the recomputed positions are overwritten by the forward.
-            self._loads.append(self._load(rid, plan.pieces, block_ids, plan.recompute))
+            blend = plan.blend
+            if blend is not None:
+                context = tuple(token_slots(block_ids, self.block_size, 0, plan.pieces[0].prompt_start))
+                blend = replace(blend, context_slots=context)
+            self._loads.append(self._load(rid, plan.pieces, block_ids, plan.recompute, blend))
             self._prompt_lens[rid] = request.num_tokens
             return
         # vLLM took fewer tokens than offered (or the run's blocks are not all allocated): load the first ones;
         # vLLM computes the rest of the run at its own positions (more recompute than asked, never a wrong one).
         self._loads.append(self._load(rid, _first(plan.pieces, num_external_tokens, rid), block_ids, ()))
 
-    def _load(self, rid: str, pieces: list[Piece], block_ids: Sequence[int], recompute: tuple[int, ...]) -> LoadSpec:
+    def _load(
+        self,
+        rid: str,
+        pieces: list[Piece],
+        block_ids: Sequence[int],
+        recompute: tuple[int, ...],
+        blend: BlendSpec | None = None,
+    ) -> LoadSpec:
         slots = tuple(tuple(token_slots(block_ids, self.block_size, p.prompt_start, p.prompt_end)) for p in pieces)
         blocks = tuple(tuple(sorted({s // self.block_size for s in piece_slots})) for piece_slots in slots)
-        start = pieces[-1].prompt_end - len(recompute) if recompute else 0
-        return LoadSpec(rid, tuple(pieces), slots, blocks, recompute, start)
+        chosen = len(recompute) + (blend.count if blend is not None else 0)
+        start = pieces[-1].prompt_end - chosen if chosen else 0
+        return LoadSpec(rid, tuple(pieces), slots, blocks, recompute, start, blend)
 
     def build_metadata(self, scheduler_output: SchedulerOutput) -> ModuleCacheMetadata:
         loads = [self._whole_or_plain(spec, scheduler_output) for spec in self._loads]
+        self._blended.update(
+            {spec.req_id: (len(spec.blend.candidates), spec.blend.layers) for spec in loads if spec.blend is not None}
+        )
         meta = ModuleCacheMetadata(loads=loads, saves=self._saves(scheduler_output))
         scheduled = scheduler_output.num_scheduled_tokens
         meta.ape = {rid: spans for rid, spans in self._ape.items() if rid in scheduled}
@@ -331,7 +388,7 @@ class ModuleScheduler:
         (chunked prefill) the plain load of its first ``spec.start`` tokens: the recomputed tokens would be spread
         over steps whose slots and keys the worker does not see, so vLLM computes the run's end at its own
         positions instead (more recompute than asked, never a wrong one)."""
-        if not spec.recompute:
+        if not spec.recompute and spec.blend is None:
             return spec
         scheduled = scheduler_output.num_scheduled_tokens.get(spec.req_id, 0)
         if spec.start + scheduled == self._prompt_lens.get(spec.req_id, -1):
@@ -432,8 +489,25 @@ class ModuleScheduler:
             self.shadow_counts["shadow_checks"] += 1
             self.shadow_counts["shadow_agreed"] += agreed
 
+    def finished_params(self, request_id: str) -> dict[str, dict[str, int]] | None:
+        """What the finished request's output reports in its ``kv_transfer_params``: the size of the pass its
+        ``recompute_blend`` ran (``{BLEND_PASS: {"tokens": T, "layers": L}}``: T spliced tokens through the first L
+        layers and the next one's keys and values, work vLLM's count of computed tokens leaves out), else nothing."""
+        if request_id not in self._blended:
+            return None
+        tokens, layers = self._blended[request_id]
+        return {BLEND_PASS: {"tokens": tokens, "layers": layers}}
+
     def finished(self, request_id: str) -> None:
-        for state in (self._looks, self._plans, self._writes, self._encodes, self._prompt_lens, self._ape):
+        for state in (
+            self._looks,
+            self._plans,
+            self._writes,
+            self._encodes,
+            self._prompt_lens,
+            self._ape,
+            self._blended,
+        ):
             state.pop(request_id, None)
         self._counted.discard(request_id)
         self._spliced.discard(request_id)
@@ -467,6 +541,12 @@ class ModuleScheduler:
         """The share of the spliced run's module tokens ``request`` recomputes under one budget (its own, else the
         engine's)."""
         return self._own_setting(request, recompute_budget, self.config.recompute_budget, "modules.recompute_budget")
+
+    def _blend_setting(self, request: Request) -> tuple[float, int]:
+        """``request``'s (recompute_blend, blend_layers): its own, else the engine's."""
+        share = self._own_setting(request, recompute_blend, self.config.recompute_blend, "modules.recompute_blend")
+        layers = self._own_setting(request, blend_layers, self.config.blend_layers, "modules.blend_layers")
+        return share, layers
 
     def _rankings(self, request: Request, matches: list[ModuleMatch], share: float) -> dict[Hashable, tuple[int, ...]]:
         """The encode-time rankings of the modules of ``matches`` (none when ``share`` is 0); a module without one
@@ -513,6 +593,7 @@ class ModuleScheduler:
         ape: tuple[float, float] = OFF,
         stop: int = 0,
         budget: float = 0.0,
+        blend: tuple[float, int] = (0.0, 1),
     ) -> _Look:
         """Fold the entries of ``matches`` into the request's block hashes from ``first_block`` on (module doc),
         and ``recompute`` and ``share`` where they are not 0 (with the ranking of each module in the block):
@@ -530,7 +611,15 @@ class ModuleScheduler:
         ``recompute`` first tokens per module are allotted over that same run (``allot_first_tokens``): a module
         encoded in place (``in_place``: at the prompt's start with no context, or after the prompt's own tokens)
         recomputes none, the others share its budget. Each module's count is folded into its blocks, and so is
-        the choice of ``budget`` (``budgeted_tokens``, over the same run) in each module."""
+        the choice of ``budget`` (``budgeted_tokens``, over the same run) in each module.
+
+        ``blend`` (recompute_blend, blend_layers) counts the tokens the worker chooses over the run's inexact
+        tokens from the request's own context (``kvreuse.modules.blend.blend_count``; all of them at
+        ``blend_layers`` past the model's layers). That choice depends on every token of the run and on every
+        other choice in it, so the blocks holding inexact tokens are folded with the setting and the whole run's
+        identity (``_run_identity``): only a request with the same run, settings and prefix (the hashes chain) gets
+        them. An engine that cannot run the pass (``blend_refusal``) gets no splice for such a request: it is
+        computed in full, never spliced without the asked recompute."""
         rankings = self._rankings(request, matches, share)
         available = self.available.__contains__
         prompt = request.prompt_token_ids or ()
@@ -540,11 +629,39 @@ class ModuleScheduler:
         budgeted = (
             budgeted_tokens(run, budget, lambda piece: piece.module_start in exact, self.scores) if budget else {}
         )
+        share_blend, layers = blend
+        inexact = sum(piece.length for piece in run if piece.module_start not in exact)
+        count = 0
+        if share_blend:
+            if self.blend_refusal:
+                logger.error(
+                    "kvreuse: request %s asks for recompute_blend %s but %s; its modules are not spliced (the prompt "
+                    "is computed in full)",
+                    request.request_id,
+                    share_blend,
+                    self.blend_refusal,
+                )
+                return _Look([], first_block, frozenset(), recompute, share)
+            count = inexact if layers >= self.num_layers else blend_count(share_blend, inexact)
         spans = None
         if ape != OFF:
             ranges = tuple((p.prompt_start, p.prompt_end) for p in run if not (p.prompt_start == 0 and p.offset == 0))
             spans = ApeSpans(ranges, *ape) if ranges else None
-        look = _Look(matches, first_block, frozenset(), recompute, share, rankings, spans, first, exact, budgeted)
+        look = _Look(
+            matches,
+            first_block,
+            frozenset(),
+            recompute,
+            share,
+            rankings,
+            spans,
+            first,
+            exact,
+            budgeted,
+            count,
+            layers,
+            inexact,
+        )
         manager = self.kv_cache_manager
         if manager is None or not vllm_0_32.caches_prefixes(manager):
             return look  # nothing is cached: no block to tell apart
@@ -560,6 +677,17 @@ class ModuleScheduler:
             + tuple(f"recompute_budget={_digest(budgeted[m.start])}" for m in found if budgeted.get(m.start))
             for block, found in blocks.items()
         }
+        if count:
+            identity = _run_identity(run, exact, keys)
+            blended = f"recompute_blend={share_blend!r},layers={layers},run={identity}"
+            for block in {
+                p // self.block_size
+                for piece in run
+                if piece.module_start not in exact
+                for p in range(piece.prompt_start, piece.prompt_end)
+            }:
+                if block < num_blocks:
+                    keys[block] = (*keys.get(block, ()), blended)
         if spans is not None and spans.after // self.block_size < num_blocks:
             after = spans.after // self.block_size
             keys[after] = (*keys.get(after, ()), f"ape={spans.temperature!r},{spans.scale!r},{spans.ranges!r}")
@@ -627,6 +755,15 @@ class ModuleScheduler:
         return write
 
 
+def _run_identity(run: Sequence[Piece], exact: frozenset[int], keys: Mapping[int, tuple[str, ...]]) -> str:
+    """A short name of a spliced run and of every choice folded into its blocks (``keys``, by block): what
+    ``recompute_blend``'s choice over the run depends on besides the tokens before it."""
+    pieces = [
+        [getattr(p.name, "identity", repr(p.name)), p.prompt_start, p.length, p.module_start in exact] for p in run
+    ]
+    return _digest_text(json.dumps([pieces, sorted(keys.items())]))
+
+
 def _ranking_digest(order: Sequence[int]) -> str:
     """A short name of a module's ranking (a module probed again ranks its tokens anew under the same entry)."""
     return "ranking=" + _digest(order)
@@ -634,7 +771,23 @@ def _ranking_digest(order: Sequence[int]) -> str:
 
 def _digest(indices: Sequence[int]) -> str:
     """A short name of a list of a module's token indices."""
-    return hashlib.sha256(json.dumps(list(indices)).encode()).hexdigest()[:16]
+    return _digest_text(json.dumps(list(indices)))
+
+
+def _digest_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def blend_refusal(vllm_config: VllmConfig) -> str:
+    """Why this engine cannot run ``modules.recompute_blend``'s pass, or ``""``: the pass computes the model's first
+    layers over every spliced token in the worker, so one worker must hold every head and layer."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        return (
+            f"needs one worker holding the whole model (tensor parallel {parallel.tensor_parallel_size}, pipeline "
+            f"parallel {parallel.pipeline_parallel_size})"
+        )
+    return ""
 
 
 NO_APE = (
