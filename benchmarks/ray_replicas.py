@@ -9,30 +9,33 @@ between. Arms:
 - ``sorted``: rows sorted by prompt, in consecutive batches, round-robin;
 - ``bucketed+prefix-aware``: the streaming prefix bucketing (bounded buffer) and the prefix-aware router.
 
-Figures are vLLM's own (per-request ``num_cached_tokens``). Usage: ``python benchmarks/ray_replicas.py
-[--rows N] [--replicas 2]``; writes ``benchmarks/results/ray_replicas.json`` and ``.png``.
+Figures are vLLM's own (per-request ``num_cached_tokens``); the arms take turns ``--rounds`` times (forward, then
+backward) and wall time is each arm's median, with its ratio to ``naive``'s per round. Usage: ``python
+benchmarks/ray_replicas.py [--rows N] [--replicas 2] [--rounds 1]``; writes ``ray_replicas.json`` and ``.png``
+(the harness's output folder).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from demo import INSTRUCTION, movies_table
+from harness import alternate, bench_parser, describe_spread, new_figure, output_dir, ratio_spread, write_results
+from reorder_tables import MOVIES_QUESTION, movies_prompt_table
 
 from kvreuse.batch.distributed import answer_rows
 from kvreuse.localmodel import build_model, local_engine_args
 from kvreuse.reorder import prompts, solve
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
+    parser.add_argument("--rounds", type=int, default=1, help="times each arm runs, alternating")
     parser.add_argument("--rows", type=int, default=None, help="use only the first N rows")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -51,16 +54,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from kvreuse.vllm.ray_replicas import RayVLLMReplicas
 
     model = build_model("small", REPO / "build" / "models" / "small")
-    table = movies_table(args.rows)
+    table = movies_prompt_table(args.rows)
     ordering = solve(table, "ggr")  # for its per-row field order; the row order is what the arms change
-    by_row = dict(zip(ordering.rows, prompts(ordering, table, INSTRUCTION, "lines")))
+    by_row = dict(zip(ordering.rows, prompts(ordering, table, MOVIES_QUESTION, "lines")))
     shuffled = [by_row[row] for row in range(len(table))]  # the table's rows are shuffled already
     arms = [
         ("naive", shuffled, dict(bucket=False, router="round-robin")),
         ("sorted", sorted(shuffled), dict(bucket=False, router="round-robin")),
         ("bucketed+prefix-aware", shuffled, dict(bucket=True, router="prefix-aware", buffer_size=args.buffer)),
     ]
-    results, answers = [], {}
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in arms}
+    answers = {}
     ray.init(num_cpus=args.replicas, include_dashboard=False, log_to_driver=False)
     try:
         with RayVLLMReplicas(
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             num_cpus=1,
         ) as pool:
             answer_rows(shuffled[:8], pool, max_tokens=args.max_tokens, bucket=False)  # warm-up, both arms alike
-            for name, sent, options in arms:
+            for _, (name, sent, options) in alternate(arms, args.rounds):
                 pool.reset_prefix_cache()
                 t0 = time.perf_counter()
                 completions, figures = answer_rows(
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 )
                 wall = time.perf_counter() - t0
                 answers[name] = dict(zip(sent, (c.text for c in completions)))
-                results.append(
+                runs[name].append(
                     {
                         "arm": name,
                         "rows": len(sent),
@@ -93,35 +97,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:
         ray.shutdown()
     same = all(answers[name] == answers["naive"] for name in answers)
+    results = []
+    for arm_runs in runs.values():
+        walls = [run["wall_s"] for run in arm_runs]
+        speed = ratio_spread([run["wall_s"] for run in runs["naive"]], walls)
+        results.append({**arm_runs[0], "wall_s": statistics.median(walls), "wall_s_runs": walls, "speedup": speed})
     base = results[0]
     print(
         f"{len(table):,} rows of movies_small.csv on {args.replicas} replicas, batches of {args.batch_size}, "
         f"{args.kv_cache_mib} MiB of KV cache each, bucketing buffer {args.buffer}"
     )
-    print(f"{'arm':<22} {'hit rate':>8} {'computed tok':>12} {'wall s':>7} {'speedup':>7}  rows per replica")
+    print(f"{'arm':<22} {'hit rate':>8} {'computed tok':>12} {'wall s':>7}  {'speedup':<30} rows per replica")
     for r in results:
         computed = r["prompt_tokens"] - r["cached_tokens"]
-        print(
-            f"{r['arm']:<22} {r['hit_rate']:>8.1%} {computed:>12,} {r['wall_s']:>7.2f} "
-            f"{base['wall_s'] / r['wall_s']:>6.2f}x  {r['rows_per_replica']}"
-        )
+        speedup = "-" if r is base else describe_spread(r["speedup"])
+        figures = f"{r['arm']:<22} {r['hit_rate']:>8.1%} {computed:>12,} {r['wall_s']:>7.2f}"
+        print(f"{figures}  {speedup:<30} {r['rows_per_replica']}")
     print(f"greedy answers identical across arms: {same}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "ray_replicas.json").write_text(
-        json.dumps({"settings": vars(args), "arms": results, "same_answers": same}, indent=2)
-    )
-    plot(results, RESULTS / "ray_replicas.png")
+    payload = {"settings": vars(args), "arms": results, "same_answers": same}
+    write_results("ray_replicas", payload, output_dir(args), plot(results))
     return results
 
 
-def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(results: list[dict]) -> Any:
     names = [r["arm"] for r in results]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, axes = new_figure(1, 2, figsize=(9, 3.4))
     axes[0].bar(names, [r["hit_rate"] * 100 for r in results], color="#69c")
     axes[0].set_title("prefix cache hit rate, %")
     axes[1].bar(names, [r["wall_s"] for r in results], color="#c63")
@@ -129,8 +129,7 @@ def plot(results: list[dict], path: Path) -> None:
     for ax in axes:
         ax.tick_params(axis="x", rotation=15)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 if __name__ == "__main__":

@@ -25,14 +25,12 @@ often continues the record instead of answering.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from dataclasses import replace
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+from harness import REPO, bench_parser, engine, output_dir, write_results
+
 MODEL = REPO / "build" / "models" / "smollm2"
 QUESTIONS = {
     "describe": ("Describe this car in one sentence.", 24),
@@ -53,16 +51,14 @@ def score(question: str, answer: str, row: dict) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--rows", type=int, default=None)
     parser.add_argument("--questions", default=",".join(QUESTIONS))
     parser.add_argument("--chat", action="store_true")
     args = parser.parse_args(argv)
     from vega_datasets import data
-    from vllm import LLM
 
     from kvreuse.batch.job import plan_table, run_plans
-    from kvreuse.localmodel import local_engine_args
     from kvreuse.vllm.backend import VLLMBackend
 
     cars = data.cars()
@@ -70,16 +66,15 @@ def main(argv: list[str] | None = None) -> None:
         cars = cars.sample(n=args.rows, random_state=0).reset_index(drop=True)
     rows = cars.to_dict("records")
     n = len(rows)
-    llm = LLM(**local_engine_args(MODEL))
-    backend = VLLMBackend(llm)
-    tokenizer = llm.get_tokenizer()
-
-    def chat(prompt: str) -> str:
-        message = [{"role": "user", "content": prompt}]
-        return tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
-
     report = []
-    try:
+    with engine(MODEL) as llm:
+        backend = VLLMBackend(llm)
+        tokenizer = llm.get_tokenizer()
+
+        def chat(prompt: str) -> str:
+            message = [{"role": "user", "content": prompt}]
+            return tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
+
         backend.generate(["warm-up"], max_tokens=2)
         for question in args.questions.split(","):
             instruction, max_tokens = QUESTIONS[question]
@@ -129,11 +124,8 @@ def main(argv: list[str] | None = None) -> None:
                     )
                 report.append(entry)
                 print(json.dumps(entry), flush=True)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "reorder_answers_chat.json" if args.chat else "reorder_answers.json"
-    (RESULTS / name).write_text(json.dumps({"settings": vars(args), "rows": report}, indent=2))
+    name = "reorder_answers_chat" if args.chat else "reorder_answers"
+    write_results(name, {"settings": vars(args), "rows": report}, output_dir(args))
     print(f"\n{'question':9} {'arm':13} {'hit':>6} {'correct':>8} {'same':>5} {'prompt moved':>13} {'batch only':>11}")
     for e in report:
         print(

@@ -25,29 +25,30 @@ to show that with a few hundred rows the engine gets a small cache (``--kv-cache
 Arms, one engine, its prefix cache emptied before each: ``original`` (rows and fields as given: the reference),
 ``rows only`` (the default: GGR over rows, the user's field order), ``calibrated`` (the field order
 ``calibrate=--calibrate-rows`` chooses at floor 1.0; the calibration runs first, its requests counted apart, and
-the cache is emptied after it) and ``free`` (GGR moving fields per row). Every arm runs twice, in order and then
-in reverse order (the machine is shared: its wall time is the faster of the two; the answers of both runs must
-agree). Per arm: prompt tokens and those computed (not served from the prefix cache, as vLLM reports them), wall
-time against the original's, answers right (the known value, a whole word of the answer, case-insensitive) and
-identical to the original's; and the wall time ``kvreuse run``'s summary would estimate as saved against the
-original order (its planned prefill tokens saved times the per-token prefill cost its probe measures,
+the cache is emptied after it) and ``free`` (GGR moving fields per row). Every arm runs twice, in order and then in
+reverse order (``harness.alternate``; the machine is shared: its wall time is the faster of the two; the answers of
+both runs must agree). Per arm: prompt tokens and those computed (not served from the prefix cache, as vLLM reports
+them), wall time against the original's, answers right (the known value, a whole word of the answer, case-
+insensitive) and identical to the original's; and the wall time ``kvreuse run``'s summary would estimate as saved
+against the original order (its planned prefill tokens saved times the per-token prefill cost its probe measures,
 :mod:`kvreuse.batch.savings`), beside the measured difference. Usage: ``python benchmarks/reorder_chat_orders.py
 [--rows 160] [--tables movies,flights,penguins] [--kv-cache-mib 64] [--calibrate-rows 30]`` (``--rows``: a random
-sample per table, seed 0). Writes ``results/reorder_chat_orders.json`` and ``.png``.
+sample per table, seed 0). Writes ``reorder_chat_orders.json`` and ``.png`` (the harness's output folder).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import time
-from pathlib import Path
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+from harness import REPO, alternate, bench_parser, engine, new_figure, output_dir, write_results
+
+from kvreuse.localmodel import DATASETS
+
 MODEL = REPO / "build" / "models" / "smollm2"
-MOVIES = REPO.parent / "shared" / "datasets" / "movies_small.csv"
+MOVIES = DATASETS / "movies_small.csv"
 MAX_TOKENS = 8
 ARMS = ("original", "rows only", "calibrated", "free")
 
@@ -152,92 +153,89 @@ def right(truth: str, answer: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--rows", type=int, default=160)
     parser.add_argument("--tables", default="movies,flights,penguins")
     parser.add_argument("--kv-cache-mib", type=int, default=64)
     parser.add_argument("--calibrate-rows", type=int, default=30)
     args = parser.parse_args(argv)
-    from vllm import LLM
-
     from kvreuse.batch import run_table
     from kvreuse.batch.calibrate import calibrate, original_prompts, planned_stats
     from kvreuse.batch.job import plan_table
     from kvreuse.batch.savings import measure_prefill_cost
-    from kvreuse.localmodel import local_engine_args
     from kvreuse.vllm.backend import VLLMBackend
 
     report = []
     names = args.tables.split(",")
     chosen = tables(args.rows, names)
     # A prompt here is under 1,024 tokens; a smaller max_model_len lets a small cache start.
-    llm = LLM(**local_engine_args(MODEL, kv_cache_memory_bytes=args.kv_cache_mib << 20, max_model_len=1024))
-    backend = VLLMBackend(llm)
-    backend.generate(["warm-up"], max_tokens=2)
-    for name in names:
-        df, fields, question, answer = chosen[name]
-        truth = [str(v) for v in df[answer]]
-        llm.reset_prefix_cache()
-        start = time.perf_counter()
-        calibration = calibrate(
-            df, question, fields, backend=backend, n=args.calibrate_rows, max_tokens=MAX_TOKENS, order="ggr"
-        )
-        calibration_s = time.perf_counter() - start
-        print(calibration.table(), flush=True)
-        llm.reset_prefix_cache()
-        original = original_prompts(df, question, fields, "lines")
-        cost = measure_prefill_cost(backend, original)
-        options = {
-            "original": dict(order="original"),
-            "rows only": dict(order="ggr"),
-            "calibrated": dict(order="ggr", field_order=calibration.chosen),
-            "free": dict(order="ggr", field_order="free"),
-        }
-        planned = {
-            arm: planned_stats(
-                plan_table(df, question, fields, cache_model=backend.cache_model, **kw).prompts, backend.cache_model
-            )
-            for arm, kw in options.items()
-        }
-        runs: dict[str, list] = {arm: [] for arm in ARMS}
-        for arm in [*ARMS, *reversed(ARMS)]:
+    with engine(MODEL, kv_cache_memory_bytes=args.kv_cache_mib << 20, max_model_len=1024) as llm:
+        backend = VLLMBackend(llm)
+        backend.generate(["warm-up"], max_tokens=2)
+        for name in names:
+            df, fields, question, answer = chosen[name]
+            truth = [str(v) for v in df[answer]]
             llm.reset_prefix_cache()
             start = time.perf_counter()
-            result = run_table(df, question, fields, backend=backend, max_tokens=MAX_TOKENS, **options[arm])
-            runs[arm].append((time.perf_counter() - start, result))
-        reference = [str(a) for a in runs["original"][0][1].answers]
-        base_s = min(s for s, _ in runs["original"])
-        for arm in ARMS:
-            (first_s, result), (second_s, again) = runs[arm]
-            answers = [str(a) for a in result.answers]
-            figures = result.figures
-            per_token = cost.seconds_per_unit or 0.0
-            entry = dict(
-                table=name,
-                arm=arm,
-                rows=len(df),
-                prompt_tokens=figures.prompt_tokens,
-                computed_tokens=figures.prompt_tokens - figures.cached_tokens,
-                planned_computed_tokens=planned[arm].computed_tokens,
-                seconds=min(first_s, second_s),
-                seconds_both=[first_s, second_s],
-                saved_s_measured=base_s - min(first_s, second_s),
-                saved_s_estimated=(planned["original"].computed_tokens - planned[arm].computed_tokens) * per_token,
-                probe=dict(cold_s=cost.cold_s, cached_s=cost.cached_s, cold=cost.cold_units, cached=cost.cached_units),
-                right=sum(right(t, a) for t, a in zip(truth, answers)),
-                same=sum(a == b for a, b in zip(answers, reference)),
-                same_in_both_runs=answers == [str(a) for a in again.answers],
-                chosen=calibration.chosen if arm == "calibrated" else None,
-                calibration_requests=calibration.requests if arm == "calibrated" else 0,
-                calibration_s=calibration_s if arm == "calibrated" else 0.0,
-                calibration=calibration.table() if arm == "calibrated" else None,
+            calibration = calibrate(
+                df, question, fields, backend=backend, n=args.calibrate_rows, max_tokens=MAX_TOKENS, order="ggr"
             )
-            report.append(entry)
-            print(json.dumps({k: v for k, v in entry.items() if k != "calibration"}), flush=True)
+            calibration_s = time.perf_counter() - start
+            print(calibration.table(), flush=True)
+            llm.reset_prefix_cache()
+            original = original_prompts(df, question, fields, "lines")
+            cost = measure_prefill_cost(backend, original)
+            options = {
+                "original": dict(order="original"),
+                "rows only": dict(order="ggr"),
+                "calibrated": dict(order="ggr", field_order=calibration.chosen),
+                "free": dict(order="ggr", field_order="free"),
+            }
+            planned = {
+                arm: planned_stats(
+                    plan_table(df, question, fields, cache_model=backend.cache_model, **kw).prompts, backend.cache_model
+                )
+                for arm, kw in options.items()
+            }
+            runs: dict[str, list] = {arm: [] for arm in ARMS}
+            for _, arm in alternate(ARMS, 2):
+                llm.reset_prefix_cache()
+                start = time.perf_counter()
+                result = run_table(df, question, fields, backend=backend, max_tokens=MAX_TOKENS, **options[arm])
+                runs[arm].append((time.perf_counter() - start, result))
+            reference = [str(a) for a in runs["original"][0][1].answers]
+            base_s = min(s for s, _ in runs["original"])
+            for arm in ARMS:
+                (first_s, result), (second_s, again) = runs[arm]
+                answers = [str(a) for a in result.answers]
+                figures = result.figures
+                per_token = cost.seconds_per_unit or 0.0
+                entry = dict(
+                    table=name,
+                    arm=arm,
+                    rows=len(df),
+                    prompt_tokens=figures.prompt_tokens,
+                    computed_tokens=figures.prompt_tokens - figures.cached_tokens,
+                    planned_computed_tokens=planned[arm].computed_tokens,
+                    seconds=min(first_s, second_s),
+                    seconds_both=[first_s, second_s],
+                    saved_s_measured=base_s - min(first_s, second_s),
+                    saved_s_estimated=(planned["original"].computed_tokens - planned[arm].computed_tokens) * per_token,
+                    probe=dict(
+                        cold_s=cost.cold_s, cached_s=cost.cached_s, cold=cost.cold_units, cached=cost.cached_units
+                    ),
+                    right=sum(right(t, a) for t, a in zip(truth, answers)),
+                    same=sum(a == b for a, b in zip(answers, reference)),
+                    same_in_both_runs=answers == [str(a) for a in again.answers],
+                    chosen=calibration.chosen if arm == "calibrated" else None,
+                    calibration_requests=calibration.requests if arm == "calibrated" else 0,
+                    calibration_s=calibration_s if arm == "calibrated" else 0.0,
+                    calibration=calibration.table() if arm == "calibrated" else None,
+                )
+                report.append(entry)
+                print(json.dumps({k: v for k, v in entry.items() if k != "calibration"}), flush=True)
     print_table(report)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "reorder_chat_orders.json").write_text(json.dumps(report, indent=2))
-    plot(report, RESULTS / "reorder_chat_orders.png")
+    write_results("reorder_chat_orders", {"settings": vars(args), "rows": report}, output_dir(args), plot(report))
 
 
 def print_table(report: list[dict]) -> None:
@@ -257,16 +255,12 @@ def print_table(report: list[dict]) -> None:
         )
 
 
-def plot(report: list[dict], path: Path) -> None:
+def plot(report: list[dict]) -> Any:
     """Prefill tokens computed per arm, relative to the original order, grouped by table."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     names = list(dict.fromkeys(e["table"] for e in report))
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = new_figure(figsize=(9, 4))
     width = 0.8 / len(ARMS)
     for i, arm in enumerate(ARMS):
         ratios = []
@@ -278,9 +272,9 @@ def plot(report: list[dict], path: Path) -> None:
     ax.set_xticks(np.arange(len(names)) + width * (len(ARMS) - 1) / 2, names)
     ax.set_ylabel("prefill tokens computed / original order's")
     ax.set_title("SmolLM2 with its chat template: prefill by field order")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
 
 
 if __name__ == "__main__":

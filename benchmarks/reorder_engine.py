@@ -3,26 +3,24 @@
 Same tables and orders as ``reorder_orders.py`` (``ggr`` is what kvreuse sends: token-exact GGR with the engine's
 tokenizer and block size). All orders of a table share one engine, its prefix cache reset
 between them. ``fec`` is cut to its first ``--fec-rows`` rows (default 3,000) to keep the run to minutes on a
-2-core machine. Usage: ``python benchmarks/reorder_engine.py [--tables movies,fec,airports,penguins]``.
+2-core machine. Usage: ``python benchmarks/reorder_engine.py [--tables movies,fec,airports,penguins] [--rounds 1]``
+(``--rounds``: times each order runs, alternating; wall time is the median).
 """
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
-from harness import Arm, BenchRequest, run_ab
+from harness import REPO, Arm, BenchRequest, bench_parser, output_dir, run_ab
 from reorder_orders import BLOCK, INSTRUCTION, load_tables
 
 from kvreuse.localmodel import build_model
 from kvreuse.reorder import prepare_table, prompts, solve, token_hit_measure
 
-REPO = Path(__file__).resolve().parents[1]
 ORDERS = ("original", "sorted", "stats", "ggr")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--tables", default="movies,fec,airports,penguins")
     parser.add_argument("--fec-rows", type=int, default=3000)
     args = parser.parse_args(argv)
@@ -44,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
             return prepare
 
         original = send_in("original")(None)
-        run_ab(f"reorder_engine_{name}", original, [Arm(m, prepare=send_in(m)) for m in ORDERS], model, max_tokens=4)
+        arms = [Arm(m, prepare=send_in(m)) for m in ORDERS]
+        run_ab(f"reorder_engine_{name}", original, arms, model, rounds=args.rounds, out_dir=output_dir(args))
 
 
 if __name__ == "__main__":

@@ -13,12 +13,11 @@ Usage: ``python benchmarks/reorder_orders.py [--tables cars,...] [--samples 8]``
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from pathlib import Path
+from typing import Any
 
 import numpy as np
+from harness import REPO, bench_parser, new_figure, output_dir, write_results
 from reference_ggr import reference_ggr
 from reorder_tables import load_tables
 
@@ -26,8 +25,6 @@ from kvreuse.reorder import block_hit_stats, prefix_hit_count, prepare_table, pr
 
 __all__ = ["BLOCK", "INSTRUCTION", "load_tables"]
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 ORDERS = ("original", "stats", "paper", "ggr-phc", "ggr")
 INSTRUCTION = "Read the record below and answer in one word: is anything in it unusual?"
 BLOCK = 32
@@ -87,15 +84,10 @@ def ophr_gaps(df, samples: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    """Token hit rate of every order, grouped by table."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[dict]) -> Any:
+    """The token hit rate of every order, grouped by table."""
     tables = list(dict.fromkeys(r["table"] for r in rows))
-    fig, ax = plt.subplots(figsize=(10, 4))
+    fig, ax = new_figure(figsize=(10, 4))
     width = 0.8 / len(ORDERS)
     for i, method in enumerate(ORDERS):
         rates = [next(r["hit_rate"] for r in rows if r["table"] == t and r["order"] == method) for t in tables]
@@ -103,14 +95,13 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xticks(np.arange(len(tables)) + width * (len(ORDERS) - 1) / 2, tables)
     ax.set_ylabel("token hit rate (SmolLM2 tokens, blocks of 32)")
     ax.set_title("Token prefix hit rate by order")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--tables", default=None)
     parser.add_argument("--samples", type=int, default=8)
     args = parser.parse_args(argv)
@@ -142,10 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{name:9} {min(ratios):.3f} / {np.median(ratios):.3f} / {np.mean(ratios):.3f}  "
             f"{max(x['ophr_s'] for x in g):.1f}"
         )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "reorder_orders.json").write_text(json.dumps({"orders": rows, "ggr_over_ophr": gaps}, indent=2))
-    plot(rows, RESULTS / "reorder_orders.png")
-    print(f"wrote {RESULTS / 'reorder_orders.json'} and {RESULTS / 'reorder_orders.png'}")
+    write_results("reorder_orders", {"orders": rows, "ggr_over_ophr": gaps}, output_dir(args), plot(rows))
 
 
 if __name__ == "__main__":

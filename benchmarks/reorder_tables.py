@@ -43,3 +43,21 @@ def load_tables(names: str | None = None) -> dict[str, pd.DataFrame]:
     if unknown:
         raise SystemExit(f"unknown table(s) {', '.join(unknown)}; tables: {', '.join(loaders)}")
     return {name: loaders[name]() for name in chosen}
+
+
+MOVIES_QUESTION = (
+    "Given the following fields of a movie and a user review, is this movie suitable for kids? Answer yes or no."
+)
+
+
+def movies_prompt_table(rows: int | None = None) -> pd.DataFrame:
+    """The movies table as prompt text: every field of ``movies_small.csv`` but ``id``; the first ``rows`` if given.
+
+    The scheduler and Ray benchmarks ask :data:`MOVIES_QUESTION` of it.
+    """
+    from kvreuse.reorder.table import prepare_table
+
+    df = pd.read_csv(DATASETS / "movies_small.csv", dtype=str, keep_default_na=False)
+    if rows:
+        df = df.head(rows)
+    return prepare_table(df, [c for c in df.columns if c != "id"])

@@ -17,13 +17,12 @@ plugin switched on), and the baseline's agreement with it is reported.
 
 Figures: requests sent, status counts, 5xx (goal 0), server deaths (health checked after every request; goal 0),
 victim answers checked and changed (goal 0). ``python benchmarks/request_fuzz.py [--requests N] [--seconds S]``
-prints a table, writes ``results/request_fuzz.json`` and draws ``results/request_fuzz.png``; the integration test
+prints a table, writes ``request_fuzz.json`` and ``.png`` (the harness's output folder); the integration test
 ``integration_tests/test_module_security_serve.py`` runs a short campaign with the same functions.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -38,13 +37,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from harness import bench_parser, new_figure, output_dir, write_results
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration_tests"))
 from served import healthy, vllm_serve  # noqa: E402  (a server for tests and benchmarks alike)
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SERVED = "smollm2"
 API_KEY = "client-api-key-0123"
 WRITE_KEY = "operator-module-key-0123456789"
@@ -331,7 +330,7 @@ def _shown(params: Any) -> Any:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=1000, help="fuzz requests at most (default 1000)")
     parser.add_argument("--seconds", type=float, default=900, help="campaign time at most (default 900)")
     parser.add_argument("--model", default=None, help="model folder (default: build/models/smollm2, built if needed)")
@@ -360,20 +359,13 @@ def main() -> None:
             )
     print("| figure | value |\n| --- | --- |")
     print(figures.table())
-    RESULTS.mkdir(exist_ok=True)
     record = {**asdict(figures), "statuses": dict(figures.statuses), "requests_asked": args.requests}
-    (RESULTS / "request_fuzz.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
-    plot(figures, RESULTS / "request_fuzz.png")
+    write_results("request_fuzz", record, output_dir(args), plot(figures))
 
 
-def plot(figures: CampaignFigures, path: Path) -> None:
+def plot(figures: CampaignFigures) -> Any:
     """The fuzz requests by the server's answer, and the victim checks (changed ones in red)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
+    fig, (left, right) = new_figure(1, 2, figsize=(9, 3.2))
     statuses = sorted(figures.statuses.items())
     left.bar([s for s, _ in statuses], [n for _, n in statuses], color="#7570b3")
     left.set_title(f"{figures.requests} fuzz requests by status")
@@ -381,7 +373,7 @@ def plot(figures: CampaignFigures, path: Path) -> None:
               color=["#1b9e77", "#d95f02"])  # fmt: skip
     right.set_title("victim answers")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 if __name__ == "__main__":

@@ -22,21 +22,19 @@ makespan in ticks (the time the slowest replica finishes; lower is better).
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import statistics
 import sys
 import time
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from typing import Any
+
+from harness import bench_parser, new_figure, output_dir, write_results
 
 from kvreuse.reorder import bucket_stream
 from kvreuse.reorder.bucketing import common_prefix_length
 from kvreuse.reorder.routing import ROUTERS, make_router
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass(frozen=True)
@@ -178,14 +176,9 @@ def format_table(figures: list[RouterFigures]) -> str:
     return "\n".join(lines)
 
 
-def plot(figures: list[RouterFigures], w: Workload, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(figures: list[RouterFigures], w: Workload) -> Any:
     names = [f.router for f in figures]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    fig, axes = new_figure(1, 3, figsize=(12, 3.6))
     for ax, values, title in zip(
         axes,
         ([f.hit_rate * 100 for f in figures], [f.requests_cv for f in figures], [f.makespan_ticks for f in figures]),
@@ -198,12 +191,11 @@ def plot(figures: list[RouterFigures], w: Workload, path: Path) -> None:
         f"{w.prompts:,} prompts, {w.prefixes} prefixes, {w.replicas:,} replicas ({w.cache_blocks} cache blocks each)"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> list[RouterFigures]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--full", action="store_true", help="200,000 prompts on 2,048 replicas")
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--replicas", type=int, default=None)
@@ -245,11 +237,8 @@ def main(argv: list[str] | None = None) -> list[RouterFigures]:
         f"{w.replicas:,} replicas, {w.cache_blocks} cache blocks each, batches of {w.batch}"
     )
     print(format_table(figures))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(
-        json.dumps({"workload": asdict(w), "routers": [asdict(f) for f in figures]}, indent=2)
-    )
-    plot(figures, w, RESULTS / f"{name}.png")
+    payload = {"workload": asdict(w), "routers": [asdict(f) for f in figures]}
+    write_results(name, payload, output_dir(args), plot(figures, w))
     return figures
 
 

@@ -56,11 +56,31 @@ def vllm_serve(
     The server runs in a session of its own, so that stopping it stops its engine processes too.
     """
     port = free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port)]
+    with _serving(command + list(arguments), port, workdir, env) as (url, process, _):
+        yield url, process
+
+
+@contextmanager
+def serve_command(
+    command: str, workdir: Path, env: Mapping[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen, Path]]:
+    """``(url, process, log)`` of a server started by ``command`` as a user types it (a shell line, such as a
+    documented ``vllm serve ...``), in ``workdir``, with ``--port`` and a free port added; stopped after, with its
+    children."""
+    port = free_port()
+    with _serving(["bash", "-c", f"exec {command} --port {port}"], port, workdir, env) as served:
+        yield served
+
+
+@contextmanager
+def _serving(
+    argv: Sequence[str], port: int, workdir: Path, env: Mapping[str, str] | None
+) -> Iterator[tuple[str, subprocess.Popen, Path]]:
     log = workdir / f"server-{port}.log"
     with log.open("w") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port)]
-            + list(arguments),
+            list(argv),
             stdout=sink,
             stderr=subprocess.STDOUT,
             cwd=workdir,
@@ -70,7 +90,7 @@ def vllm_serve(
         url = f"http://127.0.0.1:{port}"
         try:
             wait_until_healthy(url, process, log)
-            yield url, process
+            yield url, process, log
         finally:
             stop_group(process)
 

@@ -1148,6 +1148,11 @@ MANIFEST.declare_interface(
     attribute("vllm.v1.request:Request.kv_transfer_params"),
     attribute("vllm.v1.request:Request.num_tokens"),
     attribute("vllm.v1.request:Request.cache_salt"),
+    attribute("vllm.v1.request:Request.lora_request"),  # what a module entry records its KV was computed with
+    attribute("vllm.v1.request:Request.mm_features"),  # inputs besides token ids: nothing spliced or encoded
+    attribute("vllm.v1.request:Request.prompt_embeds"),
+    attribute("vllm.lora.request:LoRARequest.lora_name"),
+    attribute("vllm.lora.request:LoRARequest.lora_path"),
     value("vllm.v1.request:RequestStatus.RUNNING"),
     # stat loggers (vllm.stat_logger_plugins)
     call("vllm.v1.metrics.loggers:AggregateStatLoggerBase.__init__", "self", "vllm_config", "engine_indexes"),

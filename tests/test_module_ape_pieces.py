@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from numerics import gamma
-from test_module_connector_pieces import module_scheduler
+from test_module_connector_pieces import module_scheduler, register
 
 from kvreuse.errors import ConfigError, RequestParameterError
 from kvreuse.modules.config import ModulesConfig
@@ -216,10 +216,7 @@ def _request(params, rid="r"):
     # block size 4, no prefix cache; recompute_first 0 (its default, 16, would recompute these short modules whole)
     scheduler = module_scheduler(recompute_first=0)
     header, a, b = ModuleKey("header", 0), ModuleKey("a", 1), ModuleKey("b", 2)
-    scheduler.trie.add(header, (1, 2, 3))
-    scheduler.trie.add(a, (4, 5, 6, 7, 8, 9))
-    scheduler.trie.add(b, (10, 11, 12, 13))
-    scheduler.available = {header, a, b}
+    register(scheduler, (header, (1, 2, 3)), (a, (4, 5, 6, 7, 8, 9)), (b, (10, 11, 12, 13)))
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 0, 0]  # header [0, 3), a [3, 9), b [9, 13), question
     request = SimpleNamespace(
         request_id=rid, prompt_token_ids=prompt, num_tokens=len(prompt), kv_transfer_params=params, cache_salt=None

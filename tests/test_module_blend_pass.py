@@ -11,16 +11,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_module_connector_pieces import module_scheduler
+from test_module_connector_pieces import module_scheduler, register
 from test_module_recompute_pieces import _place, _splice_request, _step
 
 from kvreuse.errors import ConfigError, RequestParameterError
 from kvreuse.modules.blend import attend_before, blend_count, kv_deviation, top_tokens
-from kvreuse.modules.store import NO_CONTEXT, ModuleKey
+from kvreuse.modules.store import ModuleKey
 from kvreuse.sparse import cpu_attention
 from kvreuse.vllm.modules.common import (
     BlendSpec,
     LoadSpec,
+    ModuleCacheWorkerMeta,
     blend_layers,
     check_transfer_params,
     recompute_blend,
@@ -163,7 +164,7 @@ def test_the_scheduler_offers_the_run_less_the_blend_count_and_hands_the_worker_
 
 def test_an_exact_module_is_no_candidate_and_the_union_with_first_tokens_adds_up():
     scheduler, request = _blend_request(0.5, layers=2, k=1)
-    _place(scheduler, a=(0, NO_CONTEXT), b=(0, NO_CONTEXT))  # a exact at the prompt's start: b's 4 are candidates
+    _place(scheduler, a=(), b=())  # a exact at the prompt's start: b's 4 are candidates
     assert scheduler.matched_tokens(request, 0) == 10 - 2 - 2  # recompute_first: a's 1 and b's 1 to b (6, 7); 2 more
     scheduler.allocated(request, [5, 6, 7], 6)
     (load,) = scheduler.build_metadata(_step("r", 6)).loads
@@ -175,7 +176,7 @@ def test_a_hit_past_the_first_inexact_token_computes_the_rest_of_the_run():
     scheduler, request = _blend_request(0.3)
     assert scheduler.matched_tokens(request, 4) == 0  # the choice was over the whole run: never over a part of it
     scheduler, request = _blend_request(0.5)
-    _place(scheduler, a=(0, NO_CONTEXT), b=(0, NO_CONTEXT))
+    _place(scheduler, a=(), b=())
     assert scheduler.matched_tokens(request, 4) == 2 + 4 - 2  # the hit holds exact tokens only: a's last 2 loaded
     scheduler.allocated(request, [5, 6, 7], 4)
     (load,) = scheduler.build_metadata(_step("r", 4)).loads
@@ -195,15 +196,14 @@ def test_the_setting_and_the_whole_run_name_the_blocks_with_inexact_tokens(monke
     monkeypatch.setattr(vllm_0_32, "prefix_cache_hit", lambda manager, request: 0)
     monkeypatch.setattr(vllm_0_32, "fold_into_block_hashes", lambda c, m, r, first, keys: folded.update(keys) or True)
 
-    def keys(share, layers=1, b_identity=2):
+    def keys(share, layers=1, b_version=2):
         folded.clear()
         scheduler, request = _blend_request(share, layers)
         scheduler.kv_cache_manager = object()
-        b = ModuleKey("b", b_identity)
-        scheduler.trie.remove(ModuleKey("b", 2))
-        scheduler.trie.add(b, (7, 8, 9, 10))
-        scheduler.available = {ModuleKey("a", 1), b}
-        _place(scheduler, a=(0, NO_CONTEXT))  # a exact: its block 0 is a plain splice's
+        if b_version != 2:  # b encoded again: another entry of the same tokens
+            scheduler.worker_reported(ModuleCacheWorkerMeta(dropped={ModuleKey("b", 2)}))
+            register(scheduler, (ModuleKey("b", b_version), (7, 8, 9, 10), (99,), ""))
+        _place(scheduler, a=())  # a exact: its block 0 is a plain splice's
         scheduler.matched_tokens(request, 0)
         return dict(folded)
 
@@ -214,7 +214,7 @@ def test_the_setting_and_the_whole_run_name_the_blocks_with_inexact_tokens(monke
     assert keys(0.5) == blended  # the same run and setting: the same names
     assert keys(0.25)[1] != blended[1] and keys(0.5, layers=2)[1] != blended[1]
     # another entry of b changes the names of every block holding a candidate, a's too (it is one run)
-    other = keys(0.5, b_identity=3)
+    other = keys(0.5, b_version=3)
     assert other[1] != blended[1] and other[2] != blended[2]
 
 
@@ -227,8 +227,7 @@ def test_an_engine_that_cannot_run_the_pass_refuses_the_setting_at_start_and_com
     scheduler = ModuleScheduler(config)
     assert "tensor parallel 2" in scheduler.blend_refusal
     _, request = _blend_request(0.2)
-    scheduler.trie.add(ModuleKey("a", 1), (1, 2, 3, 4, 5, 6))
-    scheduler.available = {ModuleKey("a", 1)}
+    register(scheduler, (ModuleKey("a", 1), (1, 2, 3, 4, 5, 6), (99,), ""))
     assert scheduler.matched_tokens(request, 0) == 0  # computed in full, never spliced without the asked recompute
     config.additional_config = {"kvreuse": {"modules": {"recompute_blend": 0.2}}}
     with pytest.raises(ConfigError, match=r"modules.recompute_blend \(0.2\) needs one worker"):

@@ -3,6 +3,8 @@ the CPU path of the key rotation, and the tokenizer's special prefix (its metric
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from numerics import assert_within, rotation_bound
@@ -84,6 +86,20 @@ def module_scheduler(**modules):
     return ModuleScheduler(config)
 
 
+def register(scheduler, *modules):
+    """The workers report these modules stored, each ``(key, token_ids)`` or ``(key, token_ids, context, adapter)``
+    (default: encoded alone at position 0 with the base model), every one its name's first encoding."""
+    from kvreuse.modules.encodings import Encoding
+    from kvreuse.vllm.modules.common import ModuleCacheWorkerMeta
+
+    stored, placed = {}, {}
+    for key, ids, *how in modules:
+        context, adapter = how if how else ((), "")
+        stored[key] = tuple(ids)
+        placed[key] = Encoding(key, adapter, tuple(context), len(context), True, key.version)
+    scheduler.worker_reported(ModuleCacheWorkerMeta(stored=stored, placed=placed))
+
+
 def test_modules_found_but_not_spliced_are_counted_by_reason_once_per_request(caplog):
     from types import SimpleNamespace
 
@@ -91,9 +107,9 @@ def test_modules_found_but_not_spliced_are_counted_by_reason_once_per_request(ca
 
     scheduler = module_scheduler(recompute_first=0)  # the plain splice: the counts below are of loaded tokens
     a, b, gone = ModuleKey("a", 1), ModuleKey("b", 2), ModuleKey("gone", 3)
-    for key, ids in ((a, (1, 2, 3, 4)), (b, (5, 6, 7, 8)), (gone, (9, 9, 9, 9))):
-        scheduler.trie.add(key, ids)
-    scheduler.available = {a, b}
+    register(scheduler, (a, (1, 2, 3, 4)), (b, (5, 6, 7, 8)), (gone, (9, 9, 9, 9)))
+    scheduler.worker_reported(ModuleCacheWorkerMeta(dropped={gone}))  # the index keeps it: lost since
+    scheduler.trie.add(("", "gone"), (9, 9, 9, 9))
     # a, free text, b, the module the store lost, then "a" again with its last token merged into 99.
     prompt = [1, 2, 3, 4, 0, 5, 6, 7, 8, 9, 9, 9, 9, 1, 2, 3, 99, 0]
     request = SimpleNamespace(
@@ -197,9 +213,7 @@ def test_a_request_splices_global_modules_and_its_own_salts_never_another_tenant
 
     scheduler = module_scheduler(recompute_first=0)  # the plain splice: the counts below are of loaded tokens
     shared, mine = ModuleKey("shared", 1), ModuleKey("mine", 2, namespace="tenant-a")
-    scheduler.trie.add(shared, (1, 2, 3, 4), namespace="")
-    scheduler.trie.add(mine, (5, 6, 7, 8), namespace="tenant-a")
-    scheduler.available = {shared, mine}
+    register(scheduler, (shared, (1, 2, 3, 4)), (mine, (5, 6, 7, 8)))
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 0]
 
     def matched(salt, rid):
@@ -211,3 +225,96 @@ def test_a_request_splices_global_modules_and_its_own_salts_never_another_tenant
     assert matched("tenant-a", "a") == 8
     assert matched("tenant-b", "b") == 4  # the global module only
     assert matched(None, "none") == 4
+
+
+def _lora(name, path):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(lora_name=name, lora_path=path, lora_int_id=1)
+
+
+def test_a_request_splices_only_the_encodings_computed_with_its_own_adapter():
+    from types import SimpleNamespace
+
+    from kvreuse.vllm.modules.common import kv_adapter
+
+    scheduler = module_scheduler(recompute_first=0)
+    adapter = kv_adapter(SimpleNamespace(lora_request=_lora("x", "/adapters/x")))
+    assert adapter.startswith("lora:") and len(adapter) <= 64 and kv_adapter(SimpleNamespace(lora_request=None)) == ""
+    assert adapter != kv_adapter(SimpleNamespace(lora_request=_lora("x", "/adapters/other")))  # vLLM's name + path
+    base, tuned = ModuleKey("doc", "base-kv", version=1), ModuleKey("doc", "lora-kv", version=2)
+    register(scheduler, (base, (1, 2, 3, 4)))
+    prompt = [1, 2, 3, 4, 0]
+
+    def spliced(rid, lora):
+        request = SimpleNamespace(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            num_tokens=len(prompt),
+            kv_transfer_params=None,
+            cache_salt=None,
+            lora_request=lora,
+        )
+        matched = scheduler.matched_tokens(request, 0)
+        return matched, [piece.name for piece in scheduler._plans[rid].pieces]
+
+    # Only the base model's KV is stored: a LoRA request computes the module (the issue's wrong answers came from
+    # splicing it), and says why.
+    assert spliced("lora-1", _lora("x", "/adapters/x")) == (0, [])
+    assert scheduler.take_stats() == {"splice_skipped:other_adapter": 1}
+    register(scheduler, (tuned, (1, 2, 3, 4), (), adapter))
+    assert spliced("lora-2", _lora("x", "/adapters/x")) == (4, [tuned])
+    assert spliced("base", None) == (4, [base])
+    assert spliced("other", _lora("x", "/adapters/other")) == (0, [])  # same name, another adapter's weights
+
+
+def test_an_adapters_entry_names_its_blocks_in_vllms_prefix_cache_apart_from_the_base_models(monkeypatch):
+    from types import SimpleNamespace
+
+    from kvreuse.patches import vllm_0_32
+    from kvreuse.vllm.modules.common import kv_adapter
+
+    folded = {}
+    monkeypatch.setattr(vllm_0_32, "caches_prefixes", lambda manager: True)
+    monkeypatch.setattr(vllm_0_32, "prefix_cache_hit", lambda manager, request: 0)
+    monkeypatch.setattr(
+        vllm_0_32, "fold_into_block_hashes", lambda c, m, r, first, keys: folded.setdefault(r.request_id, keys) or True
+    )
+    scheduler = module_scheduler(recompute_first=0)
+    scheduler.kv_cache_manager = object()
+    lora = _lora("x", "/adapters/x")
+    adapter = kv_adapter(SimpleNamespace(lora_request=lora))
+    base, tuned = ModuleKey("doc", "base-kv", version=1), ModuleKey("doc", "lora-kv", version=2)
+    register(scheduler, (base, (1, 2, 3, 4)), (tuned, (1, 2, 3, 4), (), adapter))
+    for rid, lora_request in (("base", None), ("lora", lora)):
+        prompt = [1, 2, 3, 4, 0]
+        request = SimpleNamespace(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            num_tokens=5,
+            kv_transfer_params=None,
+            cache_salt=None,
+            lora_request=lora_request,
+        )
+        scheduler.matched_tokens(request, 0)
+    assert folded == {"base": {0: (base.identity,)}, "lora": {0: (tuned.identity,)}}
+
+
+def test_a_request_with_inputs_besides_its_token_ids_neither_splices_nor_writes():
+    from types import SimpleNamespace
+
+    scheduler = module_scheduler(recompute_first=0)
+    register(scheduler, (ModuleKey("doc", 1), (1, 2, 3, 4)))
+    for rid, extra in (("image", {"mm_features": [object()]}), ("embeds", {"prompt_embeds": object()})):
+        request = SimpleNamespace(
+            request_id=rid, prompt_token_ids=[1, 2, 3, 4, 0], num_tokens=5, kv_transfer_params=None, cache_salt=None
+        )
+        request.__dict__.update(extra)
+        assert scheduler.matched_tokens(request, 0) == 0
+    assert scheduler.take_stats() == {"splice_skipped:non_token_input": 2}
+    scheduler.config = replace(scheduler.config, open_writes=True)
+    write = encode_request_of(encode_params("doc2"))
+    write.mm_features = [object()]
+    scheduler.arrived(write)
+    assert scheduler._writes["enc"] is None and not write.skip_reading_prefix_cache
+    assert scheduler.take_stats() == {"writes_refused:non_token_input": 1}

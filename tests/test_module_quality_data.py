@@ -1,4 +1,4 @@
-"""The multi-document QA set of the module quality study (benchmarks/module_quality_data.py)."""
+"""The multi-document QA sets and the schema workload of the module quality study (module_quality_data.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,18 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from module_quality_data import QA_SETS, is_correct, make_cases, tokenize_case  # noqa: E402
+from module_quality_data import (  # noqa: E402
+    QA_SETS,
+    SCHEMA_HEADER,
+    SCHEMA_SETS,
+    is_correct,
+    make_cases,
+    make_schema_cases,
+    normalise_sql,
+    schema_question_text,
+    tokenize_case,
+    tokenize_schema_case,
+)
 
 from kvreuse.modules.trie import ModuleTrie  # noqa: E402
 
@@ -66,3 +77,50 @@ def test_an_answer_is_right_when_its_first_line_holds_the_value_before_any_distr
     assert is_correct(f" {case.answer.upper()} (from the second document)", case)
     assert not is_correct(f" {other}, or {case.answer}", case)
     assert not is_correct(" I do not know.\n" + case.answer, case)
+
+
+@pytest.fixture(scope="module")
+def spider():
+    from kvreuse.localmodel import DATASETS
+    from kvreuse.modules.schemas import spider_schemas
+
+    return spider_schemas(DATASETS / "spider" / "tables.json")
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMA_SETS))
+def test_schema_cases_are_tables_of_one_database_in_foreign_key_order_found_by_the_trie(encode, spider, name):
+    schema_set = SCHEMA_SETS[name]
+    cases = make_schema_cases(schema_set, spider)
+    again = make_schema_cases(schema_set, spider)
+    assert [(c.tables, c.question) for c in again] == [(c.tables, c.question) for c in cases]  # deterministic
+    assert len(cases) == schema_set.num_cases and {len(c.tables) for c in cases} == {schema_set.num_tables}
+    assert len({c.database for c in cases}) == schema_set.databases  # each database's tables recur
+    for case in cases[:20]:
+        schema = spider[case.database]
+        for i, table in enumerate(case.tables):  # every table after the tables of the prompt it references
+            assert {r for r in case.references[i] if r in case.tables} <= set(case.tables[:i])
+            assert case.modules[i] == schema.table(table).ddl()
+        assert any(t in case.question for t in case.tables)  # the question is about the prompt's own tables
+        tc = tokenize_schema_case(case, encode)
+        trie = ModuleTrie((i, ids) for i, ids in enumerate(tc.modules))
+        assert [(m.name, m.start) for m in trie.find(tc.prompt)] == list(enumerate(tc.module_starts()))
+        assert list(tc.prompt) == encode(SCHEMA_HEADER + "".join(case.modules) + schema_question_text(case.question))
+        assert [len(c) for c in tc.contexts] == [sum(len(encode(t)) for t in texts) for texts in case.reference_texts]
+
+
+def test_most_schema_questions_join_two_of_the_prompts_tables(spider):
+    for name in ("schema-4", "schema-8"):
+        cases = make_schema_cases(SCHEMA_SETS[name], spider)
+        assert sum(c.template.startswith("join") for c in cases) >= len(cases) // 2
+
+
+def test_normalised_sql_compares_queries_as_a_user_would():
+    assert (
+        normalise_sql(" Name ,  COUNT(*)\nFROM t;")
+        == normalise_sql(" name, count(*) from t")
+        == ("select name,count(*)from t")
+    )
+    assert normalise_sql(" x FROM t WHERE y = 'Ab  c'") != normalise_sql(" x FROM t WHERE y = 'ab c'")  # literals kept
+    assert normalise_sql(" x FROM t```\nmore text") == normalise_sql(" x from t")  # the first statement only
+    assert normalise_sql(" x FROM t\n\nExplanation: ...") == "select x from t"
+    assert normalise_sql(" a FROM t") != normalise_sql(" b FROM t")

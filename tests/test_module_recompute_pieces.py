@@ -10,13 +10,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from test_module_connector_pieces import module_scheduler
+from test_module_connector_pieces import module_scheduler, register
 
 from kvreuse.errors import RequestParameterError
-from kvreuse.modules.splice import Piece, allot_first_tokens, first_tokens, in_place, true_positions
-from kvreuse.modules.store import NO_CONTEXT, ModuleKey, context_fingerprint
+from kvreuse.modules.encodings import Encoding, choose_encoding
+from kvreuse.modules.splice import Piece, allot_first_tokens, first_tokens, true_positions
+from kvreuse.modules.store import ModuleKey
 from kvreuse.sparse import cpu_attention
-from kvreuse.vllm.modules.common import ModuleCacheMetadata, ModuleCacheWorkerMeta, recompute_first
+from kvreuse.vllm.modules.common import ModuleCacheMetadata, recompute_first
 
 
 def test_first_tokens_are_each_modules_first_k_of_the_run():
@@ -33,17 +34,22 @@ def test_first_tokens_take_each_modules_own_count_where_allotted():
     assert first_tokens(pieces, {7: 1}) == (7,)  # a module missing from the allotment recomputes none
 
 
-def test_a_module_encoded_alone_is_in_place_only_at_the_prompts_start():
-    prompt = [5, 6, 7, 1, 2, 3]
-    assert in_place((0, NO_CONTEXT), 0, prompt)
-    assert not in_place((0, NO_CONTEXT), 3, prompt)  # moved: its tokens never saw 5, 6, 7
+def _exact(context, start, prompt, at):
+    """Whether a module encoded at ``start`` after ``context`` is exact at position ``at`` of ``prompt``."""
+    return choose_encoding([Encoding("m", "", tuple(context), start, True)], prompt, at, "").exact
 
 
-def test_a_module_encoded_after_the_prompts_own_tokens_before_it_is_in_place():
+def test_a_module_encoded_alone_is_exact_only_at_the_prompts_start():
     prompt = [5, 6, 7, 1, 2, 3]
-    assert in_place((3, context_fingerprint([5, 6, 7])), 3, prompt)
-    assert not in_place((3, context_fingerprint([5, 6, 8])), 3, prompt)  # another context of the same length
-    assert not in_place((2, context_fingerprint([6, 7])), 3, prompt)  # a context that is only the prompt's tail
+    assert _exact((), 0, prompt, 0)
+    assert not _exact((), 0, prompt, 3)  # moved: its tokens never saw 5, 6, 7
+
+
+def test_a_module_encoded_after_the_prompts_own_tokens_before_it_is_exact():
+    prompt = [5, 6, 7, 1, 2, 3]
+    assert _exact((5, 6, 7), 3, prompt, 3)
+    assert not _exact((5, 6, 8), 3, prompt, 3)  # another context of the same length
+    assert not _exact((6, 7), 2, prompt, 3)  # a context that is only the prompt's tail
 
 
 def test_recompute_first_gives_an_exact_modules_budget_to_the_other_modules():
@@ -95,9 +101,8 @@ def _splice_request(k, rid="r", **engine):
     none); ``engine``: the engine's modules settings."""
     scheduler = module_scheduler(**engine)  # block size 4
     a, b = ModuleKey("a", 1), ModuleKey("b", 2)
-    scheduler.trie.add(a, (1, 2, 3, 4, 5, 6))
-    scheduler.trie.add(b, (7, 8, 9, 10))
-    scheduler.available = {a, b}
+    # encoded after a context no prompt here holds: neither is exact anywhere (_place encodes them otherwise)
+    register(scheduler, (a, (1, 2, 3, 4, 5, 6), (99,), ""), (b, (7, 8, 9, 10), (99,), ""))
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 0]  # run [0, 10), question [10, 12)
     params = None if k is None else {"kvreuse_recompute_first": k}
     request = SimpleNamespace(
@@ -146,41 +151,37 @@ def test_a_request_without_its_own_recompute_first_takes_the_engines():
     assert scheduler._plans["r"].recompute == (0, 1, 6, 7)
 
 
-def _place(scheduler, **placements):
-    """The workers report modules a and b of ``_splice_request`` stored, encoded at these (position, context)."""
+def _place(scheduler, **contexts):
+    """The workers report modules a and b of ``_splice_request`` stored, encoded after these context tokens."""
     keys = {"a": ModuleKey("a", 1), "b": ModuleKey("b", 2)}
     tokens = {"a": (1, 2, 3, 4, 5, 6), "b": (7, 8, 9, 10)}
-    scheduler.worker_reported(
-        ModuleCacheWorkerMeta(
-            stored={keys[n]: tokens[n] for n in placements}, placed={keys[n]: p for n, p in placements.items()}
-        )
-    )
+    register(scheduler, *((keys[n], tokens[n], context, "") for n, context in contexts.items()))
 
 
 def test_a_module_at_the_prompts_start_encoded_alone_is_not_recomputed_and_its_budget_goes_to_the_next():
     scheduler, request = _splice_request(2)
-    _place(scheduler, a=(0, NO_CONTEXT), b=(0, NO_CONTEXT))  # a is exact where it stands, b (at 6) is not
+    _place(scheduler, a=(), b=())  # a is exact where it stands, b (at 6) is not
     assert scheduler.matched_tokens(request, 0) == 10 - 4
     assert scheduler._plans["r"].recompute == (6, 7, 8, 9)  # a's 2 tokens and b's 2: all of b
 
 
 def test_a_module_encoded_after_the_prompts_own_tokens_before_it_is_not_recomputed():
     scheduler, request = _splice_request(1)
-    _place(scheduler, a=(0, NO_CONTEXT), b=(6, context_fingerprint([1, 2, 3, 4, 5, 6])))  # both exact
+    _place(scheduler, a=(), b=(1, 2, 3, 4, 5, 6))  # both exact
     assert scheduler.matched_tokens(request, 0) == 10
     assert scheduler._plans["r"].recompute == ()
 
 
 def test_a_module_encoded_elsewhere_is_recomputed_as_before():
     scheduler, request = _splice_request(2)
-    _place(scheduler, a=(3, context_fingerprint([9, 9, 9])), b=(0, NO_CONTEXT))  # neither where it stands
+    _place(scheduler, a=(9, 9, 9), b=())  # neither where it stands
     assert scheduler.matched_tokens(request, 0) == 10 - 4
     assert scheduler._plans["r"].recompute == (0, 1, 6, 7)
 
 
 def test_the_allotment_is_the_runs_wherever_vllms_prefix_hit_ended_in_it():
     scheduler, request = _splice_request(2)
-    _place(scheduler, a=(0, NO_CONTEXT), b=(0, NO_CONTEXT))
+    _place(scheduler, a=(), b=())
     assert scheduler.matched_tokens(request, 4) == 2 + 4 - 4  # a's last 2 tokens loaded, b's 4 recomputed
     assert scheduler._plans["r"].recompute == (6, 7, 8, 9)
 
@@ -194,7 +195,7 @@ def test_each_modules_allotted_count_names_its_blocks_in_vllms_prefix_cache(monk
     monkeypatch.setattr(vllm_0_32, "fold_into_block_hashes", lambda c, m, r, first, keys: folded.update(keys) or True)
     scheduler, request = _splice_request(2)
     scheduler.kv_cache_manager = object()
-    _place(scheduler, a=(0, NO_CONTEXT), b=(0, NO_CONTEXT))
+    _place(scheduler, a=(), b=())
     scheduler.matched_tokens(request, 0)
     a, b = ModuleKey("a", 1).identity, ModuleKey("b", 2).identity
     # Blocks of 4: a's block 0 holds KV exactly as a plain splice's (shared with one); b's count names its blocks.

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_module_connector_pieces import module_scheduler
+from test_module_connector_pieces import module_scheduler, register
 
 from kvreuse.errors import ModuleRegistrationError, RequestParameterError
 from kvreuse.kernels.rerotate import RopeSpec
@@ -110,7 +110,8 @@ def test_tensor_parallel_scores_add_up():
 def _blend_request(params, ranked=True, rid="r"):
     scheduler = module_scheduler(recompute_first=0)  # block size 4; the share alone unless a request asks for both
     a, b = ModuleKey("a", 1), ModuleKey("b", 2)
-    scheduler.worker_reported(ModuleCacheWorkerMeta(stored={a: (1, 2, 3, 4, 5, 6), b: (7, 8, 9, 10)}))
+    # encoded after a context these prompts do not hold: neither is exact where it stands
+    register(scheduler, (a, (1, 2, 3, 4, 5, 6), (99,), ""), (b, (7, 8, 9, 10), (99,), ""))
     if ranked:  # a's token 4 deviates most, then 2; b's token 3
         scheduler.worker_reported(ModuleCacheWorkerMeta(scores={a: (0, 0, 5, 0, 9, 0), b: (0, 0, 0, 1)}))
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 0]  # run [0, 10), question [10, 12)

@@ -7,11 +7,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from test_module_connector_pieces import module_scheduler
+from test_module_connector_pieces import module_scheduler, register
 
 from kvreuse.errors import RequestParameterError
 from kvreuse.modules.splice import Piece, budget_positions, budgeted_tokens
-from kvreuse.modules.store import NO_CONTEXT, ModuleKey
+from kvreuse.modules.store import ModuleKey
 from kvreuse.vllm.modules.common import ModuleCacheWorkerMeta, recompute_budget
 
 NONE_EXACT = lambda piece: False  # noqa: E731
@@ -70,9 +70,7 @@ def test_a_request_sets_its_own_budget_and_bad_values_name_the_problem():
 def _budget_request(params, scored=True, rid="r", **engine):
     scheduler = module_scheduler(recompute_first=0, **engine)  # block size 4
     h, a = ModuleKey("h", 1), ModuleKey("a", 2)
-    scheduler.worker_reported(
-        ModuleCacheWorkerMeta(stored={h: (1, 2, 3, 4), a: (5, 6, 7, 8, 9, 10)}, placed={h: (0, NO_CONTEXT)})
-    )
+    register(scheduler, (h, (1, 2, 3, 4)), (a, (5, 6, 7, 8, 9, 10)))  # both encoded alone
     if scored:  # a's token 4 deviates most
         scheduler.worker_reported(ModuleCacheWorkerMeta(scores={a: (1.0, 1.0, 1.0, 1.0, 9.0, 1.0)}))
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 0]  # h exact at 0, a at 4, question [10, 12)

@@ -15,6 +15,7 @@ from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.store import (
     NO_CONTEXT,
     EncodedModule,
+    ModuleKey,
     ModuleMismatch,
     ModuleStore,
     ModuleTooLarge,
@@ -149,7 +150,7 @@ def test_module_larger_than_every_tier_is_refused():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_disk_round_trip_is_bit_exact(dtype):
     with store(gpu=1, disk=1 << 20) as s:  # gpu too small: the module lives on disk
-        m = module("t", tokens=7, layers=3, dtype=dtype, start=42)
+        m = module("t", tokens=7, layers=3, dtype=dtype, start=42, adapter="lora:abc")
         m.kv[0, 0, 0, 0, 0] = float("nan")
         m.kv[0, 1, 0, 0, 1] = -0.0
         expected = m.kv.clone()
@@ -157,7 +158,7 @@ def test_disk_round_trip_is_bit_exact(dtype):
         got = s.get(m.key)
         assert got.kv.dtype == dtype
         assert torch.equal(got.kv.view(torch.uint8), expected.view(torch.uint8))
-        assert (got.name, got.token_ids, got.start, got.key) == ("t", m.token_ids, 42, m.key)
+        assert (got.name, got.token_ids, got.start, got.adapter, got.key) == ("t", m.token_ids, 42, "lora:abc", m.key)
 
 
 def test_disk_file_is_written_atomically_one_file_per_module():
@@ -317,8 +318,9 @@ def test_keys_name_everything_the_kv_depends_on():
         module_fingerprint(MODEL, TOKENIZER, ids, context=context_fingerprint([9, 9])),
         module_fingerprint(MODEL, TOKENIZER, ids, start=2),
         module_fingerprint(MODEL, TOKENIZER, ids, recovery="cacheblend"),
+        module_fingerprint(MODEL, TOKENIZER, ids, adapter="lora:x"),
     ]
-    assert len({base, *variants}) == 7
+    assert len({base, *variants}) == 8
     assert module_fingerprint(MODEL, TOKENIZER, ids, context=NO_CONTEXT, start=0, recovery="none") == base
     m = module("t", context=context_fingerprint([5]), recovery="none", start=1)
     assert m.key.fingerprint == module_fingerprint(
@@ -326,15 +328,36 @@ def test_keys_name_everything_the_kv_depends_on():
     )
 
 
-def test_a_reencode_after_another_context_is_refused_and_the_stored_entry_stays():
-    # the poisoning scenario, engine-free: an operator's module, then the same name and tokens after a hostile context
+def test_a_reencode_after_another_context_is_another_encoding_and_never_the_names_entry():
+    # The poisoning scenario, engine-free: an operator's module, then the same name and tokens after a hostile
+    # context. It is kept as another encoding of the name, which a prompt takes only where it holds that context
+    # (tests/test_modules_encodings.py); the name's entry stays the operator's, also once that one leaves.
     with store(cpu=1 << 20) as s:
         clean = module("system", seed=1)
         s.put(clean)
         hostile = module("system", seed=2, context=context_fingerprint([666] * 8), start=8)
+        s.put(hostile)
+        assert s.current("system") == clean.key and torch.equal(s.get(clean.key).kv, clean.kv)
+        assert s.encodings("system") == [clean.key, hostile.key] and hostile.key != clean.key
         with pytest.raises(ModuleConflict, match="'system' is already stored in namespace global with other content"):
-            s.put(hostile)
-        assert s.current("system") == clean.key and torch.equal(s.get(clean.key).kv, clean.kv) and len(s) == 1
+            s.put(module("system", seed=3, first_id=7))  # other tokens under the name: refused as before
+        assert len(s) == 2
+        s.evict(clean.key)
+        assert s.current("system") is None and s.encodings("system") == [hostile.key]
+
+
+def test_an_adapters_encoding_is_its_own_entry_and_its_own_primary():
+    with store(cpu=1 << 20) as s:
+        base, lora = module("doc", seed=1), module("doc", seed=2, adapter="lora:x")
+        s.put(base)
+        s.put(lora)
+        assert base.key.fingerprint != lora.key.fingerprint and len(s) == 2
+        assert s.current("doc") == base.key and s.current("doc", adapter="lora:x") == lora.key
+        s.put(module("doc", seed=3, adapter="lora:x"))  # the same encoding again: the stored entry stays
+        assert len(s) == 2 and torch.equal(s.get(lora.key).kv, lora.kv)
+        fresh = module("doc", seed=4)
+        s.put(fresh, replace=True)  # a replace starts the name over: every encoding of it leaves
+        assert s.encodings("doc") == [fresh.key] and s.current("doc", adapter="lora:x") is None
 
 
 def test_the_same_content_again_keeps_the_stored_kv_and_its_version():
@@ -515,3 +538,20 @@ def test_every_modules_setting_is_documented():
         "modules.shadow_every",
     ]
     assert all(doc for *_, doc in rows)
+
+
+def test_kvreuses_own_reads_are_not_module_hits_nor_uses():
+    # A probe reads the stored entry to rank its tokens: no splice, so no hit (issue: probes counted as hits), and
+    # no use for the eviction policy.
+    with store(cpu=2 * 128, eviction="lfu") as s:
+        probed, spliced = module("probed"), module("spliced")
+        s.put(probed)
+        s.put(spliced)
+        for _ in range(3):
+            assert torch.equal(s.get(probed.key, use=False).kv, probed.kv)
+        assert s.get(ModuleKey("gone", "0"), use=False) is None
+        assert sum(s.figures.hits.values()) == 0 and s.figures.misses == 0
+        s.get(spliced.key)
+        assert s.figures.hits == {"cpu": 1}
+        s.put(module("third"))  # lfu: the probed module has no use of its own, so it leaves first
+        assert probed.key not in s and spliced.key in s

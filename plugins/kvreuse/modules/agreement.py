@@ -132,11 +132,12 @@ def _json_field(field: str) -> Callable[[str], str]:
 def same_output(
     reference: Sequence[int],
     output: Sequence[int],
-    normaliser: Normaliser | None = None,
+    normaliser: Callable[[str], str] | None = None,
     decode: Callable[[Sequence[int]], str] | None = None,
 ) -> bool:
     """Whether ``output`` agrees with the ``reference`` output (token ids): the same tokens without a normaliser,
-    else the same text after it (``decode`` turns token ids into text)."""
+    else the same text after it (a :class:`Normaliser`, or any function of the text; ``decode`` turns token ids
+    into text)."""
     if normaliser is None:
         return list(reference) == list(output)
     if decode is None:

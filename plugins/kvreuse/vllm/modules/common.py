@@ -6,6 +6,8 @@ Both sides import this module, never each other (nor the connector facade), as i
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvreuse.errors import ModuleRegistrationError, RequestParameterError
 from kvreuse.modules.config import MAX_BLEND_LAYERS
+from kvreuse.modules.encodings import NO_ADAPTER, Encoding
 from kvreuse.modules.namespace import GLOBAL
 from kvreuse.modules.splice import Piece
 from kvreuse.modules.store import ModuleKey
@@ -297,17 +300,41 @@ def _shown(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def kv_adapter(request: Any) -> str:
+    """What a vLLM request's KV is computed with besides the model's weights, as a module entry records it
+    (``kvreuse.modules.encodings``): ``""`` for the base model, else its LoRA adapter, named as vLLM names it in its
+    own prefix-cache hashes (name and path) and hashed to a label of bounded length."""
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return NO_ADAPTER
+    named = json.dumps([str(lora.lora_name), str(lora.lora_path)])
+    return "lora:" + hashlib.sha256(named.encode()).hexdigest()[:32]
+
+
+def non_token_inputs(request: Any) -> str | None:
+    """What a vLLM request feeds the model besides its token ids, whose KV the ids therefore do not name
+    (``"multimodal inputs"``, ``"prompt embeddings"``), or ``None``. The module cache neither splices into nor
+    encodes from such a request."""
+    if getattr(request, "mm_features", None):
+        return "multimodal inputs"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt embeddings"
+    return None
+
+
 @dataclass(frozen=True)
 class ModuleWrite:
     """An encode request's write: store the prompt's tokens after ``context`` as module ``name`` of ``namespace``
     (replacing the entry stored under the name there if ``replace``); a ``probe`` ranks the stored entry's tokens
-    by how far its KV lies from the prompt's instead (``kvreuse.modules.blend``)."""
+    by how far its KV lies from the prompt's instead (``kvreuse.modules.blend``). ``adapter``: the request's
+    (:func:`kv_adapter`), which the entry records."""
 
     name: str
     context: int
     namespace: str
     replace: bool
     probe: bool = False
+    adapter: str = NO_ADAPTER
 
     def claim(self, prompt_token_ids: Sequence[int]) -> WriteClaim:
         """What a proof of this write must vouch for, the request's prompt being ``prompt_token_ids``."""
@@ -386,17 +413,19 @@ class BlendSpec:
 @dataclass(frozen=True)
 class SaveSpec:
     """After this step, copy tokens at ``slots`` of request ``req_id`` into the store as module ``name`` of
-    ``namespace`` (replacing the entry stored under the name if ``replace``)."""
+    ``namespace`` (replacing the entry stored under the name if ``replace``), computed after ``context`` with
+    ``adapter``."""
 
     req_id: str
     name: str
     token_ids: tuple[int, ...]
     start: int  # position of the module's first token (the context's length)
     slots: tuple[int, ...]
-    context: str  # context_fingerprint of the tokens before the module
+    context: tuple[int, ...]  # the token ids before the module
     namespace: str
     replace: bool
     probe: bool = False  # rank the stored entry's tokens against these (kvreuse.modules.blend), store nothing
+    adapter: str = NO_ADAPTER
 
 
 @dataclass
@@ -425,8 +454,8 @@ class ModuleCacheWorkerMeta(KVConnectorWorkerMetadata):
     dropped: set[ModuleKey] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)  # module (name, namespace label) -> why it was not stored
     scores: dict[ModuleKey, tuple[float, ...]] = field(default_factory=dict)  # probed modules: per token
-    # stored modules: the position each was encoded at and its context's fingerprint (EncodedModule.start, .context)
-    placed: dict[ModuleKey, tuple[int, str]] = field(default_factory=dict)
+    # stored modules: what each was computed with and after, and whether it is its name's primary encoding
+    placed: dict[ModuleKey, Encoding] = field(default_factory=dict)
 
     def aggregate(self, other: ModuleCacheWorkerMeta) -> ModuleCacheWorkerMeta:
         return ModuleCacheWorkerMeta(

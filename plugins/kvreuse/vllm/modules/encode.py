@@ -63,8 +63,15 @@ def encode_modules(
     *,
     replace: bool = False,
     probe: Sequence[int] | None = None,
+    lora_request: Any = None,
 ) -> dict[str, list[int]]:
     """Encode each module (text, or token ids taken as they are) after its context's token ids (default none).
+
+    With ``lora_request`` (vLLM's ``LoRARequest``) the modules are computed with that adapter, and only requests
+    that run with the same adapter (its name and path) splice them; the base model's encodings of the same names
+    stay for requests without one (a name holds one encoding per adapter and context,
+    ``kvreuse.modules.encodings``). The same modules after other contexts are kept as other encodings too: a
+    request takes the one whose context is its own prompt's (exact), else fits it best.
 
     With ``probe`` (token ids, e.g. the chat header every prompt starts with), each module is then computed once
     more after ``probe`` and its context, and its tokens are ranked by how far their KV moved
@@ -110,7 +117,7 @@ def encode_modules(
             )
         )
     if prompts:
-        llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     if probe is not None:  # after the modules are stored: each probe ranks a stored entry
         probes = [TokensPrompt(prompt_token_ids=list(probe) + list(contexts.get(n, ())) + i) for n, i in ids.items()]
         probe_params = [
@@ -127,12 +134,13 @@ def encode_modules(
             for name, prompt in zip(ids, probes)
         ]
         if probes:
-            llm.generate(probes, probe_params, use_tqdm=False)
+            llm.generate(probes, probe_params, use_tqdm=False, lora_request=lora_request)
     return ids
 
 
-def encode_database(llm: Any, schema: DatabaseSchema) -> dict[str, list[int]]:
-    """Encode one module per table; a table's context is the DDL of the tables it references.
+def encode_database(llm: Any, schema: DatabaseSchema, *, lora_request: Any = None) -> dict[str, list[int]]:
+    """Encode one module per table; a table's context is the DDL of the tables it references (with
+    ``lora_request``: computed with that adapter, as :func:`encode_modules`).
 
     Each module is stored as ``DATABASE.TABLE``: databases often share table names (``Customers``), and a name
     is stored once per namespace, so bare table names would refuse the second database's tables.
@@ -146,6 +154,7 @@ def encode_database(llm: Any, schema: DatabaseSchema) -> dict[str, list[int]]:
         llm,
         {f"{schema.name}.{name}": table_ids for name, table_ids in ids.items()},
         {f"{schema.name}.{name}": context for name, context in contexts.items()},
+        lora_request=lora_request,
     )
     return {name: stored[f"{schema.name}.{name}"] for name in ids}
 

@@ -13,6 +13,11 @@ Prometheus logger, adds them to these counters:
 * ``kvreuse:module_splice_skipped_total`` (label ``reason``, see ``kvreuse.modules.splice.SkipReason``) and
   ``kvreuse:module_writes_refused_total`` (label ``reason``, see ``kvreuse.vllm.modules.scheduler.WriteRefusal``),
   counted by the scheduler side;
+* ``kvreuse:module_encodings_taken_total`` (label ``match``, see ``kvreuse.modules.encodings.EncodingMatch``):
+  module pieces spliced into requests, by how the stored encoding taken fits the prompt (``exact``: encoded after
+  this prompt's own tokens, a full prefill's KV; ``context``: after the prompt's start and/or the tokens right
+  before it; ``alone``: encoded without a context; ``unmatched``: the module's first encoding, whose context is not
+  in this prompt), counted by the scheduler side;
 * ``kvreuse:module_shadow_checks_total`` and ``kvreuse:module_shadow_agreed_total``: shadow pairs compared (a
   spliced request and its full-prefill copy, ``kvreuse.vllm.modules.shadow``) and those whose first tokens agreed,
   counted by the scheduler side.
@@ -26,6 +31,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from kvreuse.modules.encodings import EncodingMatch
 from kvreuse.modules.splice import SkipReason
 from kvreuse.modules.store import StoreFigures
 
@@ -61,6 +67,12 @@ MODULE_COUNTERS: dict[str, tuple[str, str, str | None]] = {
         "nonces_full), or malformed parameters",
         "reason",
     ),
+    "encodings_taken": (
+        "kvreuse:module_encodings_taken_total",
+        "Module pieces spliced into requests, by how the encoding taken fits the prompt (exact, context, alone, "
+        "unmatched)",
+        "match",
+    ),
     "shadow_checks": (
         "kvreuse:module_shadow_checks_total",
         "Shadow pairs compared: a spliced request and the same prompt computed in full",
@@ -84,9 +96,11 @@ def module_counter_values(figures: Any, store: StoreFigures) -> dict[str, int]:
     return out
 
 
-# Stats keys whose counters show at 0 from start-up: every counter without a label of its own, and the skipped
-# splices by each reason (the other labels' values, tiers and moves, depend on the store's configuration).
+# Stats keys whose counters show at 0 from start-up: every counter without a label of its own, the skipped splices
+# by each reason and the encodings taken by each match (the other labels' values, tiers and moves, depend on the
+# store's configuration).
 STARTUP_KEYS: tuple[str, ...] = (
     *(name for name, (_, _, label) in MODULE_COUNTERS.items() if label is None),
     *(f"splice_skipped:{reason}" for reason in SkipReason),
+    *(f"encodings_taken:{match}" for match in EncodingMatch),
 )

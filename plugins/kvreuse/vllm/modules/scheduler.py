@@ -52,24 +52,25 @@ from kvreuse.errors import ConfigError, ModuleRegistrationError, RequestParamete
 from kvreuse.kernels.rerotate import rope_spec_from_hf_config
 from kvreuse.modules.blend import blend_count, ranking
 from kvreuse.modules.config import ModulesConfig
+from kvreuse.modules.encodings import Choice, Encoding, EncodingMatch, choose_encoding
 from kvreuse.modules.namespace import namespace_label, namespace_of
 from kvreuse.modules.shadow import ShadowPairs
 from kvreuse.modules.splice import (
     Piece,
+    SkipReason,
     allot_first_tokens,
     block_modules,
     budget_positions,
     budgeted_tokens,
     chosen_tokens,
     first_tokens,
-    in_place,
     merge_positions,
     plan_splice,
     run_start,
     skipped_modules,
     token_slots,
 )
-from kvreuse.modules.store import ModuleKey, context_fingerprint
+from kvreuse.modules.store import ModuleKey
 from kvreuse.modules.trie import ModuleMatch, ModuleTrie
 from kvreuse.modules.writes import ProofVerdict, SeenNonces, engine_write_keys
 from kvreuse.patches import vllm_0_32
@@ -86,7 +87,9 @@ from kvreuse.vllm.modules.common import (
     ape_setting,
     blend_layers,
     encode_request,
+    kv_adapter,
     marks_encode,
+    non_token_inputs,
     recompute_blend,
     recompute_budget,
     recompute_first,
@@ -115,6 +118,7 @@ class WriteRefusal(StrEnum):
     REPLAYED = ProofVerdict.REPLAYED.value  # a proof of this write accepted before
     NONCES_FULL = ProofVerdict.NONCES_FULL.value  # more unexpired proofs than the engine remembers
     MALFORMED = "malformed"  # a bad name, context length or replace flag
+    NON_TOKEN_INPUT = "non_token_input"  # multimodal inputs or prompt embeddings: KV not named by its token ids
 
 
 @dataclass(frozen=True)
@@ -135,8 +139,9 @@ class _Look:
     rankings: Mapping[Hashable, tuple[int, ...]] = field(default_factory=dict)  # by ModuleKey
     ape: ApeSpans | None = None  # the spliced run's modules and APE's setting, where APE is on
     first: Mapping[int, int] = field(default_factory=dict)  # module start -> first tokens (allot_first_tokens)
-    exact: frozenset[int] = frozenset()  # starts of the run's modules encoded in place (splice.in_place)
+    exact: frozenset[int] = frozenset()  # starts of the run's modules whose encoding is exact here (encodings)
     budgeted: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # module start -> budgeted_tokens' choice
+    choices: Mapping[int, Choice] = field(default_factory=dict)  # module start -> the encoding taken, how it fits
     # modules.recompute_blend: the tokens the worker chooses from the request's context (blend_count over the run's
     # inexact tokens, ``inexact`` of them), after ``blend_layers`` exact layers; folded too.
     blend_count: int = 0
@@ -210,14 +215,16 @@ class ModuleScheduler:
             logger.error("kvreuse module cache is off for this model: %s", why)
         if not self.write_keys and not self.config.open_writes:
             logger.warning("kvreuse: no module-write key or local secret in the engine's environment; no writes")
+        # The index holds each module once, as (namespace, name); the store may hold several encodings of it (other
+        # contexts, other adapters: kvreuse.modules.encodings), one of which a prompt takes.
         self.trie = ModuleTrie(budget_bytes=self.config.index_bytes)
+        self.names: dict[tuple[str, Hashable], set[ModuleKey]] = {}  # (namespace, name) -> its stored encodings
+        self.encodings: dict[ModuleKey, Encoding] = {}
         self.available: set[ModuleKey] = set()
         # Probed modules: their tokens, most deviating first (kvreuse.modules.blend), for modules.recompute_share.
         self.rankings: dict[ModuleKey, tuple[int, ...]] = {}
         # ... and their per-token deviation itself, for modules.recompute_budget (splice.budgeted_tokens).
         self.scores: dict[ModuleKey, tuple[float, ...]] = {}
-        # Stored modules: the position each was encoded at and its context's fingerprint (splice.in_place).
-        self.placements: dict[ModuleKey, tuple[int, str]] = {}
         self._unranked: set[ModuleKey] = set()  # modules without a ranking that a request asked for (logged once)
         self._looks: dict[str, _Look] = {}
         self._counted: set[str] = set()  # requests whose skipped modules were counted
@@ -242,6 +249,7 @@ class ModuleScheduler:
         self._writes: dict[str, ModuleWrite | None] = {}  # encode requests asked about: the write, None if refused
         self._encodes: dict[str, tuple[ModuleWrite, tuple[int, ...]]] = {}  # req id -> write, prompt
         self.skipped: Counter[str] = Counter()  # modules found but not spliced, by reason (since take_stats)
+        self.taken: Counter[str] = Counter()  # encodings spliced into requests, by EncodingMatch (since take_stats)
         self.refused: Counter[str] = Counter()  # encode requests not stored, by WriteRefusal (since take_stats)
         self.shadows = ShadowPairs()  # finished halves of shadow checks waiting for the other half
         self._spliced: set[str] = set()  # requests that took KV from modules (a shadow check counts only for them)
@@ -276,10 +284,16 @@ class ModuleScheduler:
             self._plans.pop(rid, None)
             return 0
         prompt = request.prompt_token_ids or []
+        if look is None and non_token_inputs(request):
+            self._plans.pop(rid, None)
+            self._refuse_non_token_inputs(request, prompt)
+            return 0
         hit_block = num_computed_tokens // self.block_size
         stale = look is not None and not look.folded <= self.available
         if look is None or stale or hit_block < look.first_block:
-            matches = look.matches if look is not None and not stale else self._find(request, prompt)
+            matches, choices = (
+                (look.matches, look.choices) if look is not None and not stale else self._find(request, prompt)
+            )
             first_block = hit_block if look is None else min(hit_block, look.first_block)
             if look is not None:
                 ape = (look.ape.temperature, look.ape.scale) if look.ape is not None else self._ape_setting(request)
@@ -293,6 +307,7 @@ class ModuleScheduler:
                 ape,
                 stop,
                 self._recompute_budget(request),
+                choices,
                 self._blend_setting(request),
             )
             if look.ape is not None:
@@ -334,6 +349,11 @@ class ModuleScheduler:
         if num_external_tokens <= 0:
             return
         self._spliced.add(rid)
+        look = self._looks.get(rid)
+        if look is not None:
+            for piece in _first(plan.pieces, num_external_tokens, rid):
+                choice = look.choices.get(piece.module_start)
+                self.taken[choice.match if choice is not None else EncodingMatch.UNMATCHED] += 1
         if (
             (plan.recompute or plan.blend is not None)
             and num_external_tokens == plan.external
@@ -423,7 +443,8 @@ class ModuleScheduler:
                     prompt[write.context :],
                     write.context,
                     tuple(token_slots(block_ids, self.block_size, write.context, len(prompt))),
-                    context=context_fingerprint(prompt[: write.context]),
+                    context=prompt[: write.context],
+                    adapter=write.adapter,
                     namespace=write.namespace,
                     replace=write.replace,
                     probe=write.probe,
@@ -433,19 +454,29 @@ class ModuleScheduler:
 
     def worker_reported(self, report: ModuleCacheWorkerMeta) -> None:
         for key in report.dropped:  # first: a module encoded again comes back under a new version, same tokens
-            self.trie.remove(key, namespace=key.namespace)
+            self.available.discard(key)
+            self.encodings.pop(key, None)
             self.rankings.pop(key, None)
             self.scores.pop(key, None)
-            self.placements.pop(key, None)
+            ref = (key.namespace, key.name)
+            keys = self.names.get(ref)
+            if keys is not None and key in keys:
+                keys.discard(key)
+                if not keys:  # its last encoding: the module leaves the index
+                    del self.names[ref]
+                    self.trie.remove(ref, namespace=key.namespace)
         for key, token_ids in report.stored.items():
-            try:
-                self.trie.add(key, token_ids, namespace=key.namespace)
-            except ModuleRegistrationError as why:  # ModuleIndexFull too
-                logger.error("kvreuse module %r is stored but cannot be found in prompts: %s", key.name, why)
-                continue
+            ref = (key.namespace, key.name)
+            if ref not in self.names:
+                try:
+                    self.trie.add(ref, token_ids, namespace=key.namespace)
+                except ModuleRegistrationError as why:  # ModuleIndexFull too
+                    logger.error("kvreuse module %r is stored but cannot be found in prompts: %s", key.name, why)
+                    continue
+                self.names[ref] = set()
+            self.names[ref].add(key)
+            self.encodings[key] = report.placed[key]
             self.available.add(key)
-            if key in report.placed:
-                self.placements[key] = report.placed[key]
             logger.info(
                 "kvreuse module %r of namespace %s (%d tokens) is cached",
                 key.name,
@@ -466,9 +497,11 @@ class ModuleScheduler:
         ``splice_skipped:<reason>``, ``writes_refused:<reason>``, ``shadow_checks`` and ``shadow_agreed``."""
         stats = {f"splice_skipped:{reason}": count for reason, count in self.skipped.items() if count}
         stats.update({f"writes_refused:{reason}": count for reason, count in self.refused.items() if count})
+        stats.update({f"encodings_taken:{match}": count for match, count in self.taken.items() if count})
         stats.update({name: count for name, count in self.shadow_counts.items() if count})
         self.skipped.clear()
         self.refused.clear()
+        self.taken.clear()
         self.shadow_counts.clear()
         return stats
 
@@ -513,9 +546,38 @@ class ModuleScheduler:
         self._spliced.discard(request_id)
 
     # -- helpers ----------------------------------------------------------------------------------------------------
-    def _find(self, request: Request, prompt: Sequence[int]) -> list[ModuleMatch]:
-        """The modules of the global namespace and of the request's in its prompt."""
-        return self.trie.find(prompt, namespace=namespace_of(request.cache_salt))
+    def _find(self, request: Request, prompt: Sequence[int]) -> tuple[list[ModuleMatch], dict[int, Choice]]:
+        """The modules of the global namespace and of the request's in its prompt, each named by the stored encoding
+        it takes (``kvreuse.modules.encodings.choose_encoding``: the request's adapter, its context in this
+        prompt), with that choice by module start. A module without an encoding for the request's adapter keeps
+        its index name: no store entry has it, so it is not spliced (and ends the run before it)."""
+        adapter = kv_adapter(request)
+        matches, choices = [], {}
+        for match in self.trie.find(prompt, namespace=namespace_of(request.cache_salt)):
+            stored = (self.encodings[key] for key in self.names.get(match.name, ()))
+            choice = choose_encoding(stored, prompt, match.start, adapter)
+            if choice is None:
+                matches.append(match)
+                continue
+            matches.append(ModuleMatch(choice.key, match.start, match.end))
+            choices[match.start] = choice
+        return matches, choices
+
+    def _refuse_non_token_inputs(self, request: Request, prompt: Sequence[int]) -> None:
+        """Count (once per request) the modules of a request whose model inputs are more than its token ids
+        (multimodal data, prompt embeddings): their KV is not what the token ids name, so none is spliced."""
+        if request.request_id in self._counted:
+            return
+        self._counted.add(request.request_id)
+        found = self.trie.find(prompt, namespace=namespace_of(request.cache_salt))
+        if found:
+            self.skipped[SkipReason.NON_TOKEN_INPUT] += len(found)
+            logger.info(
+                "kvreuse: request %s carries %s; its %d modules are computed, not spliced",
+                request.request_id,
+                non_token_inputs(request),
+                len(found),
+            )
 
     @staticmethod
     def _own_setting(request: Request, read: Callable[[object, T], T], default: T, setting: str) -> T:
@@ -593,6 +655,7 @@ class ModuleScheduler:
         ape: tuple[float, float] = OFF,
         stop: int = 0,
         budget: float = 0.0,
+        choices: Mapping[int, Choice] | None = None,
         blend: tuple[float, int] = (0.0, 1),
     ) -> _Look:
         """Fold the entries of ``matches`` into the request's block hashes from ``first_block`` on (module doc),
@@ -609,9 +672,10 @@ class ModuleScheduler:
         setting's.
 
         ``recompute`` first tokens per module are allotted over that same run (``allot_first_tokens``): a module
-        encoded in place (``in_place``: at the prompt's start with no context, or after the prompt's own tokens)
-        recomputes none, the others share its budget. Each module's count is folded into its blocks, and so is
-        the choice of ``budget`` (``budgeted_tokens``, over the same run) in each module.
+        whose encoding is exact here (``choices``: encoded after the prompt's own tokens before it, at its position,
+        ``kvreuse.modules.encodings``) recomputes none, the others share its budget. Each module's count is folded
+        into its blocks, and so is the choice of ``budget`` (``budgeted_tokens``, over the same run) in each
+        module.
 
         ``blend`` (recompute_blend, blend_layers) counts the tokens the worker chooses over the run's inexact
         tokens from the request's own context (``kvreuse.modules.blend.blend_count``; all of them at
@@ -620,11 +684,11 @@ class ModuleScheduler:
         identity (``_run_identity``): only a request with the same run, settings and prefix (the hashes chain) gets
         them. An engine that cannot run the pass (``blend_refusal``) gets no splice for such a request: it is
         computed in full, never spliced without the asked recompute."""
+        choices = choices or {}
         rankings = self._rankings(request, matches, share)
         available = self.available.__contains__
-        prompt = request.prompt_token_ids or ()
         run = plan_splice(matches, run_start(matches, first_block * self.block_size, available), stop, available)
-        exact = frozenset(piece.module_start for piece in run if self._in_place(piece, prompt))
+        exact = frozenset(start for start, choice in choices.items() if choice.exact)
         first = allot_first_tokens(run, recompute, lambda piece: piece.module_start in exact)
         budgeted = (
             budgeted_tokens(run, budget, lambda piece: piece.module_start in exact, self.scores) if budget else {}
@@ -658,6 +722,7 @@ class ModuleScheduler:
             first,
             exact,
             budgeted,
+            choices,
             count,
             layers,
             inexact,
@@ -700,11 +765,6 @@ class ModuleScheduler:
             return _Look([], first_block, frozenset(), recompute, share)
         return replace(look, folded=frozenset(match.name for found in blocks.values() for match in found))
 
-    def _in_place(self, piece: Piece, prompt: Sequence[int]) -> bool:
-        """Whether the spliced module of ``piece`` was encoded where it stands, after the prompt's own tokens."""
-        placement = self.placements.get(piece.name)
-        return placement is not None and in_place(placement, piece.module_start, prompt)
-
     def _count_skipped(
         self,
         request: Request,
@@ -717,13 +777,16 @@ class ModuleScheduler:
         misses = self.trie.near_misses(prompt, matches, namespace=namespace_of(request.cache_salt))
         available = self.available.__contains__
         for skip in skipped_modules(matches, pieces, num_computed_tokens, stop, available, misses):
-            self.skipped[skip.reason] += 1
+            # A module the index knows but whose name is not an entry's: no encoding for the request's adapter.
+            other = skip.reason is SkipReason.NOT_STORED and skip.name in self.names
+            reason = SkipReason.OTHER_ADAPTER if other else skip.reason
+            self.skipped[reason] += 1
             logger.debug(
                 "kvreuse module %r at token %d of request %s not spliced: %s",
-                getattr(skip.name, "name", skip.name),
+                _shown(skip.name),
                 skip.start,
                 request.request_id,
-                skip.reason,
+                reason,
             )
 
     def _authorise(self, request: Request) -> ModuleWrite | None:
@@ -737,6 +800,18 @@ class ModuleScheduler:
             logger.error("kvreuse: request %s runs without encoding a module: %s", request.request_id, why)
             return None
         assert write is not None and params is not None  # marks_encode held
+        unkeyed = non_token_inputs(request)
+        if unkeyed:
+            self.refused[WriteRefusal.NON_TOKEN_INPUT] += 1
+            logger.error(
+                "kvreuse: request %s asked to write module %r with %s, whose KV its token ids do not name; refused "
+                "(it runs as a plain request)",
+                request.request_id,
+                write.name,
+                unkeyed,
+            )
+            return None
+        write = replace(write, adapter=kv_adapter(request))
         if self.config.open_writes:
             return write
         prompt = request.prompt_token_ids or ()
@@ -753,6 +828,13 @@ class ModuleScheduler:
             )
             return None
         return write
+
+
+def _shown(name: Hashable) -> Hashable:
+    """A module's name for a log line: an entry's (``ModuleKey``) or an index entry's (``(namespace, name)``)."""
+    if isinstance(name, ModuleKey):
+        return name.name
+    return name[1] if isinstance(name, tuple) and len(name) == 2 else name
 
 
 def _run_identity(run: Sequence[Piece], exact: frozenset[int], keys: Mapping[int, tuple[str, ...]]) -> str:

@@ -31,9 +31,10 @@ from kvreuse.errors import (
 from kvreuse.kernels.rerotate import RopeSpec, check_rerotation
 from kvreuse.modules.blend import encode_deviation, token_scores
 from kvreuse.modules.config import ModulesConfig
+from kvreuse.modules.encodings import Encoding
 from kvreuse.modules.namespace import namespace_label
 from kvreuse.modules.splice import Piece, merge_positions, piece_kv, true_positions
-from kvreuse.modules.store import EncodedModule, ModuleKey, ModuleStore
+from kvreuse.modules.store import EncodedModule, ModuleKey, ModuleStore, context_fingerprint
 from kvreuse.patches import vllm_0_32
 from kvreuse.sparse.figures import FigureIncrements
 from kvreuse.vllm.metrics import KVReuseStats
@@ -330,7 +331,8 @@ class ModuleWorker:
                     save.token_ids,
                     save.start,
                     kv,
-                    context=save.context,
+                    context=context_fingerprint(save.context),
+                    adapter=save.adapter,
                     namespace=save.namespace,
                 )
                 tier = self.store.put(module, replace=save.replace)
@@ -339,7 +341,10 @@ class ModuleWorker:
                 self.figures.encode_failures += 1
                 continue
             self._report.stored[module.key] = module.token_ids
-            self._report.placed[module.key] = (module.start, module.context)
+            primary = self.store.current(save.name, save.namespace, save.adapter) == module.key
+            self._report.placed[module.key] = Encoding(
+                module.key, save.adapter, save.context, module.start, primary, module.version
+            )
             self._known.add(module.key)
             self.figures.modules_encoded += 1
             logger.info(
@@ -358,8 +363,8 @@ class ModuleWorker:
         probe context (``kvreuse.modules.blend``); the scheduler side turns the scores into the tokens a splice
         recomputes (``modules.recompute_share``)."""
         where = f"{save.name!r} of namespace {namespace_label(save.namespace)}"
-        key = self.store.current(save.name, save.namespace)
-        stored = self.store.get(key) if key is not None else None
+        key = self.store.current(save.name, save.namespace, save.adapter)
+        stored = self.store.get(key, use=False) if key is not None else None  # not a module hit: no splice
         if stored is None or self.spec is None:
             self._report.failed[where] = (
                 "a probe needs the module stored first (encode it, then probe it); no token choice"
@@ -368,7 +373,14 @@ class ModuleWorker:
             )
             return
         probe = EncodedModule(
-            save.name, stored.model_id, stored.tokenizer_id, save.token_ids, save.start, kv, namespace=save.namespace
+            save.name,
+            stored.model_id,
+            stored.tokenizer_id,
+            save.token_ids,
+            save.start,
+            kv,
+            adapter=save.adapter,
+            namespace=save.namespace,
         )
         try:
             deviation = encode_deviation(stored, probe, self.spec)

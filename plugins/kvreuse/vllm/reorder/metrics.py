@@ -8,13 +8,15 @@ The gauge ``kvreuse:reorder_max_skips`` is the setting of that name (the bound o
 ``additional_config`` and ``KVREUSE_REORDER_*`` as the scheduler reads it); the most skips any request has had so
 far, the counters' ``max_skips``, is the gauge ``kvreuse:reorder_most_skips``.
 vLLM loads it from the entry point group ``vllm.stat_logger_plugins``, which its ``AsyncLLM`` front end
-(``vllm serve``) honours and the offline ``LLM`` does not. Offline, read the scheduler's ``reorder_counters()``
+(``vllm serve``) honours and the offline ``LLM`` does not; it also logs the scheduler's summary line there with
+vLLM's periodic figures (:meth:`ReorderStatLogger.log`). Offline, read the scheduler's ``reorder_counters()``
 or its INFO log lines instead. The other plugins' counters take the connectors' way (``kvreuse.vllm.metrics``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from prometheus_client import Counter, Gauge
 from vllm.config import VllmConfig
@@ -22,18 +24,45 @@ from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
 from kvreuse.patches import vllm_0_32
+from kvreuse.reorder.admission import counters_summary
 from kvreuse.reorder.affinity import ReorderCounters
 from kvreuse.reorder.config import ReorderConfig
 from kvreuse.vllm.metrics import replace_metrics
 from kvreuse.vllm.settings import kvreuse_flags
 
+logger = logging.getLogger("vllm.plugins.kvreuse.scheduler")
+
 PREFIX = "kvreuse:reorder_"
 _FIELDS = tuple(f.name for f in dataclasses.fields(ReorderCounters))
-# ``max_skips`` is a high-water mark, not a count of events; exported as ``most_skips``, since the metric named
-# ``max_skips`` is the setting.
-_GAUGES = frozenset({"max_skips"})
-_EXPORTED = {name: "most_skips" if name == "max_skips" else name for name in _FIELDS}
 SETTING = PREFIX + "max_skips"
+# ReorderCounters field -> (Prometheus name, kind, documentation). ``max_skips`` is a high-water mark, not a count of
+# events; exported as the gauge ``most_skips``, since the metric named ``max_skips`` is the setting.
+REORDER_METRICS: dict[str, tuple[str, str, str]] = {
+    "admissions": (PREFIX + "admissions_total", "counter", "Requests admitted (left the waiting queue and started)"),
+    "out_of_order": (
+        PREFIX + "out_of_order_total",
+        "counter",
+        "Admissions that passed over an earlier arrival of equal priority",
+    ),
+    "cached_prefix": (
+        PREFIX + "cached_prefix_total",
+        "counter",
+        "Admissions whose leading blocks were in the prefix cache when they were picked",
+    ),
+    "cached_blocks": (PREFIX + "cached_blocks_total", "counter", "Cached leading blocks of those admissions, summed"),
+    "forced": (
+        PREFIX + "forced_total",
+        "counter",
+        "Admissions bounded waiting (max_skips, max_wait_s) made in place of the affinity pick",
+    ),
+    "held": (
+        PREFIX + "held_total",
+        "counter",
+        "Scheduling passes that stopped admitting because the pick would not fit to completion",
+    ),
+    "max_skips": (PREFIX + "most_skips", "gauge", "Most times any request has been passed over so far"),
+    "setting": (SETTING, "gauge", "The setting reorder.max_skips: most times a waiting request may be passed over"),
+}
 
 
 def attach_reorder_counters(stats: SchedulerStats, counters: ReorderCounters) -> None:
@@ -55,25 +84,24 @@ class ReorderStatLogger(AggregateStatLoggerBase):
     def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int] | None = None) -> None:
         engine_indexes = engine_indexes or [0]
         # A second front end in one process (tests, restarts) must replace, not duplicate, the collectors.
-        replace_metrics([PREFIX + name for name in _EXPORTED.values()] + [SETTING])
+        replace_metrics([name for name, _, _ in REORDER_METRICS.values()])
         labels = ["model_name", "engine"]
         self._metrics: dict[str, Counter | Gauge] = {
-            name: (
-                Gauge(PREFIX + _EXPORTED[name], _doc(name), labels, multiprocess_mode="max")
-                if name in _GAUGES
-                else Counter(PREFIX + _EXPORTED[name], _doc(name), labels)
+            field: (
+                Gauge(name, doc, labels, multiprocess_mode="max") if kind == "gauge" else Counter(name, doc, labels)
             )
-            for name in _FIELDS
+            for field, (name, kind, doc) in REORDER_METRICS.items()
+            if field in _FIELDS
         }
         model = vllm_config.model_config.served_model_name
         self._labels = {idx: (model, str(idx)) for idx in engine_indexes}
-        setting = Gauge(
-            SETTING, "PrefixAffinityScheduler setting: most times a waiting request may be passed over", labels
-        )
+        setting_name, _, setting_doc = REORDER_METRICS["setting"]
+        setting = Gauge(setting_name, setting_doc, labels)
         bound = ReorderConfig.load(kvreuse_flags(vllm_config.additional_config, "reorder")).max_skips
         for idx in engine_indexes:
             setting.labels(*self._labels[idx]).set(bound)
         self._last = {idx: ReorderCounters() for idx in engine_indexes}
+        self._logged = dict(self._last)
 
     def record(
         self,
@@ -89,7 +117,7 @@ class ReorderStatLogger(AggregateStatLoggerBase):
         for name in _FIELDS:
             metric = self._metrics[name].labels(*self._labels[engine_idx])
             value = getattr(counters, name)
-            if name in _GAUGES:
+            if REORDER_METRICS[name][1] == "gauge":
                 metric.set(value)
             else:
                 # Totals only grow while an engine lives; a smaller one is a restarted engine counting afresh.
@@ -97,9 +125,14 @@ class ReorderStatLogger(AggregateStatLoggerBase):
                 metric.inc(value - before if value >= before else value)
         self._last[engine_idx] = counters
 
+    def log(self) -> None:
+        """The scheduler's summary line, per engine whose counters moved since the last one: vLLM calls this with its
+        own periodic figures (every ``VLLM_LOG_STATS_INTERVAL`` seconds under ``vllm serve``), in the front end's
+        process, whose log is the one a server's user reads; the scheduler's own lines are the engine core's."""
+        for idx, counters in self._last.items():
+            if counters != self._logged[idx]:
+                logger.info("Engine %03d: %s", idx, counters_summary(counters, "blocks"))
+                self._logged[idx] = counters
+
     def log_engine_initialized(self) -> None:
         """Nothing to say at start-up: the scheduler logs its own settings."""
-
-
-def _doc(name: str) -> str:
-    return f"PrefixAffinityScheduler: {name.replace('_', ' ')} (see kvreuse.reorder.affinity.ReorderCounters)"

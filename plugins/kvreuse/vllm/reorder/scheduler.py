@@ -6,6 +6,12 @@ whole policy is a different queue: :class:`AffinityRequestQueue` is the engine-f
 prefix cache for each waiting request (``kvreuse.patches.vllm_0_32.cached_prefix``), and it takes the place of
 vLLM's own queue (``replace_waiting_queue``). Everything else (budgets, allocation, preemption, the queue of
 requests that hold KV blocks) is vLLM's own. Settings come from ``additional_config["kvreuse"]["reorder"]``.
+
+It warns when the KV block size keeps prompts from sharing anything (``kvreuse.reorder.block_size``): at start when
+the block size is the platform's default and larger than 32 tokens (vLLM's CPU platform: 128), and once when at
+least half of the first 32 admitted prompts are shorter than one block. Its counters are logged every 1,000
+admissions and at shutdown here, in the engine core; under ``vllm serve`` the front end's stat logger
+(``kvreuse.vllm.reorder.metrics.ReorderStatLogger``) logs the same line with vLLM's periodic figures.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from vllm.v1.request import Request, RequestStatus
 from kvreuse.patches import vllm_0_32
 from kvreuse.reorder.admission import counters_summary
 from kvreuse.reorder.affinity import PrefixAffinityQueue, PrefixProbe, ReorderCounters, room_to_finish
+from kvreuse.reorder.block_size import ShortPromptWatch, block_size_warning
 from kvreuse.reorder.config import ReorderConfig
 from kvreuse.vllm.reorder.metrics import attach_reorder_counters
 from kvreuse.vllm.settings import kvreuse_flags
@@ -86,6 +93,11 @@ class PrefixAffinityScheduler(Scheduler):
                 "PrefixAffinityScheduler without prefix caching admits in arrival order: "
                 "enable prefix caching for it to reorder anything"
             )
+        cache = vllm_config.cache_config
+        warning = block_size_warning(cache.block_size, cache.user_specified_block_size)
+        if warning:
+            logger.warning("%s", warning)
+        self._short_prompts = ShortPromptWatch(cache.block_size)
         logger.info(
             "%s: lookahead %d, max_skips %d, max_wait_s %g, admit_to_completion %s",
             type(self).__name__,
@@ -102,6 +114,8 @@ class PrefixAffinityScheduler(Scheduler):
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         output = super().schedule(*args, **kwargs)
         self.affinity_queue.close_step(_is_running)
+        if not self._short_prompts.done:
+            self._watch_prompt_lengths(output)
         counters = self.affinity_queue.counters
         if counters.admissions >= self._next_log_at:
             self._next_log_at = (counters.admissions // LOG_EVERY_ADMISSIONS + 1) * LOG_EVERY_ADMISSIONS
@@ -118,6 +132,13 @@ class PrefixAffinityScheduler(Scheduler):
     def shutdown(self) -> None:
         logger.info("%s", counters_summary(self.affinity_queue.counters, "blocks"))
         super().shutdown()
+
+    def _watch_prompt_lengths(self, output: SchedulerOutput) -> None:
+        """Feed the lengths of the step's newly admitted prompts to the short-prompt check (a warning, once)."""
+        lengths = [len(new.prompt_token_ids) for new in output.scheduled_new_reqs if new.prompt_token_ids is not None]
+        warning = self._short_prompts.observe(lengths)
+        if warning:
+            logger.warning("%s", warning)
 
     def _probe_prefix(self, request: Request) -> PrefixProbe:
         """The request's prompt in vLLM's prefix cache now, looked up as vLLM will at admission but without side
