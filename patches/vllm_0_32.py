@@ -836,6 +836,14 @@ def prefix_cache_hit(manager: KVCacheManager, request: Request) -> int:
     return int(tokens)
 
 
+def engine_tokenizer(vllm_config: VllmConfig) -> Any:
+    """The model's tokenizer in the process that asks (the engine core's scheduler side, for shadow checks compared
+    as texts), through vLLM's own cached loader. Tested: vLLM 0.32.0."""
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    return cached_tokenizer_from_config(vllm_config.model_config)
+
+
 @MANIFEST.touches(attribute("vllm.config:VllmConfig.device_config"), attribute("vllm.config:DeviceConfig.device_type"))
 def device_type(vllm_config: VllmConfig) -> str:
     """The kind of device the engine's workers run the model on (``"cpu"``, ``"cuda"``, ...). Tested: vLLM 0.32.0."""
@@ -1120,6 +1128,7 @@ MANIFEST.declare_interface(
     call("vllm:LLM.get_metrics", "self"),
     call("vllm:LLM.collective_rpc", "self", "method"),
     call("vllm:LLM.reset_prefix_cache", "self"),
+    call("vllm.tokenizers:cached_tokenizer_from_config", "model_config"),  # shadow checks compared as texts
     attribute("vllm.outputs:RequestOutput.metrics"),  # per request timings (calibration's TTFT)
     attribute("vllm.outputs:RequestOutput.kv_transfer_params"),  # the module connector's report (BLEND_PASS)
     attribute("vllm.v1.metrics.stats:RequestStateStats.first_token_ts"),

@@ -8,6 +8,7 @@ adapter passes a budget), and the disk tier off (it needs a size chosen for the 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -15,6 +16,7 @@ from typing import Any
 
 from kvreuse import config
 from kvreuse.errors import ConfigError
+from kvreuse.modules.agreement import Normaliser
 from kvreuse.sparse.ape import MAX_SCALE, MAX_TEMPERATURE, MIN_SCALE, MIN_TEMPERATURE, check_ape
 
 
@@ -170,6 +172,13 @@ class ModulesConfig:
         high=1_000_000,
     )
 
+    shadow_normalise: str = config.setting(
+        "",
+        "engine: compare a shadow pair's outputs as texts after these normaliser steps, a JSON list of first-line, "
+        'case, whitespace, regex:PATTERN, json:FIELD (e.g. ["first-line", "case"]; kvreuse.modules.agreement); '
+        "empty = the same tokens",
+    )
+
     def __post_init__(self) -> None:
         try:
             check_ape(self.ape_temperature, self.ape_scale, "modules.ape_temperature / modules.ape_scale")
@@ -177,6 +186,25 @@ class ModulesConfig:
             raise ConfigError(
                 f"{why} ({config.env_name('modules', 'ape_temperature')}, {config.env_name('modules', 'ape_scale')})"
             ) from None
+        self.shadow_normaliser()  # refused at start, naming the step
+
+    def shadow_normaliser(self) -> Normaliser | None:
+        """``shadow_normalise`` parsed (``None`` where empty).
+
+        Raises :class:`ConfigError` for a value that is not a JSON list of normaliser steps."""
+        if not self.shadow_normalise:
+            return None
+        where = f"modules.shadow_normalise ({config.env_name('modules', 'shadow_normalise')})"
+        try:
+            steps = json.loads(self.shadow_normalise)
+        except ValueError:
+            raise ConfigError(f'{where} must be a JSON list of normaliser steps, e.g. ["first-line", "case"]') from None
+        if not isinstance(steps, list):
+            raise ConfigError(f"{where} must be a JSON list of normaliser steps, got {type(steps).__name__}")
+        try:
+            return Normaliser.parse(steps)
+        except ConfigError as why:
+            raise ConfigError(f"{where}: {why}") from None
 
     @property
     def ape(self) -> tuple[float, float]:

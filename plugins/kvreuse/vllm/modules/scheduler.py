@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, TypeVar
 from kvreuse.config import TRUE_WORDS
 from kvreuse.errors import ConfigError, ModuleRegistrationError, RequestParameterError, UnsupportedPositionalEncoding
 from kvreuse.kernels.rerotate import rope_spec_from_hf_config
+from kvreuse.modules.agreement import same_output
 from kvreuse.modules.blend import blend_count, ranking
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.encodings import Choice, Encoding, EncodingMatch, choose_encoding
@@ -251,7 +252,7 @@ class ModuleScheduler:
         self.skipped: Counter[str] = Counter()  # modules found but not spliced, by reason (since take_stats)
         self.taken: Counter[str] = Counter()  # encodings spliced into requests, by EncodingMatch (since take_stats)
         self.refused: Counter[str] = Counter()  # encode requests not stored, by WriteRefusal (since take_stats)
-        self.shadows = ShadowPairs()  # finished halves of shadow checks waiting for the other half
+        self.shadows = ShadowPairs(same=self._shadow_comparison())  # finished halves waiting for the other half
         self._spliced: set[str] = set()  # requests that took KV from modules (a shadow check counts only for them)
         self.shadow_counts: Counter[str] = Counter()  # shadow_checks, shadow_agreed (since take_stats)
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM (KVConnectorBase_V1.bind_kv_cache_manager)
@@ -491,6 +492,15 @@ class ModuleScheduler:
                 self._unranked.discard(key)
         for name, why in report.failed.items():
             logger.error("kvreuse module %s was not stored: %s", name, why)
+
+    def _shadow_comparison(self) -> Callable[[Sequence[int], Sequence[int]], bool] | None:
+        """How a shadow pair's outputs are compared: with ``modules.shadow_normalise``, as texts after it (the model's
+        tokenizer, loaded in the engine core for it), else token for token (``None``)."""
+        normaliser = self.config.shadow_normaliser()
+        if normaliser is None:
+            return None
+        tokenizer = vllm_0_32.engine_tokenizer(self.vllm_config)
+        return lambda full, served: same_output(full, served, normaliser, tokenizer.decode)
 
     def take_stats(self) -> dict[str, int]:
         """The skipped-module, refused-write and shadow-check counts since the last call, as stats keys
