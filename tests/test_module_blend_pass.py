@@ -183,6 +183,39 @@ def test_a_hit_past_the_first_inexact_token_computes_the_rest_of_the_run():
     assert load.blend == BlendSpec(2, 1, (6, 7, 8, 9), (20, 21, 22, 23))  # block 5's slots: the context
 
 
+def test_an_identical_request_whose_hit_ends_inside_the_run_recomputes_what_the_first_one_chose(monkeypatch):
+    """The first request's blocks hold its choice; a request with the same run and setting whose prefix hit ends
+    inside the run recomputes the positions the first one chose in the rest (from the worker's report), after a pass
+    over the rest's candidates without a choice of its own; another setting finds no such blocks (computed)."""
+    from kvreuse.patches import vllm_0_32
+
+    hits = {"r": 0, "s": 4}
+    monkeypatch.setattr(vllm_0_32, "caches_prefixes", lambda manager: True)
+    monkeypatch.setattr(vllm_0_32, "prefix_cache_hit", lambda manager, request: hits[request.request_id])
+    monkeypatch.setattr(vllm_0_32, "fold_into_block_hashes", lambda *args: True)
+    scheduler, request = _blend_request(0.3)  # 10 inexact tokens, 3 chosen
+    scheduler.kv_cache_manager = object()
+    assert scheduler.matched_tokens(request, 0) == 7
+    scheduler.allocated(request, [5, 6, 7], 7)
+    scheduler.build_metadata(_step("r", 5))
+    scheduler.worker_reported(ModuleCacheWorkerMeta(blended={"r": (1, 5, 8)}))
+    scheduler.finished("r")
+    again = SimpleNamespace(**{**vars(request), "request_id": "s"})
+    assert scheduler.matched_tokens(again, 0) is None  # folded: vLLM looks it up again and finds blocks 0 (4 tokens)
+    assert scheduler.matched_tokens(again, 4) == 6 - 2  # the run's rest less what the first request chose there
+    plan = scheduler._plans["s"]
+    assert plan.recompute == (5, 8) and plan.blend == BlendSpec(0, 1, (4, 5, 6, 7, 8, 9), ())
+    scheduler.allocated(again, [5, 6, 7], 4)
+    (load,) = scheduler.build_metadata(_step("s", 4)).loads
+    assert load.start == 8 and load.blend == BlendSpec(0, 1, (4, 5, 6, 7, 8, 9), (20, 21, 22, 23))
+    hits["t"] = 4
+    other = SimpleNamespace(
+        **{**vars(request), "request_id": "t", "kv_transfer_params": {"kvreuse_recompute_blend": 0.4}}
+    )
+    scheduler.matched_tokens(other, 0)
+    assert scheduler.matched_tokens(other, 4) == 0  # no choice recorded for this run and setting: computed
+
+
 def test_blend_layers_past_the_models_compute_every_inexact_token():
     scheduler, request = _blend_request(0.1, layers=4)  # the fake model has 4 layers
     assert scheduler.matched_tokens(request, 0) == 0

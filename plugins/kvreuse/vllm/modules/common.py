@@ -402,7 +402,9 @@ class BlendSpec:
     load's pieces), writes their exact KV of layers ``0 .. layers``, and adds to the load's ``recompute`` the
     ``count`` candidates outside it whose KV deviates most on layer ``layers`` (``kvreuse.modules.blend``); the
     load's ``start`` counts them already. ``context_slots``: the slots of the prompt's tokens before the pieces
-    (vLLM's prefix hit), which the pass attends to."""
+    (vLLM's prefix hit), which the pass attends to. A ``count`` of 0 runs the pass without a choice: the rest of a
+    run whose choice an identical request made (its blocks are vLLM's prefix hit; the tokens it chose in the rest
+    are in the load's ``recompute``)."""
 
     count: int
     layers: int
@@ -456,6 +458,8 @@ class ModuleCacheWorkerMeta(KVConnectorWorkerMetadata):
     scores: dict[ModuleKey, tuple[float, ...]] = field(default_factory=dict)  # probed modules: per token
     # stored modules: what each was computed with and after, and whether it is its name's primary encoding
     placed: dict[ModuleKey, Encoding] = field(default_factory=dict)
+    # requests whose recompute_blend pass ran: the positions it chose (one worker runs it: blend_refusal)
+    blended: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def aggregate(self, other: ModuleCacheWorkerMeta) -> ModuleCacheWorkerMeta:
         return ModuleCacheWorkerMeta(
@@ -468,4 +472,5 @@ class ModuleCacheWorkerMeta(KVConnectorWorkerMetadata):
                 if key in other.scores
             },
             placed={key: where for key, where in self.placed.items() if key in other.placed},
+            blended={**self.blended, **other.blended},
         )

@@ -41,7 +41,7 @@ import hashlib
 import json
 import logging
 import os
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -108,6 +108,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm.plugins.kvreuse")
+BLEND_CHOICES = 4096  # recompute_blend choices remembered for identical requests (a run's chosen positions each)
 T = TypeVar("T")  # an engine setting's value, as _own_setting reads it per request
 
 
@@ -148,6 +149,7 @@ class _Look:
     blend_count: int = 0
     blend_layers: int = 1
     inexact: int = 0
+    run_identity: str = ""  # _run_identity of the run (where vLLM caches prefixes): names the choice made over it
 
     def first_count(self, module_start: int) -> int:
         """The first tokens the module at ``module_start`` recomputes: its allotment, or ``recompute_first`` for a
@@ -164,17 +166,16 @@ class _Look:
         inexact = [piece for piece in pieces if piece.module_start not in self.exact]
         return merge_positions(first, budgeted, chosen_tokens(inexact, self.rankings, self.recompute_share))
 
-    def blend_candidates(self, pieces: Sequence[Piece]) -> tuple[int, ...] | None:
+    def blend_candidates(self, pieces: Sequence[Piece]) -> tuple[int, ...]:
         """Prompt positions of ``pieces``' tokens whose spliced KV is not a full prefill's (the candidates of
-        ``recompute_blend``'s choice), or ``None`` where the pieces do not hold all of the run's (vLLM's prefix hit
-        ended past the run's first inexact token: the choice, made over the whole run, cannot be made again)."""
-        candidates = tuple(
+        ``recompute_blend``'s choice); fewer than the run's (``inexact``) where vLLM's prefix hit ended past the
+        run's first inexact token."""
+        return tuple(
             position
             for piece in pieces
             if piece.module_start not in self.exact
             for position in range(piece.prompt_start, piece.prompt_end)
         )
-        return candidates if len(candidates) == self.inexact else None
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,8 @@ class ModuleScheduler:
         self._prompt_lens: dict[str, int] = {}  # requests of self._loads that recompute: their prompt's length
         self._ape: dict[str, ApeSpans] = {}  # requests whose later tokens attend to their modules with APE
         self._blended: dict[str, tuple[int, int]] = {}  # requests whose load ran recompute_blend's pass: its size
+        # recompute_blend's choices, by the run they were made over (_Look.run_identity), the latest BLEND_CHOICES
+        self.blend_choices: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         # APE is applied by kvreuse's attention backend in PyTorch; the Triton kernels (CUDA) know no APE bias.
         self.applies_ape = applies_ape(vllm_config)
         if self.config.ape != OFF and not self.applies_ape:
@@ -327,13 +330,20 @@ class ModuleScheduler:
         blend = None
         if look.blend_count:
             candidates = look.blend_candidates(pieces)
-            if candidates is None:
-                # The hit holds inexact tokens of a run chosen over as a whole (an identical request's blocks): the
-                # rest of the run is computed, never chosen again over a part of it.
-                self._plans.pop(rid, None)
-                return 0
             count = min(look.blend_count, len(set(candidates) - set(fixed)))
-            blend = BlendSpec(count, look.blend_layers, candidates, ()) if count else None
+            if len(candidates) < look.inexact:
+                # vLLM's hit holds inexact tokens of the run: an identical request's blocks (their hashes name the
+                # run and the setting). Its choice was over the whole run: the rest recomputes what it chose there
+                # (recorded from the worker's report), after the pass over the rest's candidates; unrecorded, the
+                # rest of the run is computed.
+                chosen = self.blend_choices.get(look.run_identity)
+                if chosen is None:
+                    self._plans.pop(rid, None)
+                    return 0
+                fixed = merge_positions(fixed, [p for p in chosen if p in set(candidates)])
+                count = 0
+            if count or len(candidates) > len(set(fixed) & set(candidates)):
+                blend = BlendSpec(count, look.blend_layers, candidates, ())
         plan = self._plans[rid] = _Plan(pieces, fixed, blend)
         if rid not in self._counted:  # counted once per request (vLLM may ask again while it waits)
             self._counted.add(rid)
@@ -484,6 +494,13 @@ class ModuleScheduler:
                 namespace_label(key.namespace),
                 len(token_ids),
             )
+        for rid, chosen in report.blended.items():
+            look = self._looks.get(rid)
+            if look is not None and look.run_identity:
+                self.blend_choices[look.run_identity] = chosen
+                self.blend_choices.move_to_end(look.run_identity)
+                while len(self.blend_choices) > BLEND_CHOICES:
+                    self.blend_choices.popitem(last=False)
         self.available -= report.dropped
         for key, scores in report.scores.items():
             if key in self.available:
@@ -753,7 +770,8 @@ class ModuleScheduler:
             for block, found in blocks.items()
         }
         if count:
-            identity = _run_identity(run, exact, keys)
+            identity = _run_identity(run, look)
+            look = replace(look, run_identity=f"{share_blend!r},{layers},{identity}")
             blended = f"recompute_blend={share_blend!r},layers={layers},run={identity}"
             for block in {
                 p // self.block_size
@@ -847,13 +865,24 @@ def _shown(name: Hashable) -> Hashable:
     return name[1] if isinstance(name, tuple) and len(name) == 2 else name
 
 
-def _run_identity(run: Sequence[Piece], exact: frozenset[int], keys: Mapping[int, tuple[str, ...]]) -> str:
-    """A short name of a spliced run and of every choice folded into its blocks (``keys``, by block): what
-    ``recompute_blend``'s choice over the run depends on besides the tokens before it."""
+def _run_identity(run: Sequence[Piece], look: _Look) -> str:
+    """A short name of a spliced run (every module entry, where it stands, whether it is exact) and of every other
+    choice of recompute in it (first tokens, the encode-time share and its rankings, the budget's tokens): what
+    ``recompute_blend``'s choice over the run depends on besides the tokens before it. It does not depend on where
+    vLLM's prefix hit ended."""
     pieces = [
-        [getattr(p.name, "identity", repr(p.name)), p.prompt_start, p.length, p.module_start in exact] for p in run
+        [
+            getattr(p.name, "identity", repr(p.name)),
+            p.prompt_start,
+            p.length,
+            p.module_start in look.exact,
+            look.first_count(p.module_start),
+            list(look.budgeted.get(p.module_start, ())),
+            _ranking_digest(look.rankings[p.name]) if look.recompute_share and p.name in look.rankings else "",
+        ]
+        for p in run
     ]
-    return _digest_text(json.dumps([pieces, sorted(keys.items())]))
+    return _digest_text(json.dumps([pieces, look.recompute_share]))
 
 
 def _ranking_digest(order: Sequence[int]) -> str:

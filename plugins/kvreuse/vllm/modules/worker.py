@@ -234,6 +234,8 @@ class ModuleWorker:
             vllm_0_32.write_kv(layers[layer], keys, values, slots)
 
         chosen = blend.choose(spec, self._token_ids(spec), decoder, caches, write)
+        if spec.blend.count:  # a choice over the whole run: the scheduler side keeps it for identical requests
+            self._report.blended[spec.req_id] = chosen
         self.figures.blend_passes += 1
         self.figures.blend_tokens += len(spec.blend.candidates)
         self.figures.blend_s += time.perf_counter() - started
@@ -402,7 +404,7 @@ class ModuleWorker:
         report = self._report
         self._report = ModuleCacheWorkerMeta()
         report.scores = {k: v for k, v in report.scores.items() if k not in lost}
-        return report if (report.stored or report.dropped or report.failed or report.scores) else None
+        return report if (report.stored or report.dropped or report.failed or report.scores or report.blended) else None
 
     def take_increments(self) -> KVReuseStats | None:
         """The counters' increments since the last call, for vLLM's metrics (``None`` when nothing changed)."""
