@@ -282,13 +282,15 @@ def encoded_choice(share: float, layers: str, first: int = 0) -> Select:
     return select
 
 
-def deviation(ratios: dict[int, float], first: int = 0) -> Select:
-    """CacheBlend's choice from the request itself (``KVDeviation``) over the module tokens, with the engine's
-    allotment of ``first`` first tokens (:func:`allotted_first`) always recomputed too (the union)."""
+def deviation(ratios: dict[int, float], first: int = 0, anchored: bool = False) -> Select:
+    """CacheBlend's choice from the request itself (``KVDeviation``) over the module tokens whose KV is not exact
+    (with ``anchored``, the modules encoded after the header: the first one is exact, right after it), with the
+    engine's allotment of ``first`` first tokens (:func:`allotted_first`) always recomputed too (the union)."""
 
     def select(prep: Prepared) -> Recompute:
-        forced = allotted_positions(prep, first) if first else torch.empty(0, dtype=torch.int64)
-        return KVDeviation(prep.module_index, ratios, forced)
+        forced = allotted_positions(prep, first, anchored) if first else torch.empty(0, dtype=torch.int64)
+        candidates = prep.module_index[prep.spans[1][0] - prep.spans[0][0] :] if anchored else prep.module_index
+        return KVDeviation(candidates, ratios, forced)
 
     return select
 
@@ -298,17 +300,19 @@ def _run(prep: Prepared) -> list[Piece]:
     return [Piece(-1, 0, 0, prep.spans[0][0])] + [Piece(i, 0, s, e - s) for i, (s, e) in enumerate(prep.spans)]
 
 
-def allotted_positions(prep: Prepared, k: int) -> torch.Tensor:
-    """The engine's ``recompute_first`` k: k first tokens per module of the run, the exact header's k going to the
-    documents (``kvreuse.modules.splice.allot_first_tokens``)."""
+def allotted_positions(prep: Prepared, k: int, anchored: bool = False) -> torch.Tensor:
+    """The engine's ``recompute_first`` k: k first tokens per module of the run, the exact modules' k going to the
+    others (``kvreuse.modules.splice.allot_first_tokens``): the header, and with ``anchored`` (modules encoded
+    after the header) the first module too."""
     run = _run(prep)
-    counts = allot_first_tokens(run, k, lambda piece: piece.name == -1)
+    exact = (-1, 0) if anchored else (-1,)
+    counts = allot_first_tokens(run, k, lambda piece: piece.name in exact)
     return torch.tensor(first_tokens_of(run, counts), dtype=torch.int64)
 
 
-def allotted_first(k: int) -> Select:
+def allotted_first(k: int, anchored: bool = False) -> Select:
     """LegoLink as the engine serves it (:func:`allotted_positions`), recomputed in every layer."""
-    return lambda prep: FixedTokens(allotted_positions(prep, k))
+    return lambda prep: FixedTokens(allotted_positions(prep, k, anchored))
 
 
 def budget(share: float) -> Select:
@@ -447,6 +451,13 @@ def runtime_arms() -> list[Arm]:
         *[Arm(f"rb-L4-{p}%", "runtime", select=deviation({4: p / 100})) for p in (10, 20)],
         Arm("rb-gradual-15%", "runtime", select=deviation({1: 0.3, 2: 0.2, 3: 0.15})),
         *[Arm(f"rb-L1-{p}%+f16", "runtime", select=deviation({1: p / 100}, 16)) for p in (5, 10, 15)],
+        # the modules encoded after the header (an encoding per context): the first one is exact where it stands
+        Arm("anchored", "anchored", cache="anchored"),
+        Arm("anchored+first-16", "anchored", cache="anchored", select=allotted_first(16, anchored=True)),
+        *[
+            Arm(f"anchored+rb-L1-{p}%", "anchored", cache="anchored", select=deviation({1: p / 100}, anchored=True))
+            for p in (15, 30)
+        ],
     ]
     return out
 

@@ -195,7 +195,7 @@ def test_a_plain_splice_of_b_is_not_the_full_prefill(llm, prompt, full):
         ({"recompute_first": 2**31}, "kvreuse_recompute_first"),
         ({"share": float("nan")}, "kvreuse_recompute_share"),
         ({"blend": float("inf")}, "kvreuse_recompute_blend"),
-        ({"blend": 0.2, "blend_layers": 10**4000}, "kvreuse_blend_layers"),
+        ({"blend": 0.2, "blend_layers": 2**40}, "kvreuse_blend_layers"),
     ],
 )
 def test_a_setting_past_its_bounds_is_refused_before_the_engine_naming_the_field(llm, prompt, full, own, field):
@@ -413,8 +413,9 @@ def test_a_budget_of_every_token_is_the_full_prefill(llm, probed):
 
 @pytest.fixture(scope="module")
 def runtime_reference(reference_model, mixed, prepared):
-    """Per case and number of exact layers (1: CacheBlend's layer 0; 2), the offline reference's generation with
-    the top ``BLEND`` of the module tokens by their deviation on the next layer recomputed in the rest."""
+    """Per case and number of exact layers (1: CacheBlend's layer 0, every case; 2, the first case), the offline
+    reference's generation with the top ``BLEND`` of the module tokens by their deviation on the next layer
+    recomputed in the rest."""
     from module_quality import deviation
 
     model, eos = reference_model
@@ -427,19 +428,19 @@ def runtime_reference(reference_model, mixed, prepared):
                 eos=eos,
                 recompute=deviation({layers: BLEND})(prep),
             )
-            for layers in (1, 2)
+            for layers in ((1, 2) if n == 0 else (1,))
         }
-        for tc, prep in zip(mixed.cases, prepared)
+        for n, (tc, prep) in enumerate(zip(mixed.cases, prepared))
     ]
 
 
 def test_the_engines_choice_from_the_request_gives_the_offline_references_tokens(llm, probed, runtime_reference):
-    """Each case's 16 greedy tokens and first-token log-probabilities with the engine's pass over the first 1 or 2
+    """Each case's 16 greedy tokens and first-token log-probabilities with the engine's pass over the first 1 (or 2)
     layers and its choice of 20% of the module tokens equal the reference's; the engine computed that many tokens
     more than the plain splice, and its pass ran over every module token."""
     for tc, ref in zip(probed, runtime_reference):
         plain = generate(llm, tc.prompt, recompute_first=0)
-        for layers in (1, 2):
+        for layers in ref:
             before = llm.collective_rpc(_figures)[0]
             out = generate(llm, tc.prompt, recompute_first=0, blend=BLEND, blend_layers=layers)
             after = llm.collective_rpc(_figures)[0]
