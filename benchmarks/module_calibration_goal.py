@@ -12,7 +12,7 @@ script writes what the command reads (``modules.json``: the header and the sampl
 in a subprocess (its report printed as is), reads the chosen setting from the report's per-request line, then
 starts one engine with the held-back prompts' modules and measures the chosen setting on them with the same
 comparison (``calibrate_modules(..., firsts=(), settings=[chosen])``): agreement, prompt tokens computed and TTFT
-against full prefill on the same prompts. Writes ``benchmarks/results/module_calibration_goal_<set>.json``::
+against full prefill on the same prompts. Writes ``docs/benchmarks/results/module_calibration_goal_<set>.json``::
 
     python benchmarks/module_calibration_goal.py --set docs-4 --prompts 25 --blends 0.15,0.2,0.3
 """
@@ -28,13 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import RESULTS
 from module_quality_data import HEADER, QA_SETS, make_cases, tokenize_case
 
 from kvreuse.localmodel import local_engine_args
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "build" / "models" / "smollm2"
-RESULTS = Path(__file__).resolve().parent / "results"
 NORMALISE = ["first-line", "case", "whitespace"]  # the answer as a reader of these prompts reads it
 MODULES = {"gpu_bytes": 0, "cpu_bytes": 4 << 30}
 CPU_ENGINE = {"kvreuse": {"sparse": {"beta": float("inf")}, "modules": MODULES}}

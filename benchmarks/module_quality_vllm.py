@@ -28,33 +28,35 @@ header's, the prompt's shared prefix) with temperature T; ``ape-alone-T0.8`` ove
 Prints, per arm, how many answers are right, how many outputs equal the engine's own full prefill's, the share of
 prompt tokens the engine computed, and, where ``module_quality.py`` measured the same cases and arm, how many give
 the reference's tokens exactly (and, where not, the first output token that differs); writes
-``benchmarks/results/module_quality_vllm_<set>.json``::
+``docs/benchmarks/results/module_quality_vllm_<set>.json``::
 
     python benchmarks/module_quality_vllm.py --set mixed --cases 20
     python benchmarks/module_quality_vllm.py --set long --cases 8 --ttft-only   # the issue's shape: 8 modules x ~256
 
-``--curves --sets schema-2,schema-4,schema-8``: the same arms on the schema workload (``module_quality_data.py``:
-Spider schemas of 2, 4 or 8 tables, one module per table encoded after the tables it references, as TableCache
-does, and probed after the header; a question asking for a SQL query, 32 greedy tokens). It has no answers: each
-arm's query is compared with full prefill's, token for token (``same_as_full``) and normalised
-(``normalise_sql``: ``same_sql_as_full``)::
+``--curves``: answers against compute, every recovery the engine serves (``--arms``, from :data:`CURVE_ARMS`: the
+plain splice, LegoLink's first K tokens, the engine's default 16 among them, CacheBlend's choice made at encode
+time (``recompute_share``), the one budget (``recompute_budget``) and CacheBlend's choice from the request
+(``recompute_blend`` after ``blend_layers`` exact layers)), on document sets (``docs-1`` to ``docs-8``: 1 to 8
+documents of 100-140 tokens after the chat header) or the schema workload (``schema-2``, ``schema-4``,
+``schema-8``: Spider schemas of 2, 4 or 8 tables, one module per table encoded after the tables it references, as
+TableCache does; a question asking for a SQL query, 32 greedy tokens), the cases drawn with ``--seed``, in one
+engine, the arms taking turns per case (so TTFT ratios compare like with like), the prefix cache reset before each
+request. Per arm and set: right answers, full prefill's right answers kept, outputs with the same 16 tokens as full
+prefill's, the same answer (the first line, case and whitespace aside; on a schema set, the same query after
+``normalise_sql``), the share of prompt tokens vLLM computed (and with the pass of ``recompute_blend``, counted as
+its tokens through its layers and one more), TTFT full/arm (medians) and where the arm's TTFT went (the module
+loads and the pass, each a median share of its TTFT, from the worker's figures). Rows go to
+``build/module_quality_vllm/curves-<tag>.jsonl`` as each case finishes; a run stops starting cases after
+``--minutes`` and the next resumes, so a long run goes in pieces; writes
+``docs/benchmarks/results/module_quality_vllm_<tag>.{json,png}``::
 
-    python benchmarks/module_quality_vllm.py --curves --sets schema-2,schema-4,schema-8 --cases 20
-
-``--curves``: issue 27's accuracy-compute curves, every recovery at a few compute points on the ``docs-1``,
-``docs-2``, ``docs-4`` and ``docs-8`` sets (1, 2, 4, 8 documents of 100-140 tokens after the header) in one engine,
-the arms taking turns per case (so TTFT ratios compare like with like), 16 greedy tokens each: full prefill, the
-plain splice, StreamingLLM's attention sinks (Xiao et al., ICLR 2024: each module's first 4 tokens, the sink its
-encoding alone made, recomputed), LegoLink's first K tokens (EPIC), CacheBlend's choice made at encode time
-(``recompute_share``) and kvreuse's one budget per prompt (``recompute_budget``,
-``kvreuse.modules.splice.budgeted_tokens``); prints the table, writes
-``benchmarks/results/module_quality_vllm_curves.{json,png}``::
-
-    python benchmarks/module_quality_vllm.py --curves --cases 10
+    python benchmarks/module_quality_vllm.py --curves --sets docs-4 --cases 60 --tag docs4 \
+        --arms naive,first-16,first-64,share-30%,blend-15%,blend-20%,blend-30%
+    python benchmarks/module_quality_vllm.py --curves --sets schema-2,schema-4,schema-8 --cases 16 --tag schema
 
 ``--ttft-only``: TTFT alone (one token per request), the arms interleaved case by case in one engine (``full``,
 ``naive``, ``legolink-*``, ``blend-*``; ``anchored`` computes what ``naive`` does), so that a change in the
-machine's load hits every arm alike; writes ``benchmarks/results/module_quality_vllm_ttft_<set>.json``.
+machine's load hits every arm alike; writes ``docs/benchmarks/results/module_quality_vllm_ttft_<set>.json``.
 """
 
 from __future__ import annotations
