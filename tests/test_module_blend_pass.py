@@ -272,6 +272,8 @@ def test_an_engine_that_cannot_run_the_pass_refuses_the_setting_at_start_and_com
 
 def test_a_request_sets_its_own_blend_and_bad_values_name_the_field():
     assert recompute_blend(None, 0.1) == 0.1 and recompute_blend({"kvreuse_recompute_blend": 1}, 0.0) == 1.0
+    tiny = recompute_blend({"kvreuse_recompute_blend": 5e-324}, 0.0)  # a subnormal share: no token at all
+    assert tiny == 5e-324 and blend_count(tiny, 10**6) == 0
     assert blend_layers({}, 3) == 3 and blend_layers({"kvreuse_blend_layers": 1024}, 1) == 1024
     for bad in (-0.1, 1.01, math.nan, math.inf, -math.inf, True, "0.2", 10**4000, None):
         with pytest.raises(RequestParameterError, match="kvreuse_recompute_blend must be a number from 0 to 1") as e:
