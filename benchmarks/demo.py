@@ -3,12 +3,12 @@
 SmolLM2-135M-Instruct (``build/models/smollm2``, float32, greedy, each row sent as a chat with its template, as
 every kvreuse front end does) on vLLM's CPU or GPU engine, asked of ``--rows`` random reviews (seed 0) of
 ``movies_small.csv`` (Rotten Tomatoes reviews of 51 movies): "Which movie is this review about?" from the review's
-link, the review and the movie's description, in the table's field order; the movie's title, which the model does
-not see, is the right answer. Arms, all on one engine whose prefix cache is emptied before every run:
+link, the movie's description and the review, in that order (the movie, then the review); the movie's title, which
+the model does not see, is the right answer. Arms, all on one engine whose prefix cache is emptied before every run:
 
 - ``table order`` (stock): rows and fields as they come, what the engine does without kvreuse;
 - ``kvreuse (default)``: the plan ``kvreuse run`` makes by default: rows reordered (GGR on the engine's tokens),
-  each prompt's fields kept in the table's order, so every prompt is one the table order sends too;
+  each prompt's fields kept in the given order, so every prompt is one the table order sends too;
 - ``global fields`` and ``free fields`` (opt-in, ``--field-order``): fields moved too, one order for all rows or
   each row its own; more reuse, and a field's place can change an answer.
 
@@ -32,7 +32,7 @@ from harness import write_results as write
 
 MODEL_PRESET = "smollm2"
 QUESTION = "Which movie is this review about? Answer with the movie's title."
-FIELDS = ["rotten_tomatoes_link", "review_content", "movie_info"]  # the table's order; title and id left out
+FIELDS = ["rotten_tomatoes_link", "movie_info", "review_content"]  # the movie, then its review; no title or id
 TRUTH = "movie_title"
 ARMS: dict[str, dict[str, str]] = {
     "table order": dict(order="original"),
@@ -182,7 +182,7 @@ def print_table(arms: list[dict[str, Any]], rows: int) -> None:
 def plot(arms: list[dict[str, Any]], rows: int) -> Any:
     """Three panels, one colour per arm: prefill computed, speed against the table order (with the rounds' range),
     and answers identical to the table order's."""
-    names = [a["arm"] for a in arms]
+    names = [a["arm"] + ("" if a["arm"] in (STOCK, "kvreuse (default)") else "\n(opt-in)") for a in arms]
     colours = ["#7f7f7f", "#1b9e77", "#d95f02", "#7570b3"][: len(arms)]
     fig, (tokens, speed, same) = new_figure(1, 3, figsize=(13, 4.2))
     tokens.bar(names, [a["computed_tokens"] for a in arms], color=colours)

@@ -219,15 +219,15 @@ def curve_cases(name: str, encode, num_cases: int, seed: int = 0) -> list[Tokeni
     return [tokenize_case(c, encode) for c in make_cases(QA_SETS[name], encode, seed)[:num_cases]]
 
 
-def encode_curve_modules(llm, sets: dict[str, list[TokenizedCase]]) -> int:
+def encode_curve_modules(llm, sets: dict[str, list[TokenizedCase]]) -> dict[tuple[int, ...], str]:
     """Encode every header of ``sets`` alone (exact at the prompt's start: never recomputed, no probe) and every
     module after its own context (none for a document, the referenced tables for a schema's table: TableCache),
-    probed after its case's header; the number of modules."""
+    probed after its case's header; the modules' names by their token ids."""
     from kvreuse.vllm.modules import encode_modules
 
     headers = list(dict.fromkeys(tc.header for tcs in sets.values() for tc in tcs))
     encode_modules(llm, {f"header-{i}": list(h) for i, h in enumerate(headers)})
-    count = 0
+    named: dict[tuple[int, ...], str] = {}
     for h, header in enumerate(headers):
         contexts: dict[tuple[int, ...], tuple[int, ...]] = {}
         for tc in (tc for tcs in sets.values() for tc in tcs if tc.header == header):
@@ -240,8 +240,8 @@ def encode_curve_modules(llm, sets: dict[str, list[TokenizedCase]]) -> int:
             {name: list(contexts[ids]) for name, ids in names.items() if contexts[ids]},
             probe=header,
         )
-        count += len(names)
-    return count
+        named.update({ids: name for name, ids in names.items()})
+    return named
 
 
 def _curves(set_names: list[str], num_cases: int, arms: list[str], seed: int, minutes: float, tag: str) -> None:
@@ -272,7 +272,7 @@ def _curves(set_names: list[str], num_cases: int, arms: list[str], seed: int, mi
     }
     started = time.perf_counter()
     try:
-        count = encode_curve_modules(llm, {name: tcs for name, tcs in todo.items() if tcs})
+        count = len(encode_curve_modules(llm, {name: tcs for name, tcs in todo.items() if tcs}))
         print(f"encoded {count} modules in {time.perf_counter() - started:.0f} s", flush=True)
         with log.open("a") as out:
             for name, tokenized in todo.items():

@@ -28,12 +28,12 @@ Arms, one engine, its prefix cache emptied before each: ``original`` (rows and f
 the cache is emptied after it) and ``free`` (GGR moving fields per row). Every arm runs twice, in order and then in
 reverse order (``harness.alternate``; the machine is shared: its wall time is the faster of the two; the answers of
 both runs must agree). Per arm: prompt tokens and those computed (not served from the prefix cache, as vLLM reports
-them), wall time against the original's, answers right (the known value, a whole word of the answer, case-
-insensitive) and identical to the original's; and the wall time ``kvreuse run``'s summary would estimate as saved
-against the original order (its planned prefill tokens saved times the per-token prefill cost its probe measures,
-:mod:`kvreuse.batch.savings`), beside the measured difference. Usage: ``python benchmarks/reorder_chat_orders.py
-[--rows 160] [--tables movies,flights,penguins] [--kv-cache-mib 64] [--calibrate-rows 30]`` (``--rows``: a random
-sample per table, seed 0). Writes ``reorder_chat_orders.json`` and ``.png`` (the harness's output folder).
+them) beside those planned (:func:`kvreuse.batch.calibrate.planned_stats`, what ``kvreuse run``'s summary plans for
+the original order), wall time against the original's, the wall time saved as measured, answers right (the known
+value, a whole word of the answer, case-insensitive) and identical to the original's.
+Usage: ``python benchmarks/reorder_chat_orders.py [--rows 160] [--tables movies,flights,penguins] [--kv-cache-mib 64]
+[--calibrate-rows 30]`` (``--rows``: a random sample per table, seed 0). Writes ``reorder_chat_orders.json`` and
+``.png`` (the harness's output folder).
 """
 
 from __future__ import annotations
@@ -160,9 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibrate-rows", type=int, default=30)
     args = parser.parse_args(argv)
     from kvreuse.batch import run_table
-    from kvreuse.batch.calibrate import calibrate, original_prompts, planned_stats
+    from kvreuse.batch.calibrate import calibrate, planned_stats
     from kvreuse.batch.job import plan_table
-    from kvreuse.batch.savings import measure_prefill_cost
     from kvreuse.vllm.backend import VLLMBackend
 
     report = []
@@ -183,8 +182,6 @@ def main(argv: list[str] | None = None) -> None:
             calibration_s = time.perf_counter() - start
             print(calibration.table(), flush=True)
             llm.reset_prefix_cache()
-            original = original_prompts(df, question, fields, "lines")
-            cost = measure_prefill_cost(backend, original)
             options = {
                 "original": dict(order="original"),
                 "rows only": dict(order="ggr"),
@@ -209,7 +206,6 @@ def main(argv: list[str] | None = None) -> None:
                 (first_s, result), (second_s, again) = runs[arm]
                 answers = [str(a) for a in result.answers]
                 figures = result.figures
-                per_token = cost.seconds_per_unit or 0.0
                 entry = dict(
                     table=name,
                     arm=arm,
@@ -220,10 +216,6 @@ def main(argv: list[str] | None = None) -> None:
                     seconds=min(first_s, second_s),
                     seconds_both=[first_s, second_s],
                     saved_s_measured=base_s - min(first_s, second_s),
-                    saved_s_estimated=(planned["original"].computed_tokens - planned[arm].computed_tokens) * per_token,
-                    probe=dict(
-                        cold_s=cost.cold_s, cached_s=cost.cached_s, cold=cost.cold_units, cached=cost.cached_units
-                    ),
                     right=sum(right(t, a) for t, a in zip(truth, answers)),
                     same=sum(a == b for a, b in zip(answers, reference)),
                     same_in_both_runs=answers == [str(a) for a in again.answers],
@@ -240,18 +232,19 @@ def main(argv: list[str] | None = None) -> None:
 
 def print_table(report: list[dict]) -> None:
     print(
-        "| table | arm | prefill computed | vs original | wall s | vs original | saved s: measured / estimated "
+        "| table | arm | prefill computed | planned | vs original | wall s | vs original | saved s "
         "| right | same as original |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for entry in report:
         base = next(e for e in report if e["table"] == entry["table"] and e["arm"] == "original")
         arm = entry["arm"] + (f" ({entry['chosen']})" if entry["chosen"] else "")
         print(
             f"| {entry['table']} | {arm} | {entry['computed_tokens']:,} of {entry['prompt_tokens']:,} | "
+            f"{entry['planned_computed_tokens']:,} | "
             f"{base['computed_tokens'] / max(entry['computed_tokens'], 1):.2f}x fewer | {entry['seconds']:.1f} | "
-            f"{base['seconds'] / entry['seconds']:.2f}x | {entry['saved_s_measured']:.1f} / "
-            f"{entry['saved_s_estimated']:.1f} | {entry['right']}/{entry['rows']} | {entry['same']}/{entry['rows']} |"
+            f"{base['seconds'] / entry['seconds']:.2f}x | {entry['saved_s_measured']:.1f} | "
+            f"{entry['right']}/{entry['rows']} | {entry['same']}/{entry['rows']} |"
         )
 
 

@@ -2,8 +2,9 @@
 ``kv_transfer_params`` from a client with an API key but no module-write key, while victim clients check their
 answers.
 
-The server (``serve_arguments``): SmolLM2-135M-Instruct on vLLM's CPU engine, the module-cache connector, kvreuse's
-attention backend in CPU_ATTN's place (so APE applies), ``--api-key`` and the module-write guard. The operator
+The server (``serve_arguments``): SmolLM2-135M-Instruct on vLLM's CPU engine with every kvreuse plugin: the
+prefix-affinity scheduler, the module-cache connector, kvreuse's attention backend in CPU_ATTN's place (so APE
+applies); ``--api-key`` and the module-write guard. The operator
 registers one global module (with the write key) before the campaign. Each fuzz request splices that module after
 32 tokens of the attacker's own text under the attacker's own ``cache_salt`` (the position APE and recompute act
 on), with ``kv_transfer_params`` drawn by :func:`transfer_params`: every key kvreuse reads, and made-up
@@ -15,9 +16,15 @@ thread; a victim answer that differs from the same question's answer before the 
 Before the campaign each victim question is also asked of the stock engine (another server with no kvreuse
 plugin switched on), and the baseline's agreement with it is reported.
 
+Before the drawn requests, the structural cases (:data:`STRUCTURAL`): ``kv_transfer_params`` and ``vllm_xargs`` at
+and past each shape bound of :mod:`kvreuse.shape` (depth: 32 levels, 33, the 600 that ended the engine, 5,000 past
+Python's recursion limit; width: 2^20 values and one more; size: strings of a megabyte and more; many keys:
+100,000 and 600,000), each sent once and expected answered (200) within the bounds and refused with 400 past them.
+
 Figures: requests sent, status counts, 5xx (goal 0), server deaths (health checked after every request; goal 0),
-victim answers checked and changed (goal 0). ``python benchmarks/request_fuzz.py [--requests N] [--seconds S]``
-prints a table, writes ``request_fuzz.json`` and ``.png`` (the harness's output folder); the integration test
+victim answers checked and changed (goal 0), and each structural case's status.
+``python benchmarks/request_fuzz.py [--requests N] [--seconds S]`` prints a table, writes ``request_fuzz.json`` and
+``.png`` (the harness's output folder); the integration test
 ``integration_tests/test_module_security_serve.py`` runs a short campaign with the same functions.
 """
 
@@ -114,6 +121,7 @@ def serve_arguments(model: Path | str) -> list[str]:
         *("--max-model-len", "1024", "--seed", "0", "--disable-uvicorn-access-log", "--api-key", API_KEY),
         *("--middleware", "kvreuse.vllm.modules.guard.ModuleWriteGuard", "--enable-prompt-tokens-details"),
         *("--kv-transfer-config", json.dumps(CONNECTOR), "--additional-config", json.dumps(ADDITIONAL)),
+        *("--scheduler-cls", "kvreuse.vllm.PrefixAffinityScheduler"),
     ]
 
 
@@ -162,6 +170,68 @@ def transfer_params() -> st.SearchStrategy[dict[str, Any]]:
     )
 
 
+# -- the structural cases: shapes at and past kvreuse.shape's bounds ---------------------------------------------
+
+
+def _nested_json(depth: int) -> str:
+    """An object ``depth`` levels deep, as JSON text (``json.dumps`` stops at Python's recursion limit)."""
+    return '{"foo":' * (depth - 1) + "{}" + "}" * (depth - 1)
+
+
+def _keys_json(count: int) -> str:
+    return "{" + ",".join(f'"k{k}":0' for k in range(count)) + "}"
+
+
+# name -> (the request's field, its value as JSON text, the status expected: 200 within the bounds, 400 past them)
+STRUCTURAL: dict[str, tuple[str, str, int]] = {
+    "depth 32 (the bound)": ("kv_transfer_params", _nested_json(32), 200),
+    "depth 33": ("kv_transfer_params", _nested_json(33), 400),
+    "depth 600 (ended the engine)": ("kv_transfer_params", '{"foo":' + _nested_json(600) + "}", 400),
+    "depth 5,000": ("kv_transfer_params", _nested_json(5000), 400),
+    "xargs depth 600": ("vllm_xargs", '{"x":' + _nested_json(600) + "}", 400),
+    # the object, its key and its list count too: 2^20 - 3 numbers make 2^20 values, the bound
+    "width 2^20 values (the bound)": ("kv_transfer_params", '{"ids":[' + ",".join(["0"] * ((1 << 20) - 3)) + "]}", 200),
+    "width 2^20 + 1 values": ("kv_transfer_params", '{"ids":[' + ",".join(["0"] * ((1 << 20) - 2)) + "]}", 400),
+    "size 1 MiB - 8 characters": ("kv_transfer_params", '{"s":"' + "x" * ((1 << 20) - 8) + '"}', 200),
+    "size 2 MiB": ("kv_transfer_params", '{"s":"' + "x" * (2 << 20) + '"}', 400),
+    "100,000 keys": ("kv_transfer_params", _keys_json(100_000), 200),
+    "600,000 keys": ("kv_transfer_params", _keys_json(600_000), 400),
+    "xargs 600,000 keys": ("vllm_xargs", _keys_json(600_000), 400),
+}
+
+
+def structural_cases(url: str, figures: CampaignFigures, alive: Callable[[], bool]) -> None:
+    """Send each of :data:`STRUCTURAL` once (the attacker's prompt, one answer token) and record its status."""
+    attacker = ATTACKER_PREFIX + MODULE + QUESTION
+    for name, (field_name, value, expected) in STRUCTURAL.items():
+        head = json.dumps({"model": SERVED, "prompt": attacker, "max_tokens": 1, "temperature": 0.0})
+        content = (head[:-1] + f', "{field_name}": {value}}}').encode()
+        headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+        try:
+            status = httpx.post(f"{url}/v1/completions", content=content, headers=headers, timeout=300).status_code
+        except httpx.HTTPError:
+            status = 0
+        _count(figures, status, alive, url, {"structural": name})
+        figures.structural[name] = status
+        figures.structural_unexpected += status != expected
+
+
+def _count(
+    figures: CampaignFigures, status: int, alive: Callable[[], bool], url: str, example: Mapping[str, Any]
+) -> None:
+    """Count one request's answer, and whether the server still lives after it."""
+    figures.requests += 1
+    figures.statuses[str(status) if status else "no answer"] += 1
+    failed = status >= 500 or status == 0
+    figures.server_errors += status >= 500
+    figures.transport_errors += status == 0
+    if not (alive() and healthy(url, timeout_s=10)):
+        figures.server_deaths += 1
+        failed = True
+    if failed and len(figures.examples) < 5:
+        figures.examples.append({"status": status, **example})
+
+
 # -- the campaign -------------------------------------------------------------------------------------------------
 
 
@@ -179,6 +249,8 @@ class CampaignFigures:
     victim_agree_with_stock: int | None = None  # of len(VICTIMS), before the campaign (None: not asked)
     seconds: float = 0.0
     examples: list[dict[str, Any]] = field(default_factory=list)  # the first request of each 5xx / death
+    structural: dict[str, int] = field(default_factory=dict)  # STRUCTURAL case -> status
+    structural_unexpected: int = 0  # structural cases answered otherwise than expected
 
     def table(self) -> str:
         rows = [
@@ -195,6 +267,11 @@ class CampaignFigures:
                 if self.victim_agree_with_stock is None
                 else f"{self.victim_agree_with_stock}/{len(VICTIMS)}",
             ),  # fmt: skip
+            (
+                "structural cases answered as expected",
+                f"{len(self.structural) - self.structural_unexpected}/{len(self.structural)}",
+            ),
+            *((f"structural: {name}", status) for name, status in self.structural.items()),
             ("seconds", round(self.seconds, 1)),
         ]
         return "\n".join(f"| {name} | {value} |" for name, value in rows)
@@ -249,8 +326,10 @@ def run_campaign(
     seconds: float,
     alive: Callable[[], bool] = lambda: True,
     stock: Sequence[str] | None = None,
+    structural: bool = True,
 ) -> CampaignFigures:
-    """Send up to ``requests`` fuzz requests (for at most ``seconds``) while a victim thread asks ``VICTIMS``
+    """Send the structural cases (unless ``structural`` is false), then up to ``requests`` fuzz requests (for at
+    most ``seconds``) while a victim thread asks ``VICTIMS``
     again and again under its own salts and compares each answer with ``baseline``. ``alive``: whether the server
     process still runs (a death is also a failed ``/health``)."""
     figures = CampaignFigures()
@@ -274,6 +353,8 @@ def run_campaign(
     start = time.monotonic()
     thread.start()
     attacker = ATTACKER_PREFIX + MODULE + QUESTION
+    if structural:
+        structural_cases(url, figures, alive)
 
     @settings(
         max_examples=requests,
@@ -287,20 +368,11 @@ def run_campaign(
         if time.monotonic() - start > seconds:
             return
         body = {"prompt": attacker, "max_tokens": tokens, "cache_salt": "mallory", "kv_transfer_params": params}
-        figures.requests += 1
         try:
             status = completion(url, body).status_code
         except httpx.HTTPError:
             status = 0
-        figures.statuses[str(status) if status else "no answer"] += 1
-        failed = status >= 500 or status == 0
-        figures.server_errors += status >= 500
-        figures.transport_errors += status == 0
-        if not (alive() and healthy(url, timeout_s=10)):
-            figures.server_deaths += 1
-            failed = True
-        if failed and len(figures.examples) < 5:
-            figures.examples.append({"status": status, "kv_transfer_params": _shown(params)})
+        _count(figures, status, alive, url, {"kv_transfer_params": _shown(params)})
 
     try:
         one()

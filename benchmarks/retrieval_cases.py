@@ -62,6 +62,21 @@ def filler_sentences(path: Path = DATASETS / "movies_small.csv") -> tuple[str, .
     return tuple(seen)
 
 
+def haystack_order(rng: random.Random, tokens: int) -> list[str]:
+    """The filler sentences in ``rng``'s random order, then again in fresh orders as often as a ``tokens``-long
+    prompt needs: the corpus is ~24K tokens of SmolLM2's tokenizer, so a 32K haystack reads some sentences twice,
+    far apart (every planted fact is still unique). The later passes draw from their own generator, so ``rng``
+    draws what it drew before there were passes, and a prompt within one pass is what it always was."""
+    order = list(filler_sentences())
+    rng.shuffle(order)
+    again = random.Random(order[0])
+    for _ in range(tokens // 20_000):  # a pass holds ~24K tokens
+        more = list(filler_sentences())
+        again.shuffle(more)
+        order += more
+    return order
+
+
 def make_case(
     kind: str, tokens: int, index: int, count_tokens: Callable[[str], int], chat: Callable[[str], str]
 ) -> RetrievalCase:
@@ -75,8 +90,7 @@ def make_case(
     codes = [str(rng.randrange(1000, 10_000)) for _ in people]
     facts = [f"The secret number of {who} is {code}." for who, code in zip(people, codes)]
     question = f"What is the secret number of {people[0]}?"
-    sentences = list(filler_sentences())
-    rng.shuffle(sentences)
+    sentences = haystack_order(rng, tokens)
 
     def message(body: str) -> str:
         return f"{question} {INSTRUCTION}\n\nDocument:\n{body}\n\nQuestion: {question}"
@@ -99,6 +113,45 @@ def make_case(
     prompt = chat(message(body)) + ANSWER.format(who=people[0])
     offsets = tuple(prompt.index(fact) for fact in facts)
     return RetrievalCase(kind, tokens, index, prompt, codes[0], offsets)
+
+
+def make_document_cases(
+    tokens: int, facts: int, count_tokens: Callable[[str], int], chat: Callable[[str], str], seed: int = 0
+) -> list[RetrievalCase]:
+    """``facts`` needle questions about one shared document of about ``tokens`` tokens (kind ``document``): the
+    document holds ``facts`` facts about different people at spread depths, and each case asks for one of them,
+    the question after the document only. All the cases' prompts share the document as a prefix, so an engine's
+    prefix cache prefills it once and each further question costs its own few tokens: how long-context needle
+    questions fit a small CPU machine (a 32K prefill takes minutes there)."""
+    rng = random.Random(f"document:{tokens}:{seed}")
+    pairs = [(a, b) for a in FIRST for b in LAST]
+    people = [f"{a} {b}" for a, b in rng.sample(pairs, facts)]
+    codes = [str(rng.randrange(1000, 10_000)) for _ in people]
+    lines = [f"The secret number of {who} is {code}." for who, code in zip(people, codes)]
+
+    def message(body: str, who: str) -> str:
+        return f"Document:\n{body}\n\nQuestion: What is the secret number of {who}? {INSTRUCTION}"
+
+    overhead = max(count_tokens(chat(message(" ".join(lines), who)) + ANSWER.format(who=who)) for who in people)
+    budget = tokens - overhead
+    haystack: list[str] = []
+    used = 0
+    for sentence in haystack_order(rng, tokens):
+        cost = count_tokens(" " + sentence)
+        if used + cost > budget:
+            break
+        haystack.append(sentence)
+        used += cost
+    # fact i at depth (i + 1/2) / facts of the document, in a random order of people
+    depths = {int((i + 0.5) * len(haystack) / facts): i for i in range(facts)}
+    order = list(range(facts))
+    rng.shuffle(order)
+    body = " ".join(s if i not in depths else f"{lines[order[depths[i]]]} {s}" for i, s in enumerate(haystack))
+    cases = []
+    for index, (who, code, line) in enumerate(zip(people, codes, lines)):
+        prompt = chat(message(body, who)) + ANSWER.format(who=who)
+        cases.append(RetrievalCase("document", tokens, index, prompt, code, (prompt.index(line),)))
+    return cases
 
 
 def make_cases(tokens: int, count: int, tokenizer, kinds: Sequence[str] = ("needle", "multi")) -> list[RetrievalCase]:

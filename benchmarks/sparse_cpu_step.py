@@ -20,26 +20,29 @@ process; each figure is the median over steps of (sparse time / stock time), so 
 on a shared machine falls on both sides alike. ``--profile`` prints where the sparse side's time goes.
 
 Run: ``.venv/bin/python benchmarks/sparse_cpu_step.py`` (``--lengths 1024,8192 --steps 20``); writes
-``benchmarks/results/sparse_cpu_step.json``.
+``sparse_cpu_step.json`` (``--name``) under ``build/benchmarks/``, or ``docs/benchmarks/results/`` with
+``--update-results``. ``--breakdown`` also times, per DIPR layer, the filter's decision and its pruned attention
+beside stock's dense call.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from kvreuse.sparse.config import SparseConfig
-from kvreuse.sparse.paged import PagedBatch, SparseAttention
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import bench_parser, output_dir, write_results  # noqa: E402
+
+from kvreuse.sparse.config import SparseConfig  # noqa: E402
+from kvreuse.sparse.paged import PagedBatch, SparseAttention  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "data" / "smollm2_keys.pt"
-RESULTS = REPO / "benchmarks" / "results"
 LAYERS, Q_HEADS, KV_HEADS, DIM, BLOCK = 30, 9, 3, 64, 32
 SKETCH_ROWS = 5  # token rows of one block's sketch (kvreuse.vllm.sparse.backend.sketch_rows for this shape)
 BETAS = [float("inf"), 4.0, 2.0]
@@ -165,7 +168,50 @@ class Stock:
             )  # fmt: skip
 
 
-def measure(length: int, steps: int, profile: bool, kinds: list[str]) -> dict:
+def breakdown(filter_side: Filter, stock: Stock, length: int, queries, repeats: int = 5) -> dict:
+    """Per DIPR layer (1-29), milliseconds of each piece of a filtered decode at its beta, beside stock's op over
+    the same context: the decision (``prune_by_sketch``, one compiled call), the op over the pruned tables, and
+    stock's dense call; medians over ``repeats``, summed over the layers."""
+    from kvreuse.sparse.sketch_scan import prune_by_sketch
+
+    attention = filter_side.attention
+    config = attention.config
+    kernel = attention.paged_kernel
+    assert kernel is not None
+    lens = torch.tensor([length], dtype=torch.int32)
+    starts = torch.tensor([0, 1], dtype=torch.int32)
+    metadata = stock.ops.cpu_attn_get_scheduler_metadata(
+        1, Q_HEADS, KV_HEADS, DIM, lens, torch.float32, starts, True, -1, stock.isa, True
+    )
+    sums = {"decision_ms": 0.0, "pruned_attention_ms": 0.0, "stock_attention_ms": 0.0}
+    for layer in range(1, LAYERS):
+        key_cache, value_cache, sketch = filter_side.layers[layer]
+        q = queries[layer][None]
+        scaled = q.view(1, KV_HEADS, Q_HEADS // KV_HEADS, DIM) * DIM**-0.5
+        times: dict[str, list[float]] = {name: [] for name in sums}
+        out = torch.empty(1, Q_HEADS, DIM)
+        for _ in range(repeats):
+            started = time.perf_counter()
+            tables = prune_by_sketch(
+                scaled, sketch, filter_side.block_table, lens, config.beta, config.sink, config.local, config.top_pages
+            )
+            times["decision_ms"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            kernel.attend_pruned(q, key_cache, value_cache, out, tables)
+            times["pruned_attention_ms"].append(time.perf_counter() - started)
+            stock_keys, stock_values = stock.layers[layer]
+            started = time.perf_counter()
+            stock.ops.cpu_attention_with_kv_cache(
+                q, stock_keys, stock_values, out, starts, lens, DIM**-0.5, True, None, -1, stock.block_table, 0.0,
+                metadata, None,
+            )  # fmt: skip
+            times["stock_attention_ms"].append(time.perf_counter() - started)
+        for name, values in times.items():
+            sums[name] += 1e3 * statistics.median(values)
+    return sums
+
+
+def measure(length: int, steps: int, profile: bool, kinds: list[str], split: bool = False) -> dict:
     """One row: each side's step time over a context of ``length`` tokens, the decoded token's the last (at slot
     ``length - 1``: a block the step does not start, as in 31 of 32 decode steps)."""
     prefilled = length - 1
@@ -194,6 +240,13 @@ def measure(length: int, steps: int, profile: bool, kinds: list[str]) -> dict:
             rows = sparse.attention.figures.rows()
             read = sum(r["blocks_read"] for r in rows) / max(1, sum(r["blocks_total"] for r in rows))
             row[f"{name}_blocks"] = read
+    if split:
+        for name in sides:
+            if name.startswith("filter") and name.split("=")[-1] != "inf":
+                row[f"{name}_breakdown"] = parts = breakdown(sides[name], stock, prefilled, queries)
+                print(
+                    f"{length} tokens, {name}, 29 DIPR layers: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items())
+                )
     if profile:
         for name in sides:
             if name != "stock" and name.split("=")[-1] in ("inf", "4"):
@@ -206,10 +259,15 @@ def measure(length: int, steps: int, profile: bool, kinds: list[str]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--lengths", default="1024,8192")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="time the filter's decision and pruned attention per layer beside stock's",
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: PyTorch's, as the engine's worker)")
     parser.add_argument("--name", default="sparse_cpu_step")
     parser.add_argument(
@@ -219,7 +277,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     kinds = args.sides.split(",")
-    rows = [measure(int(n), args.steps, args.profile, kinds) for n in args.lengths.split(",")]
+    rows = [measure(int(n), args.steps, args.profile, kinds, args.breakdown) for n in args.lengths.split(",")]
     prefixes = [prefix for kind, prefix in (("own", ""), ("filter", "filter ")) if kind in kinds]
     names = [f"{prefix}beta={b:g}" for prefix in prefixes for b in BETAS]
     print("| context | stock ms/step | " + " | ".join(f"{n} / stock (blocks read)" for n in names) + " |")
@@ -227,12 +285,9 @@ def main() -> None:
     for r in rows:
         cells = [f"{r[n]:.2f} ({r[n + '_blocks']:.0%})" for n in names]
         print(f"| {r['length']:,} | {r['stock_ms']:.1f} | " + " | ".join(cells) + " |")
-    RESULTS.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
     print(f"load average (1 min) at the end: {load:.1f}")
-    (RESULTS / f"{args.name}.json").write_text(
-        json.dumps({"rows": rows, "threads": torch.get_num_threads(), "load_average": load}, indent=1)
-    )
+    write_results(args.name, {"rows": rows, "threads": torch.get_num_threads()}, output_dir(args))
 
 
 if __name__ == "__main__":

@@ -66,21 +66,24 @@ def command_section(name: str, parser: argparse.ArgumentParser) -> str:
     return "\n".join(lines)
 
 
+def subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return action
+
+
 def cli_commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     """The subcommands of ``parser``, by name."""
-    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return dict(commands.choices)
+    return dict(subcommands(parser).choices)
 
 
 def cli_reference(_: str | None = None) -> str:
     from kvreuse.cli import build_parser
 
-    parser = build_parser()
-    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    commands = subcommands(build_parser())
     summary = {choice.dest: choice.help for choice in commands._choices_actions}
     lines = ["| command | what it does |", "| --- | --- |"]
     lines += [f"| [`kvreuse {name}`](#kvreuse-{name}) | {cell(summary.get(name, ''))} |" for name in commands.choices]
-    sections = [command_section(name, sub) for name, sub in cli_commands(parser).items()]
+    sections = [command_section(name, sub) for name, sub in commands.choices.items()]
     return "\n\n".join(["\n".join(lines), *sections])
 
 

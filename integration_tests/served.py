@@ -69,7 +69,7 @@ def serve_command(
     documented ``vllm serve ...``), in ``workdir``, with ``--port`` and a free port added; stopped after, with its
     children."""
     port = free_port()
-    with _serving(["bash", "-c", f"exec {command} --port {port}"], port, workdir, env) as served:
+    with _serving(["bash", "-c", f"{command} --port {port}"], port, workdir, env) as served:
         yield served
 
 

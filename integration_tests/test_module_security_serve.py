@@ -137,7 +137,8 @@ def wait_for_counter(url: str, names: str | tuple[str, ...], at_least: float, po
 def test_a_client_cannot_poison_other_clients_answers(server, tokenizer):
     """The issue's poisoning: re-encoding the operator's system module after a hostile context. Without the
     module-write key it is refused; with it, under a tenant's own cache salt, it changes that tenant's answers
-    only; a global re-encode with other content is refused unless it says ``replace``."""
+    only; globally it is stored as another encoding of the module, which a prompt takes only where the hostile text
+    stands before the module (there it is a full prefill's KV): every other prompt keeps the operator's."""
     system, hostile, question = ids(tokenizer, SYSTEM), ids(tokenizer, HOSTILE), ids(tokenizer, QUESTION)
     prompt = system + question
     reference, _ = answer(server, prompt, salt="reference-poison")
@@ -156,12 +157,12 @@ def test_a_client_cannot_poison_other_clients_answers(server, tokenizer):
     )
     assert refused.status_code == 400 and "set by the server" in refused.json()["error"]["message"]
 
-    # A key holder re-encodes "system" after the hostile context: globally (refused: other content, no replace)
-    # and in the namespace of its own salt (stored there).
-    conflicts = counter(server, "module_encode_failures_total")
+    # A key holder re-encodes "system" after the hostile context: globally (another encoding of the operator's
+    # module) and in the namespace of its own salt (that namespace's only one).
+    encoded, exact = counter(server, "module_encoded_total"), counter(server, "module_encodings_taken_total", "exact")
     assert write(server, "system", hostile, system).status_code == 200
     assert write(server, "system", hostile, system, salt="mallory").status_code == 200
-    assert wait_for_counter(server, "module_encode_failures_total", conflicts + 1, question) == conflicts + 1
+    assert wait_for_counter(server, "module_encoded_total", encoded + 2, question) == encoded + 2
 
     poisoned, mallory_cached = answer(server, prompt, salt="mallory")
     victim, _ = answer(server, prompt)
@@ -171,6 +172,8 @@ def test_a_client_cannot_poison_other_clients_answers(server, tokenizer):
     assert poisoned != reference  # the hostile KV does change answers: the isolation below is what stops it
     assert victim == reference and alice == reference
     assert alice_cached >= len(system) // 32 * 32  # alice's were the global module's tokens, spliced
+    # alice's splice (her salt: nothing of it in vLLM's cache) took the operator's encoding, exact at the start
+    assert wait_for_counter(server, "module_encodings_taken_total", exact + 1, question) >= exact + 1
 
 
 def test_an_explicit_replace_leaves_no_prefix_cache_block_of_the_old_entry(server, tokenizer):

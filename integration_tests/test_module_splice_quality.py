@@ -199,7 +199,7 @@ def test_a_plain_splice_of_b_is_not_the_full_prefill(llm, prompt, full):
     ],
 )
 def test_a_setting_past_its_bounds_is_refused_before_the_engine_naming_the_field(llm, prompt, full, own, field):
-    """vLLM's own request check, which kvreuse extends (``patches.vllm_0_32.validate_transfer_params``), refuses
+    """vLLM's own request check, which kvreuse extends (``patches.vllm_0_32.validate_extra_args``), refuses
     the request before it reaches the engine: in ``LLM.generate`` as vLLM's ``VLLMValidationError`` (over HTTP a
     400), naming the field; the engine then answers as before."""
     from vllm.exceptions import VLLMValidationError

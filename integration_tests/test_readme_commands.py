@@ -230,3 +230,35 @@ def test_every_command_the_docs_show_is_run_here_or_named_where_it_runs():
             if command in run_here or any(part in command for part, _ in RUN_ELSEWHERE):
                 continue
             pytest.fail(f"{page}: `{command}` is neither run by a test here nor in RUN_ELSEWHERE")
+
+
+# Python blocks: the one run here, and where the others' calls run (page, a line that singles the block out, where).
+PYTHON_RUN_HERE = [("guides/table-jobs.md", "started_vllm")]
+PYTHON_RUN_ELSEWHERE = [
+    (
+        "guides/serving-vllm.md",
+        "scheduler_cls=",
+        "integration_tests/test_prefix_affinity_scheduler.py (the same flags)",
+    ),
+    (
+        "plugins/modules.md",
+        "encode_database",
+        "integration_tests/test_module_cache.py (encode_modules, _database, _schema)",
+    ),
+    ("guides/serving-sglang.md", "started_sglang", "an SGLang engine needs a GPU; tests/sglang/test_batch_backends.py"),
+    ("guides/serving-sglang.md", "json.dump(", "writes a modules file with the model's tokenizer; no engine"),
+    (
+        "plugins/sparse.md",
+        "extended_context(",
+        "benchmarks/sparse_long.py starts this 32K engine; tests/test_localmodel_rope.py checks the arguments",
+    ),
+]
+
+
+def test_every_python_block_of_the_docs_is_run_here_or_named_where_it_runs():
+    known = PYTHON_RUN_HERE + [(page, line) for page, line, _ in PYTHON_RUN_ELSEWHERE]
+    for page, text in PAGES.items():
+        for block in docs_reference.code_blocks("python", text):
+            assert any(page == p and line in block for p, line in known), f"{page}: a python block run nowhere"
+    for page, line in known:
+        assert any(line in block for block in docs_reference.code_blocks("python", PAGES[page])), (page, line)

@@ -255,3 +255,28 @@ def test_nan_left_in_freed_blocks_changes_no_later_requests_answer(sparse_llm, f
     sparse_llm.collective_rpc(_configure(EXACT))
     for i, (reference, ours) in enumerate(zip(clean, poisoned)):
         assert ours.token_ids == reference.token_ids, f"prompt {i}"
+
+
+def test_top_pages_calibration_measures_each_budget_against_dense_attention_and_restores_the_settings(sparse_llm):
+    """``kvreuse calibrate-sparse``'s run on the engine: dense attention's tokens, exact DIPR's and each budget's,
+    the blocks each read (a budget of one page per KV head reads fewer than exact DIPR; one larger than the context
+    is exact DIPR), and the engine's own settings back afterwards."""
+    from kvreuse.sparse.calibrate import EXACT as EXACT_DIPR
+    from kvreuse.vllm.sparse.calibrate import calibrate_top_pages
+
+    sparse_llm.collective_rpc(_configure(EXACT))
+    found = calibrate_top_pages(sparse_llm, [LONG_PROMPT, PROMPTS[2]], 0.5, beta=2.0, candidates=(1, 100), max_tokens=4)
+    by_budget = {m.top_pages: m for m in found.curve}
+    assert set(by_budget) == {EXACT_DIPR, 1, 100} and all(m.prompts == 2 for m in found.curve)
+    assert by_budget[1].blocks_read < by_budget[EXACT_DIPR].blocks_read
+    assert by_budget[100].blocks_read == by_budget[EXACT_DIPR].blocks_read
+    assert by_budget[100].agreed == by_budget[EXACT_DIPR].agreed
+    assert found.chosen in (1, 100) and "top_pages" in found.report()
+
+    def settings(worker):
+        from kvreuse.vllm.runtime import sparse_attention
+
+        config = sparse_attention().config
+        return config.beta, config.top_pages, config.min_context, config.dense_layers
+
+    assert sparse_llm.collective_rpc(settings) == [(float("inf"), 0, 0, 0)]

@@ -130,14 +130,16 @@ def shield_llvmlite_from_kernel_scan() -> None:
     call("vllm.v1.engine.input_processor:InputProcessor._validate_params", "self", "params", "supported_tasks"),
     value("vllm.exceptions:VLLMValidationError"),
 )
-def validate_transfer_params(check: Callable[[object], tuple[str, str] | None]) -> None:
-    """Have vLLM's front end refuse a request whose ``kv_transfer_params`` ``check`` finds wrong, before it reaches
-    the engine: ``check`` returns ``(field, message)`` or ``None``, and a refusal is vLLM's own
-    ``VLLMValidationError`` naming the field (HTTP 400 on every endpoint; ``ValueError`` in ``LLM.generate``).
+def validate_extra_args(check: Callable[[object], tuple[str, str] | None]) -> None:
+    """Have vLLM's front end refuse a request whose free-form arguments ``check`` finds wrong, before it reaches the
+    engine: ``check`` gets the request's ``SamplingParams.extra_args`` (where vLLM's OpenAI server puts
+    ``vllm_xargs``, ``kv_transfer_params`` and ``ec_transfer_params``, and the offline API a caller's
+    ``extra_args``) and returns ``(field, message)`` or ``None``; a refusal is vLLM's own ``VLLMValidationError``
+    naming the field (HTTP 400 on every endpoint; ``ValueError`` in ``LLM.generate``).
 
-    vLLM has no hook for validating ``kv_transfer_params`` (a KV connector sees a request only in the engine core,
-    where an exception ends the engine), so the input processor's parameter check, which every request of every
-    front end passes, is wrapped once per process. Tested: vLLM 0.32.0.
+    vLLM has no hook for validating these (a KV connector sees a request only in the engine core, where an
+    exception ends the engine, and vLLM pickles ``extra_args`` to get there), so the input processor's parameter
+    check, which every request of every front end passes, is wrapped once per process. Tested: vLLM 0.32.0.
     """
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
@@ -151,7 +153,7 @@ def validate_transfer_params(check: Callable[[object], tuple[str, str] | None]) 
     def validate(self: Any, params: Any, supported_tasks: Any) -> Any:
         resolved = original(self, params, supported_tasks)
         if isinstance(params, SamplingParams) and params.extra_args:
-            refusal = check(params.extra_args.get("kv_transfer_params"))
+            refusal = check(params.extra_args)
             if refusal is not None:
                 field, message = refusal
                 raise VLLMValidationError(message, parameter=field)
@@ -159,6 +161,30 @@ def validate_transfer_params(check: Callable[[object], tuple[str, str] | None]) 
 
     validate.kvreuse_check = check  # type: ignore[attr-defined]
     InputProcessor._validate_params = validate  # type: ignore[method-assign]
+
+
+@MANIFEST.touches(value("vllm.logger:DEFAULT_LOGGING_CONFIG"))
+def filter_vllm_log(factory: str) -> None:
+    """Put a logging filter made by ``factory`` (a class path, e.g. ``kvreuse.vllm.backend.OnceEach``) on vLLM's
+    log handler, now and whenever vLLM configures its logging again (it does, from the engine arguments, while an
+    engine starts: a filter put on the handler of the moment would be dropped with it). vLLM builds its handler
+    from ``vllm.logger.DEFAULT_LOGGING_CONFIG`` each time, so the filter is added there once per process; vLLM's
+    handlers already made get one too. Tested: vLLM 0.32.0.
+    """
+    import logging
+
+    import vllm.logger
+
+    config = vllm.logger.DEFAULT_LOGGING_CONFIG
+    config.setdefault("filters", {})["kvreuse"] = {"()": factory}
+    handler = config["handlers"]["vllm"]
+    if "kvreuse" not in handler.get("filters", []):
+        handler["filters"] = [*handler.get("filters", []), "kvreuse"]
+    module, _, name = factory.rpartition(".")
+    kind = getattr(importlib.import_module(module), name)
+    for existing in logging.getLogger("vllm").handlers:
+        if not any(isinstance(f, kind) for f in existing.filters):
+            existing.addFilter(kind())
 
 
 _SHADOW_TASKS: set[Any] = set()  # background full-prefill copies in flight (kept referenced until done)
@@ -836,12 +862,31 @@ def prefix_cache_hit(manager: KVCacheManager, request: Request) -> int:
     return int(tokens)
 
 
+@MANIFEST.touches(call("vllm.tokenizers:cached_tokenizer_from_config", "model_config"))
 def engine_tokenizer(vllm_config: VllmConfig) -> Any:
     """The model's tokenizer in the process that asks (the engine core's scheduler side, for shadow checks compared
     as texts), through vLLM's own cached loader. Tested: vLLM 0.32.0."""
     from vllm.tokenizers import cached_tokenizer_from_config
 
     return cached_tokenizer_from_config(vllm_config.model_config)
+
+
+@MANIFEST.touches(attribute("vllm.v1.request:Request.block_hashes"))
+def block_hashes(request: Request) -> Sequence[Any]:
+    """``request``'s prefix-cache hashes, one per full block of its tokens (as ``fold_into_block_hashes`` left
+    them). Tested: vLLM 0.32.0."""
+    return request.block_hashes
+
+
+@MANIFEST.touches(
+    attribute(f"{_MANAGER}.block_pool"), call("vllm.v1.core.block_pool:BlockPool.evict_blocks", "self", "block_ids")
+)
+def uncache_blocks(manager: KVCacheManager, block_ids: Collection[int]) -> None:
+    """Take these blocks out of vLLM's prefix cache (no later request finds them; the request holding them keeps
+    them, and vLLM does not cache them again). vLLM caches a request's full blocks when it allocates them, before
+    the step computes them; a connector whose KV of a block is final only in a later step uncaches it. Tested: vLLM
+    0.32.0 (``BlockPool.evict_blocks``, which vLLM's own connectors' failed loads use)."""
+    manager.block_pool.evict_blocks(set(block_ids))
 
 
 @MANIFEST.touches(attribute("vllm.config:VllmConfig.device_config"), attribute("vllm.config:DeviceConfig.device_type"))
@@ -1128,7 +1173,6 @@ MANIFEST.declare_interface(
     call("vllm:LLM.get_metrics", "self"),
     call("vllm:LLM.collective_rpc", "self", "method"),
     call("vllm:LLM.reset_prefix_cache", "self"),
-    call("vllm.tokenizers:cached_tokenizer_from_config", "model_config"),  # shadow checks compared as texts
     attribute("vllm.outputs:RequestOutput.metrics"),  # per request timings (calibration's TTFT)
     attribute("vllm.outputs:RequestOutput.kv_transfer_params"),  # the module connector's report (BLEND_PASS)
     attribute("vllm.v1.metrics.stats:RequestStateStats.first_token_ts"),

@@ -1,10 +1,10 @@
-"""Chat prompts: a row's prompt as the user turn, and the text a chat template puts before every user turn."""
+"""Chat prompts: a row's prompt as the user turn, and the text a chat template puts around every user turn."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvreuse.batch.chat import chat_choice, chat_messages, check_system, template_head
+from kvreuse.batch.chat import chat_choice, chat_messages, check_system, template_frame
 from kvreuse.errors import ConfigError
 
 
@@ -22,13 +22,14 @@ def test_a_rows_prompt_is_the_user_turn_after_an_optional_system_turn():
     ]
 
 
-def test_the_template_head_is_everything_before_the_user_turn():
-    assert template_head(chatml) == "<|im_start|>system\nBe helpful.<|im_end|>\n<|im_start|>user\n"
-    assert template_head(chatml, "Be brief.") == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+def test_the_template_frame_is_everything_before_and_after_the_user_turn():
+    tail = "<|im_end|>\n<|im_start|>assistant\n"
+    assert template_frame(chatml) == ("<|im_start|>system\nBe helpful.<|im_end|>\n<|im_start|>user\n", tail)
+    assert template_frame(chatml, "Be brief.") == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n", tail)
 
 
-def test_a_template_that_rewrites_the_users_text_has_no_head_to_plan_on():
-    assert template_head(lambda messages: messages[-1]["content"].strip().upper()) == ""
+def test_a_template_that_rewrites_the_users_text_has_no_frame_to_plan_on():
+    assert template_frame(lambda messages: messages[-1]["content"].strip().upper()) == ("", "")
 
 
 @pytest.mark.parametrize("system", ["", "  ", 3])

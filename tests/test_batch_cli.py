@@ -109,9 +109,11 @@ def test_answers_are_written_next_to_their_rows_with_a_summary(capsys, server_ur
         "title: Alien | year: ",
     ]
     assert "rows           4 (order ggr, fields keep)" in err
-    assert "prompt tokens  40" in err
-    assert "cached tokens  16 (40.0% hit rate)" in err
-    assert "s wall" in err
+    assert (
+        "prefill        24 of 40 prompt tokens computed, 16 served from the prefix cache (40.0%): the engine's count"
+        in err
+    )
+    assert "s wall: " in err and "s reading the table and reaching the server" in err
 
 
 def test_parquet_in_and_out_and_csv_on_stdout(capsys, server_url, table, tmp_path):
@@ -154,9 +156,9 @@ def test_parquet_in_and_out_and_csv_on_stdout(capsys, server_url, table, tmp_pat
         "--url",
         server_url,
     )
-    lines = out.splitlines()  # rows as they finish, each with its row number
+    lines = out.splitlines()  # rows in the table's order, each with its row number
     assert code == 0 and lines[0] == "row,title,year,answer,error"
-    assert sorted(lines[1:]) == [
+    assert lines[1:] == [
         "0,Heat,1995,title: Heat,",
         "1,Up,2009,title: Up,",
         "2,Heat,1995,title: Heat,",
@@ -532,18 +534,17 @@ def test_a_misspelt_scheduler_class_ends_kvreuse_run_before_the_engine_starts(ca
     assert code == 1 and "kvreuse.vllm has no PrefixAfinityScheduler (did you mean" in err
 
 
-def test_calibrate_prints_the_candidates_and_the_summary_compares_the_plan_with_the_tables_order(
-    capsys, server_url, table
-):
+def test_calibrate_prints_the_candidates_and_its_cost_on_a_line_of_its_own(capsys, server_url, table):
     argv = ["run", "--table", str(table), "--prompt", "Kids?", "--url", server_url, "--calibrate", "3"]
     code, out, err = run(capsys, *argv)
     assert code == 0 and len(out.splitlines()) == 5
     assert "calibration on 3 sample rows, " in err and "(floor: 100% identical answers)" in err
     assert err.count("<- chosen") == 1 and all(f"  {mode} " in err for mode in ("keep", "global", "free"))
+    assert "and calibrating (below)" in err
+    assert "\ncalibration    " in err and " requests on 3 sample rows (part of the wall time above)" in err
     assert (
-        "planned prefill  " in err
-        and "prompt characters computed, against" in err
-        and "in the table's own order" in err
+        "against        the table's own order computes " in err
+        and "planned on characters (the server's tokenizer is unknown)" in err
     )
 
 
@@ -574,24 +575,43 @@ def reviews(tmp_path: Path) -> Path:
     return path
 
 
-def test_a_default_run_says_its_answers_are_the_original_orders_and_sends_no_probe(capsys, server_url, table):
+def test_a_default_run_says_its_answers_are_the_original_orders_and_sends_nothing_but_the_rows(
+    capsys, server_url, table
+):
     EchoHandler.requests.clear()
     code, _, err = run(capsys, "run", "--table", str(table), "--prompt", "Kids?", "--url", server_url)
-    assert code == 0 and len(EchoHandler.requests) == 4  # the rows, nothing else: no prefill was saved to price
-    assert "wall time saved  none: the same prefill characters as the table's own order" in err
-    assert "answers          the table's own order's: every prompt lists its fields as given" in err
+    assert code == 0 and len(EchoHandler.requests) == 4  # the rows, nothing else (no probe)
+    assert "saved" not in err  # no time figure that was not measured
+    assert "answers        the table's own order's: every prompt lists its fields as given (only rows moved)" in err
 
 
-def test_moved_fields_end_with_the_time_saved_estimated_from_a_probe_and_answers_not_compared(
+def test_the_original_order_is_compared_with_nothing_and_moves_no_rows(capsys, server_url, table):
+    argv = ["run", "--table", str(table), "--prompt", "Kids?", "--url", server_url, "--order", "original"]
+    code, _, err = run(capsys, *argv)
+    assert code == 0 and "only rows moved" not in err
+    assert "against        nothing: this job was sent in the table's own order" in err
+    assert "answers        the table's own order's: its rows and fields as given" in err
+
+
+def test_a_unique_field_before_a_shared_one_names_the_field_order_that_plans_less_and_how_to_check_it(
     capsys, server_url, reviews
 ):
+    code, _, err = run(capsys, "run", "--table", str(reviews), "--prompt", "Q", "--url", server_url)
+    line = next(line for line in err.splitlines() if line.startswith("field order    "))
+    # the unique review first leaves the plot unshared; the plot first shares it across a film's reviews
+    assert (
+        code == 0
+        and "--field-order global would compute 330 prompt characters, planned, against this job's 906" in line
+    )
+    assert "(2.7x fewer)" in line and "--calibrate asks sample rows in each field order" in line
+
+
+def test_moved_fields_say_their_answers_were_not_compared(capsys, server_url, reviews):
     EchoHandler.requests.clear()
     argv = ["run", "--table", str(reviews), "--prompt", "Q", "--url", server_url, "--field-order", "free"]
     code, _, err = run(capsys, *argv)
-    probe = [body for _, body in EchoHandler.requests if body["max_tokens"] == 1]
-    assert code == 0 and len(EchoHandler.requests) == 12 + 2 * 12 and len(probe) == 2 * 12
-    assert "wall time saved  ~" in err and "s saved against the table's own order (estimated: " in err
-    assert "answers          not compared with the table's own order (fields free" in err
+    assert code == 0 and len(EchoHandler.requests) == 12 and "field order    " not in err
+    assert "answers        not compared with the table's own order (fields free" in err
 
 
 def test_a_calibrated_run_reports_the_agreement_it_measured(capsys, server_url, reviews):
@@ -599,7 +619,7 @@ def test_a_calibrated_run_reports_the_agreement_it_measured(capsys, server_url, 
     code, _, err = run(capsys, *argv)
     # the stand-in server answers with the fields sorted: every field order gives the same answers
     assert code == 0 and "rows           12 (order ggr, fields global)" in err
-    assert "answers          100% identical to the table's own order's on 6 calibration rows" in err
+    assert "answers        100% identical to the table's own order's on 6 calibration rows" in err
 
 
 def test_calibrate_without_a_number_asks_the_default_sample():
@@ -607,12 +627,139 @@ def test_calibrate_without_a_number_asks_the_default_sample():
     assert args.calibrate == CALIBRATION_ROWS == 100
 
 
-def test_a_server_that_dies_during_the_probe_costs_the_estimate_not_the_job(capsys, reviews, tmp_path):
+@pytest.fixture
+def no_engine(monkeypatch) -> None:
+    """Fails the test if ``kvreuse run`` reaches the point of starting an engine (or connecting to a server)."""
+
+    def refused(args):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr("kvreuse.cli._backend", refused)
+
+
+def one_line_error(capsys, *argv: str) -> str:
+    """Run ``kvreuse`` (argparse's mistakes exit through SystemExit); the single line it wrote on standard error."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code not in (0, None), err
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    return err.strip()
+
+
+@pytest.mark.parametrize(
+    ("flag", "closest"),
+    [("--feilds", "--fields"), ("--tabel", "--table"), ("--min-agrement", "--min-agreement"), ("--oder", "--order")],
+)
+def test_a_misspelt_flag_is_one_line_naming_the_flag_it_resembles(capsys, table, no_engine, flag, closest):
+    line = one_line_error(capsys, "run", "--table", str(table), "--prompt", "Q", "--model", "m", flag, "x")
+    assert line == f"kvreuse run: error: unknown flag {flag}; did you mean {closest}? (see kvreuse run --help)"
+
+
+def test_any_other_argument_mistake_is_one_line_too(capsys, table, no_engine):
+    line = one_line_error(capsys, "run", "--table", str(table), "--prompt", "Q")
+    assert line == "kvreuse run: error: one of the arguments --model --url is required (see kvreuse run --help)"
+
+
+def test_an_output_in_a_folder_that_does_not_exist_is_refused_before_the_engine(capsys, table, tmp_path, no_engine):
+    out = tmp_path / "missing" / "answers.csv"
+    line = one_line_error(capsys, "run", "--table", str(table), "--prompt", "Q", "--model", "m", "--out", str(out))
+    assert line == (
+        f"kvreuse run: error: --out {out}: the folder {out.parent} does not exist; create it first "
+        f"(mkdir -p {out.parent})"
+    )
+
+
+def test_an_output_in_a_folder_without_write_permission_is_refused_before_the_engine(
+    capsys, table, tmp_path, no_engine, monkeypatch
+):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    monkeypatch.setattr("kvreuse.cli.os.access", lambda path, mode: Path(path) != locked)  # as root, chmod is moot
+    argv = ["run", "--table", str(table), "--prompt", "Q", "--model", "m", "--out", str(locked / "a.csv")]
+    assert one_line_error(capsys, *argv).endswith(f"no permission to create files in {locked}")
+
+
+def test_a_table_of_only_a_header_is_refused_before_the_engine(capsys, tmp_path, no_engine):
+    empty = tmp_path / "empty.csv"
+    empty.write_text("title,year\n")
+    line = one_line_error(capsys, "run", "--table", str(empty), "--prompt", "Q", "--model", "m")
+    assert line == f"kvreuse run: error: {empty} has no rows (only its header): there is nothing to ask"
+
+
+def test_a_latin1_table_names_the_line_and_the_fix_and_encoding_reads_it(capsys, server_url, tmp_path, no_engine):
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("title,city\nHeat,Paris\nAmélie,Paris\n".encode("latin-1"))
+    line = one_line_error(capsys, "run", "--table", str(latin), "--prompt", "Q", "--model", "m")
+    assert line.startswith(f"kvreuse run: error: {latin}, line 3: byte 0xe9 is not utf-8 text (")
+    assert "pass --encoding latin-1 (or cp1252)" in line
+
+
+def test_encoding_reads_a_latin1_table(capsys, server_url, tmp_path):
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("title,city\nHeat,Paris\nAmélie,Paris\n".encode("latin-1"))
+    code, out, _ = run(
+        capsys, "run", "--table", str(latin), "--prompt", "Q", "--url", server_url, "--encoding", "latin-1"
+    )
+    assert code == 0 and "Amélie" in out
+
+
+def test_an_unknown_encoding_is_named(capsys, table, no_engine):
+    line = one_line_error(capsys, "run", "--table", str(table), "--prompt", "Q", "--model", "m", "--encoding", "utf-9")
+    assert line == "kvreuse run: error: unknown text encoding 'utf-9' (e.g. utf-8, latin-1, cp1252)"
+
+
+def test_min_agreement_without_calibrate_is_refused_with_the_fix(capsys, table, no_engine):
+    argv = ["run", "--table", str(table), "--prompt", "Q", "--model", "m", "--min-agreement", "0.9"]
+    line = one_line_error(capsys, *argv)
+    assert "--min-agreement is the floor of --calibrate and means nothing without it; add --calibrate" in line
+
+
+def test_resuming_a_finished_job_exits_at_once_without_an_engine(capsys, server_url, table, tmp_path, monkeypatch):
     out = tmp_path / "a.csv"
-    dying = ScriptedServer(die_after=12)  # answers the 12 rows, then stops listening
-    argv = ["run", "--table", str(reviews), "--prompt", "Q", "--url", dying.url, "--out", str(out)]
-    code, _, err = run(capsys, *argv, "--field-order", "free", "--concurrency", "1", "--retries", "0")
-    dying.stop()
-    assert code == 0 and "Traceback" not in err
-    assert pd.read_csv(out, dtype=str)["row"].astype(int).tolist() == list(range(12))
-    assert "wall time saved  not estimated: the probe that prices a prefill token failed (" in err
+    argv = ["run", "--table", str(table), "--prompt", "Q", "--out", str(out)]
+    assert run(capsys, *argv, "--url", server_url)[0] == 0
+    written = out.read_bytes()
+    monkeypatch.setattr("kvreuse.cli._backend", lambda args: pytest.fail("an engine was started"))
+    code, _, err = run(capsys, *argv, "--model", "m", "--resume")
+    assert code == 0 and err.strip() == f"kvreuse run: all 4 rows are in {out} already; nothing to ask"
+    assert out.read_bytes() == written
+
+
+def test_an_engine_that_dies_of_the_users_ctrl_c_before_this_process_sees_it_is_an_interrupt(
+    capsys, table, tmp_path, monkeypatch
+):
+    """An engine process of its own (VLLM_ENABLE_V1_MULTIPROCESSING=1) gets the terminal's SIGINT too and may die
+    first: the job then ends as interrupted (130, one line), not as a failed engine (1)."""
+    from contextlib import contextmanager
+
+    import kvreuse.cli
+    from kvreuse.batch.backend import Completion
+    from kvreuse.errors import BackendError
+
+    class DyingOfCtrlC:
+        cache_model = None
+
+        def stream(self, prompts, *, max_tokens):
+            yield 0, Completion("a", 10, 0)
+            kvreuse.cli._INTERRUPTED.set()  # what the SIGINT handler notes, its KeyboardInterrupt not seen yet
+            raise BackendError("the vLLM engine stopped: EngineDeadError: EngineCore encountered an issue")
+
+        def generate(self, prompts, *, max_tokens, progress=False):
+            raise AssertionError("not used")
+
+    @contextmanager
+    def backend(args):
+        yield DyingOfCtrlC()
+
+    monkeypatch.setattr("kvreuse.cli._backend", backend)
+    out = tmp_path / "a.csv"
+    code, _, err = run(capsys, "run", "--table", str(table), "--prompt", "Q", "--model", "m", "--out", str(out))
+    assert code == 130 and "EngineDeadError" not in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"kvreuse run: interrupted; 1 of 4 rows were answered and are in {out}; run the same command with --resume "
+        "to ask the others"
+    )

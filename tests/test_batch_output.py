@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import random
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvreuse.batch.backend import Completion
 from kvreuse.batch.output import AnswerOutput
 from kvreuse.batch.table_io import csv_chunks, read_table
 from kvreuse.errors import TableError
@@ -266,14 +268,31 @@ def test_output_columns_may_not_shadow_the_tables(tmp_path):
         AnswerOutput(None, table_of([["x"]], ["cell"]), resume=True)
 
 
-def test_standard_output_gets_rows_as_they_finish(capsys):
-    table = table_of([["x"], ["y"]], ["cell"])
-    write_all(None, table, {0: "a\rb", 1: "c"}, [1, 0])
-    out = capsys.readouterr().out
-    assert list(csv.reader(io.StringIO(out, newline=""))) == [
+def test_standard_output_gets_rows_in_the_tables_order_each_once_the_rows_before_it_are_written(capsys):
+    table = table_of([["x"], ["y"], ["z"]], ["cell"])
+    output = AnswerOutput(None, table)
+    output.write(1, "c", None)
+    assert capsys.readouterr().out == "row,cell,answer,error\r\n"  # row 1 waits for row 0
+    output.write(0, "a\rb", None)
+    assert list(csv.reader(io.StringIO(capsys.readouterr().out, newline=""))) == [
+        ["0", "x", "a\rb", ""],
+        ["1", "y", "c", ""],
+    ]
+    output.write(2, "d", None)
+    output.close(complete=True)
+    assert capsys.readouterr().out == "2,z,d,\r\n"
+
+
+def test_rows_still_waiting_on_standard_output_when_a_job_stops_are_written_in_the_tables_order(capsys):
+    table = table_of([["x"], ["y"], ["z"]], ["cell"])
+    output = AnswerOutput(None, table)
+    output.write(2, "d", None)
+    output.write(1, "c", None)
+    output.close()  # stopped before row 0 was answered: nothing answered is lost
+    assert list(csv.reader(io.StringIO(capsys.readouterr().out, newline=""))) == [
         ["row", "cell", "answer", "error"],
         ["1", "y", "c", ""],
-        ["0", "x", "a\rb", ""],
+        ["2", "z", "d", ""],
     ]
 
 
@@ -343,3 +362,23 @@ def test_a_csv_cell_longer_than_the_limit_is_an_error_naming_the_limit(tmp_path,
     out.write_text(f"row,cell,answer,error\r\n0,x,{'y' * 1001},\r\n", encoding="utf-8")
     with pytest.raises(TableError, match="a cell is longer than 1,000 characters"):
         AnswerOutput(out, table_of([["x"]], ["cell"]), resume=True)
+
+
+def test_log_lines_written_while_the_progress_bar_is_drawn_go_above_it(capsys):
+    import logging
+
+    from kvreuse.batch.progress import JobProgress
+
+    handler = logging.StreamHandler(sys.stderr)
+    logger = logging.getLogger("kvreuse_test_bar")
+    logger.addHandler(handler)
+    try:
+        with JobProgress(2) as bar:
+            assert handler.stream is not sys.stderr  # written through tqdm while the bar is drawn
+            logger.warning("a line above the bar")
+            bar.add(Completion("a", 1, 0))
+        assert handler.stream is sys.stderr
+    finally:
+        logger.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert "a line above the bar\n" in err

@@ -245,15 +245,15 @@ def test_the_scheduler_sends_the_spliced_modules_less_the_shared_prefix_every_st
 
 
 def test_the_modules_are_the_whole_run_wherever_the_engines_prefix_hit_ended_in_it():
-    from kvreuse.modules.splice import run_start
+    from kvreuse.modules.splice import Piece, plan_splice, run_from
     from kvreuse.modules.trie import ModuleMatch
 
     matches = [ModuleMatch("h", 0, 3), ModuleMatch("a", 3, 9), ModuleMatch("b", 9, 13), ModuleMatch("c", 15, 20)]
-    every = lambda name: True  # noqa: E731
-    assert [run_start(matches, p, every) for p in (0, 3, 4, 8, 9, 12, 13)] == [0] * 7
-    assert run_start(matches, 14, every) == 14  # free text
-    assert run_start(matches, 16, every) == 15
-    assert run_start(matches, 10, lambda name: name != "a") == 9  # the run after a module the store lacks
+    run = plan_splice(matches, 0, 19, lambda name: True)
+    assert [p.name for p in run] == ["h", "a", "b"]  # free text at 13 ends the run: c is computed
+    assert run_from(run, 4) == [Piece("a", 1, 4, 5), Piece("b", 0, 9, 4)]  # vLLM's hit ended inside a
+    assert run_from(run, 13) == run_from(run, 16) == []  # a hit past the run: nothing of c is loaded
+    assert run_from(run, 0) == run
     scheduler, request = _request({"kvreuse_ape": {"temperature": 0.8}})
     assert scheduler.matched_tokens(request, 4) == 9  # vLLM's hit ended inside a
     scheduler.allocated(request, [5, 6, 7, 8], 9)

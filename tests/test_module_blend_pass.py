@@ -157,7 +157,7 @@ def test_the_scheduler_offers_the_run_less_the_blend_count_and_hands_the_worker_
     scheduler, request = _blend_request(0.3)  # run [0, 10): 10 inexact tokens, 3 chosen by the worker
     assert scheduler.matched_tokens(request, 0) == 10 - 3
     scheduler.allocated(request, [5, 6, 7], 7)
-    (load,) = scheduler.build_metadata(_step("r", 5)).loads  # 3 chosen + the 2 question tokens
+    (load,) = scheduler.build_metadata(_step("r", 5, 7)).loads  # 3 chosen + the 2 question tokens
     assert load.recompute == () and load.start == 7
     assert load.blend == BlendSpec(3, 1, tuple(range(10)), ())
 
@@ -167,7 +167,7 @@ def test_an_exact_module_is_no_candidate_and_the_union_with_first_tokens_adds_up
     _place(scheduler, a=(), b=())  # a exact at the prompt's start: b's 4 are candidates
     assert scheduler.matched_tokens(request, 0) == 10 - 2 - 2  # recompute_first: a's 1 and b's 1 to b (6, 7); 2 more
     scheduler.allocated(request, [5, 6, 7], 6)
-    (load,) = scheduler.build_metadata(_step("r", 6)).loads
+    (load,) = scheduler.build_metadata(_step("r", 6, 6)).loads
     assert load.recompute == (6, 7) and load.start == 6
     assert load.blend == BlendSpec(2, 2, (6, 7, 8, 9), ())
 
@@ -179,7 +179,7 @@ def test_a_hit_past_the_first_inexact_token_computes_the_rest_of_the_run():
     _place(scheduler, a=(), b=())
     assert scheduler.matched_tokens(request, 4) == 2 + 4 - 2  # the hit holds exact tokens only: a's last 2 loaded
     scheduler.allocated(request, [5, 6, 7], 4)
-    (load,) = scheduler.build_metadata(_step("r", 4)).loads
+    (load,) = scheduler.build_metadata(_step("r", 4, 8)).loads
     assert load.blend == BlendSpec(2, 1, (6, 7, 8, 9), (20, 21, 22, 23))  # block 5's slots: the context
 
 
@@ -193,11 +193,12 @@ def test_an_identical_request_whose_hit_ends_inside_the_run_recomputes_what_the_
     monkeypatch.setattr(vllm_0_32, "caches_prefixes", lambda manager: True)
     monkeypatch.setattr(vllm_0_32, "prefix_cache_hit", lambda manager, request: hits[request.request_id])
     monkeypatch.setattr(vllm_0_32, "fold_into_block_hashes", lambda *args: True)
+    monkeypatch.setattr(vllm_0_32, "request_block_ids", lambda manager, rid: [5, 6, 7])
     scheduler, request = _blend_request(0.3)  # 10 inexact tokens, 3 chosen
     scheduler.kv_cache_manager = object()
     assert scheduler.matched_tokens(request, 0) == 7
     scheduler.allocated(request, [5, 6, 7], 7)
-    scheduler.build_metadata(_step("r", 5))
+    scheduler.build_metadata(_step("r", 5, 7))
     scheduler.worker_reported(ModuleCacheWorkerMeta(blended={"r": (1, 5, 8)}))
     scheduler.finished("r")
     again = SimpleNamespace(**{**vars(request), "request_id": "s"})
@@ -206,7 +207,7 @@ def test_an_identical_request_whose_hit_ends_inside_the_run_recomputes_what_the_
     plan = scheduler._plans["s"]
     assert plan.recompute == (5, 8) and plan.blend == BlendSpec(0, 1, (4, 5, 6, 7, 8, 9), ())
     scheduler.allocated(again, [5, 6, 7], 4)
-    (load,) = scheduler.build_metadata(_step("s", 4)).loads
+    (load,) = scheduler.build_metadata(_step("s", 4, 8)).loads
     assert load.start == 8 and load.blend == BlendSpec(0, 1, (4, 5, 6, 7, 8, 9), (20, 21, 22, 23))
     hits["t"] = 4
     other = SimpleNamespace(
@@ -214,6 +215,41 @@ def test_an_identical_request_whose_hit_ends_inside_the_run_recomputes_what_the_
     )
     scheduler.matched_tokens(other, 0)
     assert scheduler.matched_tokens(other, 4) == 0  # no choice recorded for this run and setting: computed
+
+
+def test_a_chunked_prefill_loads_a_blended_run_plainly_and_keeps_its_blocks_out_of_the_prefix_cache(monkeypatch):
+    """The pass runs over every spliced token with the prompt before it in the step that loads the run: where vLLM
+    schedules less than the rest of the prompt there, the run's first tokens are loaded plainly (vLLM computes the
+    rest at its own positions), and the request's blocks from its first candidate on leave vLLM's prefix cache as
+    they fill, to the end of the request (their hashes name the blend's plan, which they do not hold); a request
+    admitted in the same step whose hit holds one of its blocks waits a step."""
+    from kvreuse.patches import vllm_0_32
+
+    uncached, blocks = [], {"r": [5, 6, 7]}
+    monkeypatch.setattr(vllm_0_32, "request_block_ids", lambda manager, rid: blocks[rid])
+    monkeypatch.setattr(vllm_0_32, "uncache_blocks", lambda manager, ids: uncached.extend(ids))
+    monkeypatch.setattr(vllm_0_32, "caches_prefixes", lambda manager: False)  # nothing folded (no hashes here)
+    scheduler, request = _blend_request(0.3)  # run [0, 10): 3 chosen by the worker, vLLM counts 7 computed
+    scheduler.kv_cache_manager = object()
+    assert scheduler.matched_tokens(request, 0) == 7
+    scheduler.allocated(request, blocks["r"], 7)
+    _, second = _blend_request(0.3)
+    second.request_id, second.block_hashes = "second", request.block_hashes
+    assert scheduler.matched_tokens(second, 4) is None  # its hit holds the first's block 0: it waits a step
+    # Step 1: 2 of the 5 tokens left: no pass; positions 0-6 loaded as stored, none recomputed or blended.
+    (load,) = scheduler.build_metadata(_step("r", 2, 7)).loads
+    assert [(p.prompt_start, p.length) for p in load.pieces] == [(0, 6), (6, 1)]
+    assert load.recompute == () and load.start == 0 and load.blend is None
+    assert uncached == [5, 6]  # blocks full after the step (positions 0-7) that hold the plainly loaded candidates
+    # Steps 2 and 3: the rest of the prompt, then a decoded token; nothing is loaded, each block leaves as it fills.
+    assert scheduler.build_metadata(_step("r", 3, 9, new=False)).loads == []
+    assert uncached == [5, 6, 7]
+    blocks["r"] = [5, 6, 7, 8]
+    assert scheduler.build_metadata(_step("r", 1, 12, new=False)).loads == []
+    assert uncached == [5, 6, 7]  # block 8 is not full yet
+    assert scheduler.finished_params("r") is None  # no pass ran
+    scheduler.finished("r")
+    assert "r" not in scheduler._loading
 
 
 def test_blend_layers_past_the_models_compute_every_inexact_token():

@@ -318,3 +318,51 @@ def test_a_request_with_inputs_besides_its_token_ids_neither_splices_nor_writes(
     scheduler.arrived(write)
     assert scheduler._writes["enc"] is None and not write.skip_reading_prefix_cache
     assert scheduler.take_stats() == {"writes_refused:non_token_input": 1}
+
+
+def _planned(scheduler, rid, prompt, hit):
+    from types import SimpleNamespace
+
+    request = SimpleNamespace(
+        request_id=rid, prompt_token_ids=prompt, num_tokens=len(prompt), kv_transfer_params=None, cache_salt=None
+    )
+    matched = scheduler.matched_tokens(request, hit)
+    plan = scheduler._plans.get(rid)
+    return matched, None if plan is None else [(p.name.name, p.prompt_start, p.length) for p in plan.pieces]
+
+
+def test_the_same_prompt_gets_the_same_plan_wherever_vllms_prefix_hit_ends():
+    """A module after free text is computed, always: the plan is the run from the prompt's first token, never a
+    run from wherever another request's blocks ended vLLM's prefix hit (issue: the same prompt took a module's
+    tokens from the cache in one run and computed them in another)."""
+    scheduler = module_scheduler(recompute_first=0)  # block size 4
+    register(scheduler, (ModuleKey("h", 1), (1, 2, 3, 4, 5)), (ModuleKey("m", 2), (7, 8, 9, 10, 11, 12, 13, 14)))
+    prompt = [1, 2, 3, 4, 5, 0, 7, 8, 9, 10, 11, 12, 13, 14, 0, 0]  # h [0, 5), free text, m [6, 14), question
+    assert _planned(scheduler, "cold", prompt, 0) == (5, [("h", 0, 5)])
+    assert _planned(scheduler, "in-h", prompt, 4) == (1, [("h", 4, 1)])
+    for hit in (8, 12):  # a hit inside m (its blocks computed by an earlier request): m is not loaded from there
+        assert _planned(scheduler, f"in-m-{hit}", prompt, hit) == (0, [])
+    assert scheduler.take_stats() == {"splice_skipped:after_free_text": 4}  # counted alike for each request
+
+
+def test_the_blocks_a_plan_folds_do_not_depend_on_vllms_prefix_hit(monkeypatch):
+    from kvreuse.patches import vllm_0_32
+
+    folded = {}
+    monkeypatch.setattr(vllm_0_32, "caches_prefixes", lambda manager: True)
+    monkeypatch.setattr(vllm_0_32, "prefix_cache_hit", lambda manager, request: 0)
+    monkeypatch.setattr(
+        vllm_0_32,
+        "fold_into_block_hashes",
+        lambda c, m, request, first, keys: folded.setdefault(request.request_id, (first, keys)) or True,
+    )
+    scheduler = module_scheduler(recompute_first=2)
+    scheduler.kv_cache_manager = object()
+    h, m = ModuleKey("h", 1), ModuleKey("m", 2)
+    register(scheduler, (h, (1, 2, 3, 4, 5)), (m, (7, 8, 9, 10, 11, 12, 13, 14)))
+    prompt = [1, 2, 3, 4, 5, 0, 7, 8, 9, 10, 11, 12, 13, 14, 0, 0]
+    assert _planned(scheduler, "cold", prompt, 0) == (5, [("h", 0, 5)])  # h is exact at 0: none recomputed
+    # vLLM's first look-up used the hashes before the fold: a hit past block 0 must be looked up again.
+    assert _planned(scheduler, "warm", prompt, 8) == (None, None)
+    assert folded["cold"] == folded["warm"] == (0, {0: (h.identity,), 1: (h.identity,)})  # m's blocks: computed
+    assert _planned(scheduler, "warm", prompt, 4) == (1, [("h", 4, 1)])  # asked again with the folded hit

@@ -106,15 +106,25 @@ def _splice_request(k, rid="r", **engine):
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 0]  # run [0, 10), question [10, 12)
     params = None if k is None else {"kvreuse_recompute_first": k}
     request = SimpleNamespace(
-        request_id=rid, prompt_token_ids=prompt, num_tokens=len(prompt), kv_transfer_params=params, cache_salt=None
+        request_id=rid,
+        prompt_token_ids=prompt,
+        num_tokens=len(prompt),
+        kv_transfer_params=params,
+        cache_salt=None,
+        block_hashes=[f"{rid}-block-{b}" for b in range(len(prompt) // 4)],
     )
     return scheduler, request
 
 
-def _step(rid, scheduled):
+def _step(rid, scheduled, computed, *, new=True):
+    """A step that schedules ``scheduled`` tokens of request ``rid``, vLLM having counted ``computed`` (the first
+    step of a request: a new one; later chunks: a cached one)."""
+    mine = SimpleNamespace(req_id=rid, num_computed_tokens=computed)
     return SimpleNamespace(
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        scheduled_new_reqs=[mine] if new else [],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[] if new else [rid], num_computed_tokens=[] if new else [computed]
+        ),
         num_scheduled_tokens={rid: scheduled},
     )
 
@@ -123,7 +133,7 @@ def test_the_scheduler_offers_the_run_less_the_recomputed_tokens_and_loads_all_o
     scheduler, request = _splice_request(2)
     assert scheduler.matched_tokens(request, 0) == 10 - 4  # recompute 0, 1 (a) and 6, 7 (b)
     scheduler.allocated(request, [5, 6, 7], 6)
-    (load,) = scheduler.build_metadata(_step("r", 6)).loads  # 4 recomputed + the 2 question tokens
+    (load,) = scheduler.build_metadata(_step("r", 6, 6)).loads  # 4 recomputed + the 2 question tokens
     assert [(p.name.name, p.prompt_start, p.length) for p in load.pieces] == [("a", 0, 6), ("b", 6, 4)]
     assert load.recompute == (0, 1, 6, 7) and load.start == 6
     assert load.slots == ((20, 21, 22, 23, 24, 25), (26, 27, 28, 29))
@@ -135,7 +145,7 @@ def test_recompute_0_plans_exactly_todays_splice():
         scheduler, request = _splice_request(k, **engine)
         assert scheduler.matched_tokens(request, 0) == 10
         scheduler.allocated(request, [5, 6, 7], 10)
-        (load,) = scheduler.build_metadata(_step("r", 2)).loads
+        (load,) = scheduler.build_metadata(_step("r", 2, 10)).loads
         assert load.recompute == () and load.start == 0 and sum(p.length for p in load.pieces) == 10
 
 
@@ -202,18 +212,45 @@ def test_each_modules_allotted_count_names_its_blocks_in_vllms_prefix_cache(monk
     assert folded == {0: (a,), 1: (a, b, "recompute_first=4"), 2: (b, "recompute_first=4")}
 
 
-def test_a_chunked_or_shortened_recompute_falls_back_to_loading_the_runs_first_tokens():
-    scheduler, request = _splice_request(2)
-    scheduler.matched_tokens(request, 0)
-    scheduler.allocated(request, [5, 6, 7], 6)
-    (load,) = scheduler.build_metadata(_step("r", 3)).loads  # vLLM chunked the prefill: 3 of 6 tokens this step
-    assert load.recompute == () and [(p.prompt_start, p.length) for p in load.pieces] == [(0, 6)]
-    assert load.slots == ((20, 21, 22, 23, 24, 25),) and load.blocks == ((5, 6),)
-    scheduler, request = _splice_request(2)
-    scheduler.matched_tokens(request, 0)
-    scheduler.allocated(request, [5, 6], 6)  # the run's last blocks are not allocated
-    (load,) = scheduler.build_metadata(_step("r", 6)).loads
-    assert load.recompute == () and sum(p.length for p in load.pieces) == 6
+def test_a_chunked_prefill_loads_the_run_as_vllm_allocates_it_and_recomputes_every_planned_token(monkeypatch):
+    """vLLM may schedule fewer tokens than the rest of the prompt (other requests took the step's budget): the
+    plan's KV must not depend on that (issue: a prompt's answer changed inside a busy batch). Each step loads what
+    vLLM allocated and carries the recompute, so the worker moves whatever part of it vLLM scheduled; blocks vLLM
+    cached whose recomputed tokens a later step computes leave vLLM's prefix cache."""
+    from kvreuse.patches import vllm_0_32
+
+    uncached, blocks = [], {"r": [5, 6]}
+    monkeypatch.setattr(vllm_0_32, "request_block_ids", lambda manager, rid: blocks[rid])
+    monkeypatch.setattr(vllm_0_32, "uncache_blocks", lambda manager, ids: uncached.extend(ids))
+    monkeypatch.setattr(vllm_0_32, "caches_prefixes", lambda manager: False)  # nothing folded (no hashes here)
+    scheduler, request = _splice_request(2)  # recompute 0, 1 (a) and 6, 7 (b): vLLM counts 6 computed
+    scheduler.kv_cache_manager = object()
+    assert scheduler.matched_tokens(request, 0) == 6
+    scheduler.allocated(request, blocks["r"], 6)
+    # Step 1: 1 token of 6 (blocks 5, 6 hold positions 0-7): positions 0-7 loaded, recompute position 0 computed.
+    (load,) = scheduler.build_metadata(_step("r", 1, 6)).loads
+    assert [(p.prompt_start, p.length) for p in load.pieces] == [(0, 6), (6, 2)]
+    assert load.recompute == (0, 1, 6, 7) and load.start == 6
+    assert uncached == [5]  # positions 1 (block 5) is recomputed later; block 6 is not full in vLLM's count yet
+    # Step 2: 3 more; vLLM allocated block 7 (positions 8-11): the run's last 2 tokens load now.
+    blocks["r"] = [5, 6, 7]
+    (load,) = scheduler.build_metadata(_step("r", 3, 7, new=False)).loads
+    assert [(p.prompt_start, p.length) for p in load.pieces] == [(8, 2)] and load.slots == ((28, 29),)
+    assert load.recompute == (0, 1, 6, 7) and load.start == 6  # positions 1, 6, 7 are computed this step
+    assert uncached == [5]
+    # Step 3: the question; nothing is loaded or moved any more.
+    assert scheduler.build_metadata(_step("r", 2, 10, new=False)).loads == []
+
+
+def test_a_request_whose_hit_holds_blocks_recomputed_by_a_request_admitted_in_the_same_step_waits_a_step():
+    scheduler, first = _splice_request(2, rid="first")
+    assert scheduler.matched_tokens(first, 0) == 6
+    scheduler.allocated(first, [5, 6, 7], 6)
+    _, second = _splice_request(2, rid="second")
+    second.block_hashes = first.block_hashes  # the same prompt and plan: the same folded hashes
+    assert scheduler.matched_tokens(second, 8) is None  # vLLM's hit took first's blocks 0 and 1
+    scheduler.build_metadata(_step("first", 6, 6))  # first computed its recomputed tokens: its blocks are final
+    assert scheduler.matched_tokens(second, 8) == 2  # the run's last 2 tokens, after the hit
 
 
 class FakeBlockTable:

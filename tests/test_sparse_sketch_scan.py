@@ -140,3 +140,43 @@ def test_warm_up_compiles_under_the_default_dtype_vllm_builds_a_bfloat16_model_w
         warm_up(2, 64, 32)
     finally:
         torch.set_default_dtype(before)
+
+
+@pytest.mark.parametrize("top_pages", [1, 3, 8])
+def test_top_pages_keeps_the_window_and_the_blocks_whose_bounds_reach_furthest_above_tau(real, top_pages):
+    """``sparse.top_pages`` (approximate): of the blocks exact DIPR reads outside the window, each KV head keeps the
+    ``top_pages`` whose largest sketch upper bound lies furthest above ``tau`` (the bounds computed in float64 here,
+    by the reference's formula), and every window block."""
+    from kvreuse.kernels.key_sketch import CODE_SLACK
+
+    sink, local, beta = 16, 64, 8.0
+    for layer_index in range(len(real["layers"])):
+        q, keys, sketch, table, lens = real_step(real, layer_index, 0)
+        n = int(lens[0])
+        blocks = -(-n // BLOCK)
+        exact = prune_by_sketch(q, sketch, table, lens, beta, sink, local)
+        got = prune_by_sketch(q, sketch, table, lens, beta, sink, local, top_pages)
+        window = set(range(-(-sink // BLOCK))) | set(range((n - local) // BLOCK, blocks))
+        codes = sketch.codes[table[0].long()].reshape(-1, KV_HEADS, DIM)[:n].double()
+        scales = sketch.scales[table[0].long()].reshape(-1, KV_HEADS)[:n].double()
+        approx = torch.einsum("hgd,nhd->hgn", q[0].double(), codes) * scales.T[:, None]
+        half = q[0].double().abs().sum(-1, keepdim=True) * scales.T[:, None] * (0.5 + CODE_SLACK)
+        upper, lower = approx + half, approx - half
+        tau = lower.amax(-1, keepdim=True) - beta
+        pad = blocks * BLOCK - n
+        reach = torch.nn.functional.pad(upper - tau, (0, pad), value=-torch.inf).view(KV_HEADS, GROUP, blocks, -1)
+        margin = reach.amax(-1).amax(1)  # [kv, blocks]
+        position = {int(b): i for i, b in enumerate(table[0].tolist())}
+        for h in range(KV_HEADS):
+            read_exact = {position[b] for b in exact.block_table[h, 0, : int(exact.kept[h, 0])].tolist()}
+            read = {position[b] for b in got.block_table[h, 0, : int(got.kept[h, 0])].tolist()}
+            outside = sorted(read_exact - window, key=lambda b: -float(margin[h, b]))
+            assert len(outside) > top_pages  # the budget binds: exact DIPR reads more
+            assert read == window | set(outside[:top_pages]), (real["layers"][layer_index], h)
+            assert read <= read_exact and int(got.kept[h, 0]) == len(read)
+
+
+def test_top_pages_at_least_the_blocks_dipr_reads_changes_nothing(real):
+    q, _, sketch, table, lens = real_step(real, 1, 2)
+    exact = prune_by_sketch(q, sketch, table, lens, 4.0, 16, 64)
+    assert_same_tables(prune_by_sketch(q, sketch, table, lens, 4.0, 16, 64, int(table.shape[1])), exact)

@@ -35,3 +35,20 @@ def test_a_stream_the_user_chose_is_kept():
     program = f"{SET}; {CONFIGURE}; {LOG}"
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=300)
     assert "a vLLM log line" in done.stdout
+
+
+REPEAT = (
+    "from vllm.logger import init_logger; log = init_logger('vllm.kvreuse_test'); "
+    "[log.warning('Attempted to load weight %s with dtype %s', name, 'float32') for name in ('a', 'b', 'c')]; "
+    "log.warning('another fact'); [log.info('an info line %d', k) for k in range(2)]"
+)
+
+
+def test_a_warning_vllm_repeats_is_written_once_even_after_vllm_configures_its_log_again():
+    """vLLM configures its log again while an engine starts (from the engine arguments): the filter survives it."""
+    program = f"{SET}; {CONFIGURE}; {REPEAT}"
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count("Attempted to load weight") == 1 and "weight a with" in done.stderr
+    assert done.stderr.count("another fact") == 1
+    assert done.stderr.count("an info line") == 2  # lines below warnings are not facts repeated

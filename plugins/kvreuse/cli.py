@@ -15,24 +15,29 @@ an engine that stops answering, with the rows answered so far kept in the output
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
 import json
+import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 import pandas as pd
 
 from kvreuse.batch.backend import MAX_TOKENS, Backend
 from kvreuse.batch.calibrate import CALIBRATION_ROWS, Calibration, calibrate, original_prompts, planned_stats
 from kvreuse.batch.chat import check_system
-from kvreuse.batch.job import BatchFigures, answer_plans, plan_table
+from kvreuse.batch.job import PlannedTable, answer_plans, plan_table
 from kvreuse.batch.output import OUTPUT_SUFFIXES, AnswerOutput
-from kvreuse.batch.progress import JobProgress
-from kvreuse.batch.savings import measure_prefill_cost, time_saved_line
-from kvreuse.batch.table_io import read_table
+from kvreuse.batch.progress import JobProgress, Tally
+from kvreuse.batch.savings import PrefillReport, field_order_advice
+from kvreuse.batch.table_io import UTF8, read_table
 from kvreuse.errors import BackendError, ConfigError, KVReuseError
 from kvreuse.modules.agreement import Normaliser
 from kvreuse.modules.config import MAX_BLEND_LAYERS
@@ -40,12 +45,12 @@ from kvreuse.reorder import (
     FIELD_ORDERS,
     METHODS,
     PROMPT_FORMATS,
-    BlockHitStats,
     ReorderConfig,
     prepare_table,
     resolve_pin,
 )
 from kvreuse.reorder.routing import ROUTERS
+from kvreuse.sparse.calibrate import CANDIDATES as SPARSE_CANDIDATES
 
 
 class Interrupted(KVReuseError):
@@ -54,9 +59,13 @@ class Interrupted(KVReuseError):
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser.refuse_unknown_flags(argv)  # before argparse, which would first miss the flag the misspelt one meant
+    args = parser.parse_args(argv)
     try:
-        return args.command(args)
+        with _noting_interrupts():
+            return args.command(args)
     except Interrupted as stopped:
         print(f"kvreuse {args.name}: interrupted; {stopped}", file=sys.stderr)
         return 130
@@ -68,12 +77,71 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvreuse", description="LLM jobs over tables that reuse the KV cache.")
+# Set when Ctrl-C (SIGINT) reached this process: an engine process of its own (VLLM_ENABLE_V1_MULTIPROCESSING=1)
+# gets the terminal's SIGINT too and may die before this process sees its KeyboardInterrupt; the engine's death is
+# then the user's Ctrl-C, not a failure.
+_INTERRUPTED = threading.Event()
+
+
+@contextmanager
+def _noting_interrupts() -> Iterator[None]:
+    """Within: SIGINT raises KeyboardInterrupt as Python's own handler does, and sets :data:`_INTERRUPTED`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupted(signum: int, frame: object) -> None:
+        _INTERRUPTED.set()
+        raise KeyboardInterrupt
+
+    _INTERRUPTED.clear()
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse's parser, whose mistakes are one line on standard error (what is wrong, the closest flag where a
+    flag is misspelt, and where the usage is) and exit status 2, as argparse's own are."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def refuse_unknown_flags(self, argv: list[str]) -> None:
+        """Refuse the first ``--flag`` of ``argv`` that the subcommand it follows does not have (neither whole nor
+        as the start of one, which argparse accepts), naming the closest flag it has."""
+        parser: CommandParser = self
+        for argument in argv:
+            if argument == "--":
+                return
+            subcommands = parser._subcommands()
+            if argument in subcommands:
+                parser = subcommands[argument]
+                continue
+            if not argument.startswith("--"):
+                continue
+            flag = argument.split("=", 1)[0]
+            known = [name for name in parser._option_string_actions if name.startswith("--")]
+            if not any(name.startswith(flag) for name in known):
+                close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+                parser.error(f"unknown flag {flag}" + (f"; did you mean {close[0]}?" if close else ""))
+
+    def _subcommands(self) -> dict[str, CommandParser]:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
+
+
+def build_parser() -> CommandParser:
+    parser = CommandParser(prog="kvreuse", description="LLM jobs over tables that reuse the KV cache.")
     commands = parser.add_subparsers(dest="name", required=True, metavar="COMMAND")
     _add_run(commands)
     _add_serve(commands)
     _add_calibrate_modules(commands)
+    _add_calibrate_sparse(commands)
     return parser
 
 
@@ -85,6 +153,12 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         "and write the table with one answer per row.",
     )
     run.add_argument("--table", required=True, type=Path, help="a .csv or .parquet file")
+    run.add_argument(
+        "--encoding",
+        default=UTF8,
+        help="the text encoding of a .csv --table, e.g. latin-1 or cp1252 (default: utf-8; a byte-order mark is "
+        "allowed)",
+    )
     run.add_argument("--prompt", required=True, help="the instruction asked about each row")
     run.add_argument(
         "--fields", type=_field_list, default=None, help="comma-separated columns the model sees (default: all)"
@@ -95,8 +169,10 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         choices=FIELD_ORDERS,
         default="keep",
         help="keep: every prompt lists the fields as --fields (or the table) does, only rows move, so every answer "
-        "is the one the original order gets; global: one field order for all rows, chosen for reuse; free: each "
-        "row its own field order (GGR's), the most reuse, but a field's place can change an answer (default: keep)",
+        "is the one the original order gets; global: one field order for all rows, the fields with fewest distinct "
+        "values first (it can plan more or less reuse than keep; the summary and --calibrate show which); free: "
+        "each row its own field order (GGR's), most reuse of the three, but a field's place can change an answer; "
+        "the summary names another field order where it plans far less prefill (default: keep)",
     )
     run.add_argument(
         "--pin",
@@ -146,9 +222,9 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--min-agreement",
         type=_fraction,
-        default=1.0,
-        help="with --calibrate: the fraction of sample answers that must be identical to the table's field "
-        "order's (default: 1.0, all)",
+        default=None,
+        help="with --calibrate (refused without it): the fraction of sample answers that must be identical to the "
+        "table's field order's (default: 1.0, all)",
     )
     run.add_argument(
         "--raw",
@@ -313,6 +389,51 @@ def _add_calibrate_modules(commands: argparse._SubParsersAction) -> None:
     calibrate.set_defaults(command=_calibrate_modules)
 
 
+def _add_calibrate_sparse(commands: argparse._SubParsersAction) -> None:
+    calibrate = commands.add_parser(
+        "calibrate-sparse",
+        help="pick the smallest sparse.top_pages page budget whose answers agree with dense attention's on a floor",
+        description="Start vLLM on --model with the sparse backend, run every --prompts line with dense attention "
+        "(beta = inf), exact DIPR at --beta and each --top-pages budget, print the curve and the budget reading the "
+        "fewest blocks that keeps --min-agreement, as --additional-config (kvreuse.vllm.sparse.calibrate).",
+    )
+    calibrate.add_argument("--model", required=True, help="the model (path or name)")
+    calibrate.add_argument("--prompts", required=True, type=Path, help="one JSON string per line: sample prompts")
+    calibrate.add_argument("--min-agreement", type=float, default=0.95, help="the floor, 0 to 1 (default: 0.95)")
+    calibrate.add_argument("--beta", type=float, default=8.0, help="DIPR's beta the budgets run at (default: 8)")
+    calibrate.add_argument(
+        "--top-pages", type=_page_list, default=list(SPARSE_CANDIDATES), help="budgets, comma-separated, e.g. 8,16"
+    )
+    calibrate.add_argument("--engine-args", type=_engine_args, default={}, help="JSON object of vLLM engine arguments")
+    calibrate.set_defaults(command=_calibrate_sparse)
+
+
+def _calibrate_sparse(args: argparse.Namespace) -> int:
+    """``kvreuse calibrate-sparse``: check the inputs, then calibrate in a new engine and print the report."""
+    from kvreuse.vllm.sparse.calibrate import calibrate_sparse_in_new_engine, read_prompt_lines
+
+    if not 0.0 <= args.min_agreement <= 1.0:
+        raise ConfigError(f"--min-agreement must be between 0 and 1, got {args.min_agreement}")
+    if not 0.0 <= args.beta < float("inf"):
+        raise ConfigError(f"--beta must be a finite number >= 0 (the budget caps DIPR's blocks), got {args.beta}")
+    prompts = read_prompt_lines(args.prompts)
+    found = calibrate_sparse_in_new_engine(
+        args.model, prompts, args.min_agreement, beta=args.beta, candidates=args.top_pages, engine_args=args.engine_args
+    )
+    print(found.report())
+    return 0
+
+
+def _page_list(text: str) -> list[int]:
+    try:
+        pages = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not all(1 <= page <= 1_000_000 for page in pages):
+        raise argparse.ArgumentTypeError(f"{text!r}: each budget must be from 1 to 1000000 pages")
+    return pages
+
+
 def _calibrate_modules(args: argparse.Namespace) -> int:
     """``kvreuse calibrate-modules``: check the inputs, then calibrate in a new engine and print the report."""
     from kvreuse.vllm.modules.calibrate import calibrate_in_new_engine, read_calibration_inputs
@@ -395,19 +516,11 @@ def _run(args: argparse.Namespace) -> int:
     Planning waits for the engine so that GGR is checked against the baselines with its tokenizer and block size.
     """
     started = time.perf_counter()
-    if args.out is not None and args.out.suffix.lower() not in OUTPUT_SUFFIXES:
-        raise ConfigError(f"--out {args.out}: write a {', '.join(OUTPUT_SUFFIXES)} file")
-    table = read_table(args.table)
+    table = _checked_table(args)
     prepared = prepare_table(table, args.fields)  # a wrong field fails here, before an engine starts
     resolve_pin(args.pin, list(prepared.columns))  # and so does a wrong pin
     reorder = _reorder_settings(args)
-    if args.raw and args.system is not None:
-        raise ConfigError("--system needs chat prompts; leave it out with --raw")
-    if args.calibrate is not None and args.field_order != "keep":
-        raise ConfigError("give either --field-order or --calibrate (which chooses the field order)")
-    if args.calibrate is not None and args.replicas > 1:
-        raise ConfigError("--calibrate runs in one engine; leave it out with --replicas")
-    check_system(args.system)
+    _check_run_options(args)
     with AnswerOutput(
         args.out,
         table,
@@ -416,25 +529,31 @@ def _run(args: argparse.Namespace) -> int:
         error_column=args.error_column,
         resume=args.resume,
     ) as output:
+        if len(output.done) == len(table):  # a finished job resumed: nothing to ask, no engine to start
+            output.close(complete=True)
+            print(f"kvreuse run: all {len(table):,} rows are in {args.out} already; nothing to ask", file=sys.stderr)
+            return 0
         if args.replicas > 1:
             return _run_replicas(args, table, output, reorder, started)
         with _backend(args) as backend, _kept(output, len(table)):
             field_order = args.field_order
-            calibration = None
+            calibration, calibration_s = None, 0.0
             if args.calibrate is not None:
+                calibrating = time.perf_counter()
                 calibration = calibrate(
                     table,
                     args.prompt,
                     args.fields,
                     backend=backend,
                     n=args.calibrate,
-                    min_agreement=args.min_agreement,
+                    min_agreement=1.0 if args.min_agreement is None else args.min_agreement,
                     order=args.order,
                     fmt=args.format,
                     max_tokens=args.max_tokens,
                     pin=args.pin,
                     config=reorder,
                 )
+                calibration_s = time.perf_counter() - calibrating
                 print(calibration.table(), file=sys.stderr)
                 field_order = calibration.chosen
             plan = plan_table(
@@ -450,69 +569,158 @@ def _run(args: argparse.Namespace) -> int:
             )
             generating = time.perf_counter()
             skip = {(0, row) for row in output.done}
+            answered: set[int] = set()
             with JobProgress(len(table), done=len(output.done)) as bar:
                 for _, row, completion in answer_plans([plan], backend, max_tokens=args.max_tokens, skip=skip):
                     output.write(row, completion.text, completion.error)
                     bar.add(completion)
+                    if completion.error is None:
+                        answered.add(row)
             generate_s = time.perf_counter() - generating
-            wall_s = time.perf_counter() - started
-            original = original_prompts(table, args.prompt, args.fields, args.format)
-            planned = planned_stats(plan.prompts, backend.cache_model)
-            baseline = planned_stats(original, backend.cache_model)
-            units = "tokens" if backend.cache_model is not None else "characters"
-            time_saved = _time_saved(backend, original, planned, baseline, units)
+            comparing = time.perf_counter()
+            report, advice = _compare_with_original(
+                args, table, plan, answered, bar.tally, field_order, backend, reorder
+            )
+            compare_s = time.perf_counter() - comparing
         output.close(complete=True)
-    figures = BatchFigures.of(bar.tally, plan.solve_s, generate_s)
-    order = f"{args.order}, fields {field_order}"
-    lines = [
-        summary(figures, order, wall_s, resumed=len(skip), out=args.out),
-        against_original(planned, baseline, units),
-        time_saved,
-        agreement_line(field_order, calibration),
-    ]
-    print("\n".join(lines), file=sys.stderr)
+    times = {
+        "wall": time.perf_counter() - started,
+        "generating": generate_s,
+        "ordering": plan.solve_s,
+        "comparing": compare_s,
+        "calibrating": calibration_s,
+    }
+    print(_summary(args, bar.tally, len(skip), field_order, report, advice, calibration, times), file=sys.stderr)
     return 0
 
 
-def _time_saved(
-    backend: Backend, original: list[str], planned: BlockHitStats, baseline: BlockHitStats, units: str
+def _summary(
+    args: argparse.Namespace,
+    tally: Tally,
+    resumed: int,
+    field_order: str,
+    report: PrefillReport,
+    advice: str | None,
+    calibration: Calibration | None,
+    times: dict[str, float],
 ) -> str:
-    """The summary's estimate of the wall time saved against the table's own order. The probe that prices a
-    prefill token is sent only where the order saved prefill; every row is answered by then, so an engine that
-    fails the probe costs the estimate, not the job."""
-    if planned.computed_tokens == baseline.computed_tokens:
-        return time_saved_line(planned, baseline, None, units)
-    try:
-        cost = measure_prefill_cost(backend, original)
-    except BackendError as error:
-        return f"wall time saved  not estimated: the probe that prices a prefill token failed ({error})"
-    return time_saved_line(planned, baseline, cost, units)
-
-
-def against_original(planned: BlockHitStats, original: BlockHitStats, units: str) -> str:
-    """The summary line comparing the job's plan with the table's own order, both replayed through a model of
-    the engine's block cache (``units``: its tokens, or characters when its tokenizer is unknown)."""
-    if not planned.computed_tokens:
-        return f"planned prefill  none to compute ({units})"
-    ratio = original.computed_tokens / planned.computed_tokens
-    return (
-        f"planned prefill  {planned.computed_tokens:,} of {planned.prompt_tokens:,} prompt {units} computed, "
-        f"against {original.computed_tokens:,} in the table's own order ({ratio:.2f}x fewer)"
+    """The lines ``kvreuse run`` ends with: what was asked, the prefill as the engine counted it against the
+    table's own order, the times measured, what failed, a field order worth checking, what is known of the
+    answers, and where they are."""
+    lines = [f"rows           {tally.requests:,} (order {args.order}, fields {field_order})"]
+    if resumed:
+        lines[0] += f", {resumed:,} answered by an earlier run"
+    lines += report.lines(original_order=args.order == "original" and field_order == "keep")
+    rest = times["wall"] - times["generating"] - times["ordering"] - times["comparing"] - times["calibrating"]
+    lines.append(
+        f"time           {times['wall']:.1f} s wall: {times['generating']:.1f} s generating, "
+        f"{times['ordering']:.2f} s ordering, {times['comparing']:.2f} s planning the comparison, {rest:.1f} s "
+        f"reading the table and {'starting the engine' if args.url is None else 'reaching the server'}"
+        + ("" if calibration is None else ", and calibrating (below)")
     )
+    if calibration is not None:
+        lines.append(
+            f"calibration    {times['calibrating']:.1f} s, {calibration.requests:,} requests on "
+            f"{calibration.sample_rows} sample rows (part of the wall time above)"
+        )
+    if tally.errors:
+        lines.append(f"errors         {tally.errors:,} row(s) refused by the engine; their error column says why")
+    if advice is not None:
+        lines.append(advice)
+    lines.append(agreement_line(args.order, field_order, calibration))
+    if args.out is not None:
+        lines.append(f"written to     {args.out}")
+    return "\n".join(lines)
 
 
-def agreement_line(field_order: str, calibration: Calibration | None) -> str:
+def _checked_table(args: argparse.Namespace) -> pd.DataFrame:
+    """The table, read after the output's place is checked; an empty one (a header alone) is an error: there is
+    nothing to ask, and an engine would start to write an empty file."""
+    if args.out is not None:
+        check_output_path(args.out)
+    table = read_table(args.table, encoding=args.encoding)
+    if table.empty:
+        raise ConfigError(f"{args.table} has no rows (only its header): there is nothing to ask")
+    return table
+
+
+def check_output_path(path: Path) -> None:
+    """Refuse an ``--out`` that cannot be written, before an engine starts: its kind, its folder (which must
+    exist) and the right to create a file there."""
+    if path.suffix.lower() not in OUTPUT_SUFFIXES:
+        raise ConfigError(f"--out {path}: write a {', '.join(OUTPUT_SUFFIXES)} file")
+    folder = path.parent
+    if not folder.is_dir():
+        raise ConfigError(f"--out {path}: the folder {folder} does not exist; create it first (mkdir -p {folder})")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {path}: no permission to create files in {folder}")
+    if path.is_dir():
+        raise ConfigError(f"--out {path} is a folder; name a file in it")
+
+
+def _check_run_options(args: argparse.Namespace) -> None:
+    """The combinations of options that cannot work, refused before an engine starts."""
+    if args.raw and args.system is not None:
+        raise ConfigError("--system needs chat prompts; leave it out with --raw")
+    if args.calibrate is not None and args.field_order != "keep":
+        raise ConfigError("give either --field-order or --calibrate (which chooses the field order)")
+    if args.calibrate is not None and args.replicas > 1:
+        raise ConfigError("--calibrate runs in one engine; leave it out with --replicas")
+    if args.min_agreement is not None and args.calibrate is None:
+        raise ConfigError(
+            "--min-agreement is the floor of --calibrate and means nothing without it; add --calibrate "
+            "(or --calibrate N)"
+        )
+    check_system(args.system)
+
+
+def _compare_with_original(
+    args: argparse.Namespace,
+    table: pd.DataFrame,
+    plan: PlannedTable,
+    answered: set[int],
+    tally: Tally,
+    field_order: str,
+    backend: Backend,
+    reorder: ReorderConfig,
+) -> tuple[PrefillReport, str | None]:
+    """The prefill of the rows the engine ``answered`` in this run as it counted it (``tally``), beside the plans
+    of their prompts in the job's order and in the table's own order (:mod:`kvreuse.batch.savings`); and, where
+    the job kept the user's field order uncalibrated, the line naming a field order that plans far less prefill."""
+    model = backend.cache_model
+    units = "tokens" if model is not None else "characters"
+    sent = [prompt for prompt, row in zip(plan.prompts, plan.rows.tolist()) if row in answered]
+    original = original_prompts(table, args.prompt, args.fields, args.format)
+    asked = [prompt for row, prompt in enumerate(original) if row in answered]
+    report = PrefillReport(
+        tally.prompt_tokens, tally.cached_tokens, planned_stats(sent, model), planned_stats(asked, model), units
+    )
+    advice = None
+    if field_order == "keep" and args.calibrate is None:
+        options = dict(order=args.order, fmt=args.format, pin=args.pin, config=reorder, cache_model=model)
+        others = {
+            mode: planned_stats(plan_table(table, args.prompt, args.fields, field_order=mode, **options).prompts, model)
+            for mode in FIELD_ORDERS
+            if mode != "keep"
+        }
+        advice = field_order_advice(planned_stats(plan.prompts, model), others, units)
+    return report, advice
+
+
+def agreement_line(order: str, field_order: str, calibration: Calibration | None) -> str:
     """The summary line saying how far the job's answers are those of the table's own order, as measured."""
     if field_order == "keep":
-        return "answers          the table's own order's: every prompt lists its fields as given (only rows moved)"
+        if order == "original":
+            return "answers        the table's own order's: its rows and fields as given"
+        return "answers        the table's own order's: every prompt lists its fields as given (only rows moved)"
     if calibration is None:
         return (
-            f"answers          not compared with the table's own order (fields {field_order}: they may differ; "
+            f"answers        not compared with the table's own order (fields {field_order}: they may differ; "
             "--calibrate measures it)"
         )
     chosen = calibration.candidate(field_order)
     return (
-        f"answers          {chosen.exact:.0%} identical to the table's own order's on {calibration.sample_rows} "
+        f"answers        {chosen.exact:.0%} identical to the table's own order's on {calibration.sample_rows} "
         f"calibration rows ({chosen.normalised:.0%} after normalising); the other rows were not compared"
     )
 
@@ -548,6 +756,8 @@ def _kept(output: AnswerOutput, rows: int) -> Iterator[None]:
         yield
     except BackendError as error:
         output.close()
+        if _INTERRUPTED.is_set():  # the engine died of the user's Ctrl-C (see _INTERRUPTED)
+            raise Interrupted(kept()) from None
         raise BackendError(f"{error}\n{kept()}") from None
     except KeyboardInterrupt:
         output.close()
@@ -650,26 +860,3 @@ def _backend(args: argparse.Namespace) -> Iterator[Backend]:
 
     with started_vllm(args.model, chat=False if args.raw else None, system=args.system, **args.engine_args) as backend:
         yield backend
-
-
-def summary(figures: BatchFigures, order: str, wall_s: float, *, resumed: int = 0, out: Path | None = None) -> str:
-    """The lines ``kvreuse run`` ends with: what was asked, what the cache saved, what failed and where it is."""
-
-    def count(value: int | None) -> str:
-        return "n/a (not reported)" if value is None else f"{value:,}"
-
-    rate = figures.hit_rate
-    asked = f"rows           {figures.requests:,} (order {order})"
-    if resumed:
-        asked += f", {resumed:,} answered by an earlier run"
-    lines = [
-        asked,
-        f"prompt tokens  {count(figures.prompt_tokens)}",
-        f"cached tokens  {count(figures.cached_tokens)}" + ("" if rate is None else f" ({rate:.1%} hit rate)"),
-        f"time           {wall_s:.1f} s wall, {figures.generate_s:.1f} s generating, {figures.solve_s:.2f} s ordering",
-    ]
-    if figures.errors:
-        lines.append(f"errors         {figures.errors:,} row(s) refused by the engine; their error column says why")
-    if out is not None:
-        lines.append(f"written to     {out}")
-    return "\n".join(lines)

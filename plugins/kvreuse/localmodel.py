@@ -19,12 +19,18 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvreuse.errors import ConfigError
+
 # The repository keeps real data in ../shared/datasets; KVREUSE_DATASETS points elsewhere.
 DATASETS = Path(os.environ.get("KVREUSE_DATASETS", Path(__file__).resolve().parents[2].parent / "shared" / "datasets"))
+
+
+MAX_ROPE_FACTOR = 64.0  # extended_context: past 64x a model's trained context its positions carry too little
 
 
 @dataclass(frozen=True)
@@ -212,6 +218,63 @@ def build_model(preset: str = "small", out: str | os.PathLike | None = None, dat
     return out
 
 
+@dataclass(frozen=True)
+class LoraPreset:
+    """A random LoRA adapter (PEFT's format) on the attention projections: ``rank``; A ~ N(0, 1/in), B ~ N(0,
+    ``scale``^2) (PEFT starts B at 0, which changes nothing; a random B changes every layer's keys, values and
+    outputs, as a fine-tuned adapter does)."""
+
+    rank: int = 8
+    scale: float = 0.1
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    seed: int = 0
+
+
+def build_lora_adapter(model: str | os.PathLike, out: str | os.PathLike, preset: LoraPreset = LoraPreset()) -> Path:
+    """Build (or reuse) a random LoRA adapter for the Llama model in ``model`` into ``out``: what vLLM loads with
+    ``LoRARequest(name, id, out)`` (``enable_lora=True``). No adapter of SmolLM2 ships in a PyPI package; a random
+    one tests what depends on an adapter (its KV differs from the base model's), not answer quality."""
+    out = Path(out)
+    config = json.loads((Path(model) / "config.json").read_text())
+    identity = {**asdict(preset), "model": config}
+    stamp = out / _STAMP
+    if stamp.exists() and json.loads(stamp.read_text()) == json.loads(json.dumps(identity)):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config["num_key_value_heads"] * head_dim
+    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv)}
+    shapes["o_proj"] = (heads * head_dim, hidden)
+    generator = torch.Generator().manual_seed(preset.seed)
+    weights = {}
+    for layer in range(config["num_hidden_layers"]):
+        for target in preset.targets:
+            fan_in, fan_out = shapes[target]
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{target}"
+            weights[f"{prefix}.lora_A.weight"] = torch.randn(preset.rank, fan_in, generator=generator) / fan_in**0.5
+            weights[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, preset.rank, generator=generator) * preset.scale
+    save_file(weights, out / "adapter_model.safetensors")
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": preset.rank,
+        "lora_alpha": preset.rank,
+        "lora_dropout": 0.0,
+        "target_modules": list(preset.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "base_model_name_or_path": str(model),
+    }
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=1))
+    stamp.write_text(json.dumps(identity))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted([*PRESETS, *GGUF_PRESETS]), default="small")
@@ -243,3 +306,42 @@ def local_engine_args(model: str | os.PathLike, **overrides) -> dict:
     )
     args.update(overrides)
     return args
+
+
+ROPE_EXTENSIONS = ("linear", "yarn")
+"""The RoPE scalings ``extended_context`` asks vLLM for: both are implemented by vLLM's own rotary embeddings
+(``LinearScalingRotaryEmbedding``, ``YaRNScalingRotaryEmbedding``) and need nothing from the model but its base and
+trained length."""
+
+
+def extended_context(model: str | os.PathLike, scaling: str, factor: float) -> dict:
+    """Engine arguments (``hf_overrides`` and ``max_model_len``) that run ``model`` at ``factor`` times its trained
+    context through vLLM's own model overrides: RoPE ``scaling`` (``"linear"``: positions divided by ``factor``;
+    ``"yarn"``: YaRN's per-band interpolation with its attention temperature) over the model's ``rope_theta``.
+
+    vLLM multiplies ``max_position_embeddings`` by a linear factor itself and takes YaRN's as already scaled (as
+    transformers does), so YaRN's is set here. Raises ``ConfigError`` naming an unsupported scaling, a factor that
+    is not a finite number above 1, or a model whose config has no RoPE base or trained length."""
+    if scaling not in ROPE_EXTENSIONS:
+        raise ConfigError(
+            f"RoPE scaling {scaling!r} is not supported for extending a local model's context; supported: "
+            f"{', '.join(ROPE_EXTENSIONS)}"
+        )
+    if not (isinstance(factor, int | float) and math.isfinite(factor) and 1 < factor <= MAX_ROPE_FACTOR):
+        raise ConfigError(f"RoPE scaling factor must be a number in (1, {MAX_ROPE_FACTOR}], got {factor!r}")
+    config = json.loads((Path(model) / "config.json").read_text())
+    rope = config.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    trained = config.get("max_position_embeddings")
+    if theta is None or not trained or rope.get("rope_type", "default") != "default":
+        raise ConfigError(
+            f"{model}: extending the context needs a model with plain RoPE (rope_theta, max_position_embeddings, "
+            f"no scaling yet); its config has rope_parameters {rope!r}, max_position_embeddings {trained!r}"
+        )
+    longest = int(trained * factor)
+    parameters = {"rope_type": scaling, "rope_theta": theta, "factor": float(factor)}
+    overrides: dict = {"rope_parameters": parameters}
+    if scaling == "yarn":
+        parameters["original_max_position_embeddings"] = trained
+        overrides["max_position_embeddings"] = longest
+    return {"hf_overrides": overrides, "max_model_len": longest}

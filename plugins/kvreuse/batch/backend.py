@@ -52,7 +52,9 @@ class PrefixCacheModel:
     the best of its candidates as the engine will hit them (:class:`kvreuse.reorder.TokenHitMeasure`).
 
     ``prefix`` is the text the backend sends before every prompt (a chat template's preamble, up to the user's
-    turn), tokenized with it by ``tokenize``: a prefix every row shares, so plans count it.
+    turn), tokenized with it by ``tokenize``: a prefix every row shares, so plans count it. ``suffix`` is the text
+    it sends after every prompt (the end of the user's turn and the assistant's header): counted in every prompt's
+    tokens, and so in where its last full block ends.
 
     ``capacity_blocks`` is how many blocks the engine's KV cache holds (``None``: unknown, taken as unbounded):
     a job larger than its cache evicts, so the order of its rows decides what is reused, and the figures a job
@@ -63,6 +65,11 @@ class PrefixCacheModel:
     block_size: int
     prefix: str = ""
     capacity_blocks: int | None = None
+    suffix: str = ""
+
+    def sent_tokens(self, prompts: Sequence[str]) -> Sequence[Sequence[int]]:
+        """The token ids the engine gets for ``prompts``: each framed by :attr:`prefix` and :attr:`suffix`."""
+        return self.tokenize([self.prefix + prompt + self.suffix for prompt in prompts])
 
 
 class Backend(Protocol):

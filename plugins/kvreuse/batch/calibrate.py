@@ -189,8 +189,7 @@ def planned_stats(prompts: list[str], cache_model: PrefixCacheModel | None) -> B
     the engine's capacity, where known) reuses."""
     if cache_model is None:
         return block_hit_stats([[ord(c) for c in prompt] for prompt in prompts], CHARACTER_BLOCK)
-    tokens = cache_model.tokenize([cache_model.prefix + prompt for prompt in prompts])
-    return block_hit_stats(tokens, cache_model.block_size, cache_model.capacity_blocks)
+    return block_hit_stats(cache_model.sent_tokens(prompts), cache_model.block_size, cache_model.capacity_blocks)
 
 
 def original_prompts(df: pd.DataFrame, instruction: str, fields: Sequence[str] | None, fmt: str) -> list[str]:

@@ -4,7 +4,9 @@ An instruct model sent a raw record (``instruction``, then ``field: value`` line
 (``"\\npick from:\\n* no\\n"``): it was trained on its chat template. So the front ends send each row's prompt as
 the user turn of a chat, after an optional system turn, rendered by the model's own template (in process) or by
 the server (``/v1/chat/completions``). The template's text before the user turn is the same for every row: a
-shared prefix, which planning counts (:attr:`kvreuse.batch.PrefixCacheModel.prefix`).
+shared prefix, which planning counts (:attr:`kvreuse.batch.PrefixCacheModel.prefix`); so is its text after the user
+turn (the end of the turn and the assistant's header), which every prompt's count includes
+(:attr:`kvreuse.batch.PrefixCacheModel.suffix`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ def chat_messages(prompt: str, system: str | None = None) -> list[dict[str, str]
     return [user] if system is None else [{"role": "system", "content": system}, user]
 
 
-def template_head(render: Callable[[list[dict[str, str]]], str], system: str | None = None) -> str:
-    """The text ``render`` (a chat template, with the generation prompt) puts before every user turn; ``""`` where
-    the template does not write the user's text verbatim (then planning counts the rows' own text alone)."""
+def template_frame(render: Callable[[list[dict[str, str]]], str], system: str | None = None) -> tuple[str, str]:
+    """The texts ``render`` (a chat template, with the generation prompt) puts before and after every user turn;
+    ``("", "")`` where the template does not write the user's text verbatim (then planning counts the rows' own text
+    alone)."""
     rendered = render(chat_messages(_MARK, system))
-    head, found, _ = rendered.partition(_MARK)
-    return head if found else ""
+    head, found, tail = rendered.partition(_MARK)
+    return (head, tail) if found else ("", "")
 
 
 def check_system(system: object) -> str | None:

@@ -11,7 +11,9 @@ engine finishes them and flushed at once; when the job completes, the file is re
 * ``.parquet`` cannot be appended to, so while the job runs its rows go to a journal beside it
   (``NAME.parquet.partial.jsonl``: row id, answer, error); the Parquet file (earlier rows, then the journal's,
   with the input's own column types) is written when the job ends, however it ends, and the journal removed.
-* No path: CSV on standard output, in the order rows finish (the row id column says which row each is).
+* No path: CSV on standard output, in the table's order: each row as soon as every row before it is written, so a
+  row answered early waits for the rows before it (reordering sends rows out of the table's order); when a job
+  stops early, the rows still waiting are written then, in the table's order.
 
 Nothing is created before the first row is written (or the job completes with no row to write): a job that fails
 before answering anything (a wrong model path, an engine argument vLLM refuses, a server that is down) leaves no
@@ -73,6 +75,7 @@ class AnswerOutput:
         self.columns = [row_column, *map(str, self.table.columns), answer_column, error_column]
         self.kind = "csv" if path is None else path.suffix.lower().lstrip(".")
         self.done: dict[int, tuple[str, str]] = {}  # row id -> (answer, error): rows already in the output
+        self._printed = 0  # standard output: the rows before this one are printed
         self._closed = False
         if path is not None and path.exists() and not resume:
             raise TableError(f"{path} exists; pass --resume to finish the job that wrote it, or choose another --out")
@@ -93,9 +96,16 @@ class AnswerOutput:
             self._handle.write(json.dumps(record) + "\n")
         elif self.kind == "jsonl":
             self._handle.write(json.dumps(self._record(row), default=str) + "\n")
+        elif self.path is None:
+            while self._printed in self.done:  # the table's order: rows wait for those before them
+                self._write_csv_row(self._printed)
+                self._printed += 1
         else:
-            self._csv.writerow([csv_text(value) for value in self._record(row).values()])
+            self._write_csv_row(row)
         self._handle.flush()
+
+    def _write_csv_row(self, row: int) -> None:
+        self._csv.writerow([csv_text(value) for value in self._record(row).values()])
 
     def close(self, *, complete: bool = False) -> None:
         """Flush and close; with ``complete`` (every row written) the file is rewritten in the table's order. A
@@ -106,6 +116,10 @@ class AnswerOutput:
         self._closed = True
         if self._handle is None and complete:
             self._handle = self._open()
+        if self.path is None and self._handle is not None:  # a job stopped early: the rows still waiting
+            for row in sorted(r for r in self.done if r >= self._printed):
+                self._write_csv_row(row)
+            self._handle.flush()
         if self._handle is not None and self._handle is not sys.stdout:
             self._handle.close()
         if self.path is None:

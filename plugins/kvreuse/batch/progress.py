@@ -1,11 +1,13 @@
 """What a batch job has done so far: running totals, and the progress bar that shows them.
 
 The bar (tqdm, on standard error) shows rows done of all rows, rows per second, the share of prompt tokens the
-engine served from its prefix cache and the rows it refused, updated as each answer arrives.
+engine served from its prefix cache and the rows it refused, updated as each answer arrives. While it is drawn,
+log lines on standard error (an in-process engine's) are written above it, not into it.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 
@@ -57,6 +59,7 @@ class JobProgress:
         self._bar = tqdm(
             total=total, initial=done, desc=desc, unit="row", file=sys.stderr, disable=not enabled, dynamic_ncols=True
         )
+        self._moved = _log_above_bar() if enabled else []
 
     def add(self, completion: Completion) -> None:
         """Count one answered (or refused) row."""
@@ -67,6 +70,9 @@ class JobProgress:
         self._bar.update(1)
 
     def close(self) -> None:
+        for handler in self._moved:
+            handler.setStream(sys.stderr)
+        self._moved = []
         self._bar.close()
 
     def __enter__(self) -> JobProgress:
@@ -74,3 +80,30 @@ class JobProgress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _AboveTheBar:
+    """A stream that writes each line with ``tqdm.write``: the bar is cleared, the line written, the bar drawn."""
+
+    def write(self, text: str) -> int:
+        if text.strip():
+            tqdm.write(text.rstrip("\n"), file=sys.stderr)
+        return len(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _log_above_bar() -> list[logging.StreamHandler]:
+    """Point every logging handler that writes to standard error at :class:`_AboveTheBar`; the handlers moved
+    (their filters and formats stay theirs)."""
+    loggers = [logging.getLogger(), *(logging.getLogger(name) for name in list(logging.root.manager.loggerDict))]
+    moved = []
+    for logger in loggers:
+        for handler in logger.handlers:
+            settable = not isinstance(getattr(type(handler), "stream", None), property)  # logging's last resort
+            to_stderr = isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, sys.__stderr__)
+            if settable and to_stderr:
+                handler.setStream(_AboveTheBar())  # type: ignore[arg-type]
+                moved.append(handler)
+    return moved

@@ -1,93 +1,111 @@
-"""What a job's order saved against the table's own order, without running the job twice.
+"""What a job's order saved against the table's own order: the engine's count of the job, the plan of the other.
 
-Prefill tokens saved are planned: both orders' prompts replayed through the model of the engine's block cache
-(:func:`kvreuse.batch.calibrate.planned_stats`). Wall time saved cannot be measured without sending the table in
-its own order too, which would double the job, so it is estimated: the tokens saved times the engine's cost of
-one prefill token, measured at the end of the job by a probe (:func:`measure_prefill_cost`): a few of the
-table's prompts, each behind a marker no other prompt has, are sent twice, one answer token each: the first time
-their tokens are computed, the second time they are served from the prefix cache, and nothing else differs
-(same prompts, same single decode step), so the time between the two passes is the prefill of the tokens that
-were not cached. It assumes the job's prefill costs per token what the probe's did (the probe runs its prompts
-as one batch, as the job does); decode is the same in both orders (same prompts, greedy) and is not counted.
+The engine counts what the job computed: each answered row's prompt tokens and those its prefix cache served
+(vLLM's ``num_cached_tokens``; a server's ``usage.prompt_tokens_details.cached_tokens``). What the table's own
+order (its rows and fields as given) would have computed is not counted, since that would run the job twice: it
+is planned, by replaying its prompts through a model of the engine's prefix cache
+(:func:`kvreuse.batch.calibrate.planned_stats`: the engine's tokens, framed by the chat template as sent, whole
+blocks only, the engine's cache size). The job's own prompts are planned the same way, so the summary shows the
+plan's error on this very job beside the comparison: a user sees how far the planned figure can be trusted.
+
+No wall time saved is estimated. An earlier estimate (prefill tokens saved times a per-token cost timed by a probe
+after the job) ranged from 1.0 s to 12.2 s over five runs of one plan, and on the project's benchmark its error
+against the measured difference ran from 5% to 317% (``benchmarks/reorder_chat_orders.py``): the two
+passes of a probe differ by a few hundred milliseconds, under the noise of a shared machine. The summary gives
+the times it measured and none it did not.
 """
 
 from __future__ import annotations
 
-import secrets
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from kvreuse.batch.backend import Backend
-from kvreuse.batch.calibrate import planned_stats
 from kvreuse.reorder import BlockHitStats
 
-# Prompts the probe sends twice: enough prefill to time above the noise of one engine step, a few percent of the
-# time of a job of a few hundred rows.
-PROBE_ROWS = 16
+# A field order whose plan computes at most this share of the job's planned prefill is worth naming in the summary
+# (1.25x fewer tokens or better): below that, a change of field order, which can change answers, is not worth it.
+WORTH_NAMING = 0.8
 
 
 @dataclass(frozen=True)
-class PrefillCost:
-    """The probe's figures: ``units`` (tokens, or characters where the tokenizer is unknown) computed and wall
-    seconds of its cold pass and of its cached pass."""
+class PrefillReport:
+    """The figures of a job's prefill: as the engine counted it (``prompt_tokens``, ``cached_tokens``: ``None``
+    where it did not report them), as planned for the job's own prompts (``planned``) and for the same rows in the
+    table's own order (``original``), in ``units`` (tokens; characters where the engine's tokenizer is unknown)."""
 
-    rows: int
-    cold_units: int
-    cached_units: int
-    cold_s: float
-    cached_s: float
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    planned: BlockHitStats
+    original: BlockHitStats
+    units: str
 
     @property
-    def seconds_per_unit(self) -> float | None:
-        """Seconds of prefill per token (character) not served from the cache; ``None`` where the probe's
-        prompts were too short to leave any to the cache."""
-        if self.cold_units <= self.cached_units:
+    def computed_tokens(self) -> int | None:
+        if self.prompt_tokens is None or self.cached_tokens is None:
             return None
-        return max(self.cold_s - self.cached_s, 0.0) / (self.cold_units - self.cached_units)
+        return self.prompt_tokens - self.cached_tokens
+
+    def plan_error(self) -> float | None:
+        """The plan's error on this job's prompts, relative to the engine's count (``None`` where they cannot be
+        compared: no count, or a plan in characters)."""
+        counted = self.computed_tokens
+        if counted is None or not counted or self.units != "tokens":
+            return None
+        return (self.planned.computed_tokens - counted) / counted
+
+    def lines(self, *, original_order: bool) -> list[str]:
+        """The summary's prefill lines; ``original_order``: the job was sent in the table's own order."""
+        counted = self.computed_tokens
+        if counted is None:
+            first = (
+                "prefill        not counted: the engine did not report its prefix-cache hits (vllm serve reports "
+                "them with --enable-prompt-tokens-details)"
+            )
+        else:
+            rate = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0  # type: ignore[operator]
+            first = (
+                f"prefill        {counted:,} of {self.prompt_tokens:,} prompt tokens computed, {self.cached_tokens:,} "
+                f"served from the prefix cache ({rate:.1%}): the engine's count"
+            )
+        if original_order:
+            return [first, "against        nothing: this job was sent in the table's own order"]
+        return [first, self._against()]
+
+    def _against(self) -> str:
+        original, planned = self.original.computed_tokens, self.planned.computed_tokens
+        ratio = f"{original / planned:.2f}x" if planned else "n/a"
+        error = self.plan_error()
+        if error is not None:
+            return (
+                f"against        {original:,} tokens computed in the table's own order, planned ({ratio} this "
+                f"job's plan of {planned:,}; that plan is {_signed(error)} the engine's count)"
+            )
+        if self.units == "tokens":
+            return (
+                f"against        {original:,} tokens computed in the table's own order, planned ({ratio} this job's "
+                "plan)"
+            )
+        return (
+            f"against        the table's own order computes {ratio} the prompt characters of this job's order, "
+            "planned on characters (the server's tokenizer is unknown)"
+        )
 
 
-def measure_prefill_cost(backend: Backend, prompts: Sequence[str]) -> PrefillCost:
-    """Time the first :data:`PROBE_ROWS` of ``prompts`` sent cold, then again from the cache (module description).
-
-    Each probe prompt starts with a marker made for this call, so it shares nothing with the job's prompts (or an
-    earlier probe's) beyond the shared head (a chat template's preamble), and the cold pass computes its rows.
-    Where the engine's cache size is known, the probe takes only as many prompts as fill half of it, so that the
-    second pass finds the first pass's blocks still cached (at least one prompt).
-    """
-    marker = secrets.token_hex(8)
-    probe = [f"[{marker}-{k}] {prompt}" for k, prompt in enumerate(prompts[:PROBE_ROWS])]
-    model = backend.cache_model
-    if model is not None and model.capacity_blocks is not None and probe:
-        blocks = [len(ids) // model.block_size for ids in model.tokenize([model.prefix + p for p in probe])]
-        fits = int(np.searchsorted(np.cumsum(blocks), model.capacity_blocks // 2, side="right"))
-        probe = probe[: max(fits, 1)]
-    cold = planned_stats(probe, backend.cache_model)
-    both = planned_stats(probe + probe, backend.cache_model)
-    start = time.perf_counter()
-    backend.generate(probe, max_tokens=1)
-    cold_s = time.perf_counter() - start
-    start = time.perf_counter()
-    backend.generate(probe, max_tokens=1)
-    cached_s = time.perf_counter() - start
-    return PrefillCost(len(probe), cold.computed_tokens, both.computed_tokens - cold.computed_tokens, cold_s, cached_s)
-
-
-def time_saved_line(planned: BlockHitStats, original: BlockHitStats, cost: PrefillCost | None, units: str) -> str:
-    """The summary line estimating the wall time the job's order saved against the table's own order (``cost``:
-    the probe's figures, ``None`` where the two orders compute the same prefill and none was sent)."""
-    if cost is None or planned.computed_tokens == original.computed_tokens:
-        return f"wall time saved  none: the same prefill {units} as the table's own order"
-    per_unit = cost.seconds_per_unit
-    if per_unit is None:
-        return f"wall time saved  not estimated (the {cost.rows} probe prompts were shorter than a cache block)"
-    saved = original.computed_tokens - planned.computed_tokens
-    seconds = saved * per_unit
-    verb = "saved" if seconds >= 0 else "lost"
+def field_order_advice(job: BlockHitStats, alternatives: dict[str, BlockHitStats], units: str) -> str | None:
+    """The summary line naming the field order whose plan computes the least, where it computes at most
+    :data:`WORTH_NAMING` of the job's plan (``job``: the whole table's plan in the job's field order), with how to
+    check its answers; ``None`` where none does."""
+    if not alternatives or not job.computed_tokens:
+        return None
+    name, best = min(alternatives.items(), key=lambda item: item[1].computed_tokens)
+    if best.computed_tokens > WORTH_NAMING * job.computed_tokens:
+        return None
     return (
-        f"wall time saved  ~{abs(seconds):.1f} s {verb} against the table's own order (estimated: {saved:,} prefill "
-        f"{units} x {per_unit * 1e3:.3f} ms, the cost of one measured on {cost.rows} probe prompts sent cold and "
-        f"then cached: {cost.cold_s:.2f} s vs {cost.cached_s:.2f} s)"
+        f"field order    --field-order {name} would compute {best.computed_tokens:,} prompt {units}, planned, against "
+        f"this job's {job.computed_tokens:,} ({job.computed_tokens / max(best.computed_tokens, 1):.1f}x fewer), but "
+        f"moving fields can change answers: --calibrate asks sample rows in each field order and moves them only "
+        f"where the answers stay the same"
     )
+
+
+def _signed(fraction: float) -> str:
+    return f"{abs(fraction):.1%} {'over' if fraction > 0 else 'under'}" if fraction else "exactly"

@@ -6,7 +6,9 @@ allowed), every cell as its exact text. Nothing is guessed: the first line names
 have a name and every name be distinct, and every record must have exactly one field per column; otherwise the
 error names the file, the line and what to fix (a record one field longer than the header usually is a pandas
 index written without a header, which pandas would silently take as the index). Blank lines are skipped. A
-``.parquet`` file keeps its types; an index pandas stored in it comes back as a column. A CSV cell may hold up
+``.parquet`` file keeps its types; an index pandas stored in it comes back as a column. Another text encoding is
+read where it is named (``encoding="latin-1"``); a file that is not text of its encoding is an error naming the
+line of the first byte that is not, and the fix. A CSV cell may hold up
 to :data:`CSV_FIELD_LIMIT` characters (Python's ``csv`` module stops at 131,072 unless told otherwise, which a
 long document or answer passes); a longer one is an error naming the limit.
 
@@ -17,6 +19,7 @@ one row. NUL characters, which Python's CSV reader refuses, are written as U+FFF
 
 from __future__ import annotations
 
+import codecs
 import csv
 import re
 from collections.abc import Iterable, Iterator
@@ -28,18 +31,20 @@ import pandas as pd
 from kvreuse.errors import TableError
 
 TABLE_SUFFIXES = (".csv", ".parquet")
+# The text encoding of CSV files unless another is named (a byte-order mark is allowed and dropped).
+UTF8 = "utf-8"
 # The longest CSV cell read, in characters (a bound, so a file without a closing quote is not read whole as one cell).
 CSV_FIELD_LIMIT = 1 << 28
 # A column pandas' to_csv writes for an index without a name, read back by pandas under this name.
 _PANDAS_UNNAMED = re.compile(r"Unnamed: \d+")
 
 
-def read_table(path: Path) -> pd.DataFrame:
-    """A table file as a DataFrame indexed ``0..n-1``: CSV cells as their exact text (an empty cell is ``''``),
-    Parquet as typed."""
+def read_table(path: Path, encoding: str = UTF8) -> pd.DataFrame:
+    """A table file as a DataFrame indexed ``0..n-1``: CSV cells as their exact text (an empty cell is ``''``) read
+    as ``encoding``, Parquet as typed."""
     _check_file(path)
     if path.suffix.lower() == ".csv":
-        chunks = list(csv_chunks(path, rows_per_chunk=1 << 30))
+        chunks = list(csv_chunks(path, rows_per_chunk=1 << 30, encoding=encoding))
         return chunks[0]
     return read_parquet(path)
 
@@ -57,12 +62,13 @@ def read_parquet(path: Path) -> pd.DataFrame:
     return frame.reset_index(drop=True)
 
 
-def csv_chunks(path: Path, rows_per_chunk: int = 4096) -> Iterator[pd.DataFrame]:
+def csv_chunks(path: Path, rows_per_chunk: int = 4096, encoding: str = UTF8) -> Iterator[pd.DataFrame]:
     """The records of a CSV file (see the module's rules) as DataFrames of at most ``rows_per_chunk`` rows, each
     cell a ``str``; an empty table gives one empty DataFrame with the header's columns. Errors name the line."""
     _check_file(path)
+    check_encoding(encoding)
     try:
-        with path.open(encoding="utf-8-sig", newline="") as handle:
+        with path.open(encoding="utf-8-sig" if encoding == UTF8 else encoding, newline="") as handle:
             reader = csv_reader(handle)
             header = _header(path, reader)
             rows: list[list[str]] = []
@@ -80,8 +86,34 @@ def csv_chunks(path: Path, rows_per_chunk: int = 4096) -> Iterator[pd.DataFrame]
                 yield pd.DataFrame(rows, columns=header, dtype=object)
     except csv.Error as error:
         raise TableError(f"{path}, line {reader.line_num}: {csv_problem(error)} (read as RFC 4180 CSV)") from None
+    except UnicodeDecodeError:
+        raise TableError(not_text(path, encoding)) from None
+
+
+def check_encoding(encoding: str) -> None:
+    """Refuse a text encoding Python does not know, naming it."""
+    try:
+        codecs.lookup(encoding)
+    except LookupError:
+        raise TableError(f"unknown text encoding {encoding!r} (e.g. utf-8, latin-1, cp1252)") from None
+
+
+def not_text(path: Path, encoding: str) -> str:
+    """Why ``path`` is not text of ``encoding``: the line and byte of its first byte that is not, and the fix."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8-sig" if encoding == UTF8 else encoding)
     except UnicodeDecodeError as error:
-        raise TableError(f"{path} is not UTF-8 text (byte {error.start}: {error.reason})") from None
+        line = data.count(b"\n", 0, error.start) + 1
+        byte = data[error.start : error.start + 1].hex()
+        fix = (
+            "; a file saved by Excel or an older tool is often Latin-1 or cp1252: pass --encoding latin-1 (or cp1252), "
+            "or save it as UTF-8"
+            if encoding == UTF8
+            else "; pass the file's --encoding"
+        )
+        return f"{path}, line {line}: byte 0x{byte} is not {encoding} text ({error.reason}){fix}"
+    return f"{path} is not {encoding} text"
 
 
 def csv_reader(lines: Iterable[str]) -> Any:

@@ -107,6 +107,23 @@ def prompts_needed(floor: float, confidence: float = 0.95) -> int:
     return n if agreement_lower_bound(n, n, confidence) >= floor else n + 1
 
 
+def sample_notes(
+    sampled: int, min_agreement: float, chosen: tuple[int, int] | None, confidence: float = 0.95
+) -> list[str]:
+    """What a calibration's report says about its sample of ``sampled`` prompts: that it is too small to show
+    ``min_agreement`` at ``confidence`` even where all agree, else that the ``chosen`` setting's agreement (its
+    ``(agreed, prompts)``) has a Wilson lower bound under the floor; nothing where neither holds."""
+    needed = prompts_needed(min_agreement, confidence) if 0.0 < min_agreement < 1.0 else None
+    if needed is not None and sampled < needed:
+        return [
+            f"{sampled} prompts cannot show {min_agreement:.0%} at {confidence:.0%} confidence even where all "
+            f"agree ({needed} can): the choice keeps the floor on this sample, an estimate of your prompts'"
+        ]
+    if chosen is not None and agreement_lower_bound(*chosen, confidence) < min_agreement:
+        return [f"the chosen setting's lower bound is below the floor at {confidence:.0%} confidence"]
+    return []
+
+
 def cheapest(measured: Sequence[Measured], min_agreement: float) -> Measured | None:
     """The measured setting that computes the fewest prompt tokens among those whose sampled agreement is at least
     ``min_agreement`` (0 to 1); on a tie, the one listed first. ``None`` where none keeps the floor."""

@@ -82,23 +82,19 @@ def plan_splice(
     return pieces
 
 
-def run_start(matches: Sequence[ModuleMatch], position: int, available: Callable[[Hashable], bool]) -> int:
-    """Where the unbroken run of available modules that holds ``position`` (or ends there and goes on) starts: the
-    run :func:`plan_splice` covers from ``position`` on, taken back to its first module, so that what a request's
-    modules are does not depend on where an engine's prefix hit ended inside them. ``position`` itself where no
-    such run holds it (free text)."""
-    chain: int | None = None  # start of the current run of adjacent available modules
-    end = -1
-    for match in matches:
-        if match.start > position:
-            break
-        if not available(match.name):
-            chain = None
+def run_from(run: Sequence[Piece], position: int, stop: int | None = None) -> list[Piece]:
+    """The part of a spliced ``run`` (:func:`plan_splice`'s pieces) at prompt positions ``position`` to ``stop``
+    (default: its end): what is left to load when an engine's prefix hit holds the tokens before ``position``
+    (nothing where it holds the whole run), or what an engine's blocks up to ``stop`` can take now."""
+    pieces = []
+    for piece in run:
+        end = piece.prompt_end if stop is None else min(piece.prompt_end, stop)
+        begin = max(position, piece.prompt_start)
+        if end <= begin:
             continue
-        if chain is None or match.start != end:
-            chain = match.start
-        end = match.end
-    return chain if chain is not None and end >= position else position
+        skip = begin - piece.prompt_start
+        pieces.append(Piece(piece.name, piece.offset + skip, begin, end - begin))
+    return pieces
 
 
 def first_tokens(pieces: Sequence[Piece], k: int | Mapping[int, int]) -> tuple[int, ...]:
@@ -129,8 +125,8 @@ def allot_first_tokens(run: Sequence[Piece], k: int, exact: Callable[[Piece], bo
     recomputes; where every module is exact, nothing is.
 
     The allotment depends on the whole run, not on where an engine's prefix hit ended inside it: callers pass the
-    run from its first module (:func:`run_start`), so a module's count is the same for every request that splices
-    the same run, and can name the module's cache blocks (an adapter folds it into their hashes).
+    whole run, so a module's count is the same for every request that splices the same run, and can name the
+    module's cache blocks (an adapter folds it into their hashes).
     """
     budget = sum(min(piece.length + piece.offset, k) for piece in run)
     others = [piece for piece in run if not exact(piece)]

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from kvreuse.batch.backend import Completion, PrefixCacheModel
-from kvreuse.batch.chat import chat_choice, chat_messages, template_head
+from kvreuse.batch.chat import chat_choice, chat_messages, template_frame
 from kvreuse.errors import BackendError
 from kvreuse.patches import sglang_0_5
 
@@ -68,7 +68,7 @@ class SGLangBackend:
             self.cache_model: PrefixCacheModel | None = PrefixCacheModel(
                 lambda texts: tokenizer(list(texts), add_special_tokens=False)["input_ids"],
                 page_size,
-                prefix=template_head(render, self.system),
+                prefix=template_frame(render, self.system),
             )
         elif tokenizer is not None:
             self.cache_model = PrefixCacheModel(lambda texts: tokenizer(list(texts))["input_ids"], page_size)

@@ -28,10 +28,11 @@ from kvreuse.errors import ConfigError
 
 CPU_MIN_CONTEXT = 8192
 """``min_context``'s default on a CPU engine (a setting given by flag or variable wins). Measured on vLLM's CPU
-engine with SmolLM2 (README, "DIPR in front of vLLM's own CPU attention"): the CPU op is compute-bound and DIPR's
-per-token sketch scan costs about half its multiply-adds, so beta = 4 took 2.3-2.9x stock's attention per step at
-1K and 1.3x at 8K; no context up to 8K decoded faster than stock. Contexts up to 8K therefore stay dense on a CPU
-by default (stock's speed and answers); a GPU, where the scan saves HBM bytes, keeps the general default."""
+engine with SmolLM2 (docs: the sparse benchmarks): the CPU op is compute-bound and DIPR's per-token sketch scan costs
+55-58% of the dense attention it prunes at any length, so beta = 4 decoded slower than stock at 1K, at 0.92x stock's
+time per token at 8K (11% of the blocks read) and 0.72x at 32K (RoPE extended, 5.9% read). 8K is the first length
+measured where a finite beta is not slower; shorter contexts stay dense on a CPU by default (stock's speed and
+answers). A GPU, where the scan saves HBM bytes, keeps the general default."""
 
 
 def parse_layer_betas(text: str) -> dict[int, float]:
@@ -100,6 +101,15 @@ class SparseConfig:
         "every this many decode steps, measure the share of dense attention mass kept (0 = never)",
         low=0,
         high=config.MAX_TOKENS,
+    )
+    top_pages: int = config.setting(
+        0,
+        "approximate, opt-in: each KV head of a DIPR decode reads the window's blocks and at most this many others, "
+        "those whose sketch bound reaches furthest above DIPR's threshold (Quest's top pages); keys within beta of "
+        "the largest may be dropped, so calibrate it on your own prompts (kvreuse calibrate-sparse) (0 = off: exact "
+        "DIPR; vLLM's CPU engine kernel path only)",
+        low=0,
+        high=1_000_000,
     )
     engine_kernel: bool = config.setting(
         True,

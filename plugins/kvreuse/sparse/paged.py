@@ -285,6 +285,11 @@ class SparseAttention:
         self.configure(config or SparseConfig())
 
     def configure(self, config: SparseConfig) -> None:
+        if config.top_pages and self.paged_kernel is None:
+            raise ConfigError(
+                f"sparse.top_pages ({config.top_pages}) ranks pages in the compiled CPU decision only: it needs vLLM's "
+                f"CPU engine with sparse.engine_kernel true and without the module cache (set sparse.top_pages 0)"
+            )
         self.config = config
         self.policy = RuleBasedPolicy(config)
         self._plans = None
@@ -713,7 +718,9 @@ class SparseAttention:
         group = self.num_q_heads // kv
         sink, local = self.config.sink, self.config.local
         scaled = q.float().view(m, kv, group, self.head_dim) * self.scale
-        pruned = prune_by_sketch(scaled, sketch, sub.block_table, sub.seq_lens, beta, sink, local)
+        pruned = prune_by_sketch(
+            scaled, sketch, sub.block_table, sub.seq_lens, beta, sink, local, self.config.top_pages
+        )
         result = torch.empty_like(q)
         kernel.attend_pruned(q, key_cache, value_cache, result, pruned)
         out.index_copy_(0, rows, result.to(out.dtype))

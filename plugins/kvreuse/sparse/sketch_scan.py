@@ -92,13 +92,16 @@ def _write(keys, slots, codes, scales, code_at, scale_at, block_size, code_max):
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
 def _prune(
     q, codes, scales, code_at, scale_at, block_table, seq_lens, beta, sink, local, block_size, half_factor,
-    tables, lens, kept,
+    top_pages, tables, lens, kept,
 ):  # fmt: skip
     """The kept blocks of every decode ``i`` and KV head ``h`` into ``tables[h, i]`` (in sequence order, then block
-    0 of ``block_table[i]``), ``lens[h, i]`` (their tokens) and ``kept[h, i]``; ``q[m, kv, g, d]`` fp32 scaled."""
+    0 of ``block_table[i]``), ``lens[h, i]`` (their tokens) and ``kept[h, i]``; ``q[m, kv, g, d]`` fp32 scaled.
+    ``top_pages > 0``: of the blocks outside the window, at most that many, those whose bound reaches furthest
+    above ``tau``."""
     m, kv, group, dim = q.shape
     width = block_table.shape[1]
     reach = np.empty((group, width), np.float32)  # per query head and block, its keys' largest upper bound
+    margin = np.empty(width, np.float32)  # per block, how far its bound reaches above tau (for top_pages)
     tau = np.empty(group, np.float32)
     norms = np.empty(group, np.float32)
     dots = np.empty((group, block_size), np.float32)
@@ -138,11 +141,16 @@ def _prune(
                     tau[g] = lower
                     reach[g, b] = upper
             # a block is read if one of its keys' upper bounds reaches tau = max L - beta, or it holds a window token
+            candidates = 0
             for b in range(n_blocks):
-                read[b] = False
+                best = np.float32(-np.inf)
                 for g in range(group):
-                    if reach[g, b] >= tau[g] - beta:
-                        read[b] = True
+                    best = max(best, reach[g, b] - (tau[g] - beta))
+                margin[b] = best
+                read[b] = best >= 0
+                candidates += read[b]
+            if top_pages > 0 and candidates > top_pages:
+                _keep_top(margin[:n_blocks], read[:n_blocks], top_pages, sink, local, n, block_size)
             sink_end = min(sink, n)
             for j in range(sink_end):
                 read[j // block_size] = True
@@ -160,6 +168,23 @@ def _prune(
             if n_blocks > 0 and read[n_blocks - 1]:
                 tokens -= n_blocks * block_size - n  # the last block's empty slots
             lens[h, i] = tokens
+
+
+@numba.njit(cache=True, nogil=True)
+def _keep_top(margin, read, top_pages, sink, local, n, block_size):
+    """Clear ``read`` of every block outside the window but the ``top_pages`` of largest ``margin`` (ties: the
+    earlier block); the window's blocks are read anyway."""
+    sink_blocks = (min(sink, n) + block_size - 1) // block_size
+    first_local = max(n - local, 0) // block_size if local > 0 else len(read)
+    order = np.argsort(-margin, kind="mergesort")  # stable: ties keep the earlier block first
+    left = top_pages
+    for b in order:
+        if not read[b] or b < sink_blocks or b >= first_local:
+            continue
+        if left > 0:
+            left -= 1
+        else:
+            read[b] = False
 
 
 # Per sketch tensor (by id), its storage as a flat numpy array and its offset and strides in it: made once (a few
@@ -204,10 +229,16 @@ def prune_by_sketch(
     beta: float,
     sink: int,
     local: int,
+    top_pages: int = 0,
 ) -> PrunedTables:
     """The blocks DIPR reads for decode queries ``q[m, kv, g, d]`` (fp32, times the softmax scale) over sequences
     of ``seq_lens[m]`` tokens in ``block_table[m, max_blocks]`` (int32), as per-KV-head pruned tables: what
-    ``prune_block_table(dipr_read_blocks(...))`` gives, from one pass over the codes."""
+    ``prune_block_table(dipr_read_blocks(...))`` gives, from one pass over the codes.
+
+    ``top_pages > 0`` (``sparse.top_pages``, approximate): each KV head reads the window's blocks and, of the others
+    DIPR would read, at most ``top_pages``, those whose sketch bound reaches furthest above ``tau`` for one of its
+    query heads (Quest's top pages, Tang et al. 2024, ranked by DIPR's bounds); blocks holding a key within beta of
+    the largest logit may then be dropped."""
     from kvreuse.kernels.key_sketch import CODE_SLACK
 
     m, kv = q.shape[0], q.shape[1]
@@ -234,7 +265,7 @@ def prune_by_sketch(
     _prune(
         q.numpy(), codes, scales, code_at, scale_at, block_table.to(torch.int32).numpy(),
         seq_lens.to(torch.int32).numpy(), np.float32(beta), int(sink), int(local), sketch.codes.shape[1],
-        np.float32(0.5 + CODE_SLACK), tables.numpy(), lens.numpy(), kept.numpy(),
+        np.float32(0.5 + CODE_SLACK), int(top_pages), tables.numpy(), lens.numpy(), kept.numpy(),
     )  # fmt: skip
     return PrunedTables(tables, lens, kept)
 

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from kvreuse.batch.backend import Completion, PrefixCacheModel
-from kvreuse.batch.chat import chat_choice, chat_messages, check_system, template_head
+from kvreuse.batch.chat import chat_choice, chat_messages, check_system, template_frame
 from kvreuse.config import suggest
 from kvreuse.errors import BackendError, ConfigError
 from kvreuse.patches import vllm_0_32
@@ -41,6 +41,14 @@ ENGINE_DEFAULTS: Mapping[str, Any] = {"enable_prefix_caching": True, "seed": 0}
 WINDOW = 1024
 
 _REQUEST_IDS = itertools.count()
+
+# vLLM's setting of whether its engine core runs in a process of its own. Engines kvreuse starts run it in the
+# calling process unless the user set it: no process is spawned, so a script that starts one needs no
+# ``if __name__ == "__main__":`` guard; Ctrl-C reaches one process and ends the job at once with the rows done
+# (an engine core of its own gets the terminal's SIGINT too, dies, and fails the job with its tracebacks); no
+# shared memory is left to leak; and vLLM's start-up lines are written once, not once per process. vLLM's CPU
+# platform then runs its worker in the same process as well (its uniprocess executor).
+IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 class VLLMBackend:
@@ -69,8 +77,9 @@ class VLLMBackend:
             self._render: Callable[[str], str] | None = lambda prompt: render(chat_messages(prompt, self.system))
             # What vLLM's chat API does: the template writes the special tokens, the tokenizer adds none.
             tokenize = batch_tokenizer(tokenizer, special_tokens=False)
+            head, tail = template_frame(render, self.system)
             self.cache_model = PrefixCacheModel(
-                tokenize, block_size, prefix=template_head(render, self.system), capacity_blocks=capacity
+                tokenize, block_size, prefix=head, suffix=tail, capacity_blocks=capacity
             )
         else:
             self._render = None
@@ -143,17 +152,37 @@ _STDERR = "ext://sys.stderr"
 
 def log_to_stderr() -> None:
     """Send vLLM's log (and kvreuse's, whose loggers are vLLM's children) to standard error, in this process and in
-    the engine processes it starts, unless the user chose a stream (``VLLM_LOGGING_STREAM``).
+    the engine processes it starts, unless the user chose a stream (``VLLM_LOGGING_STREAM``), each warning once.
 
     Standard output belongs to the front ends and their user: ``kvreuse run`` without ``--out`` writes the table
     there, and a notebook's prints would have vLLM's lines between them. Before vLLM is imported the variable is
-    enough; after, the handler vLLM already configured on standard output is moved.
+    enough; after, the handler vLLM already configured on standard output is moved. Standard error carries one line
+    per fact: a warning vLLM logs again and again (one per weight of the model when it converts their type) is
+    written the first time only (:class:`OnceEach`).
     """
-    if os.environ.setdefault(_LOG_STREAM, _STDERR) != _STDERR:
-        return
-    for handler in logging.getLogger("vllm").handlers:
-        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
-            handler.setStream(sys.stderr)
+    if os.environ.setdefault(_LOG_STREAM, _STDERR) == _STDERR:
+        for handler in logging.getLogger("vllm").handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
+                handler.setStream(sys.stderr)
+    vllm_0_32.filter_vllm_log(f"{OnceEach.__module__}.{OnceEach.__qualname__}")
+
+
+class OnceEach(logging.Filter):
+    """Passes a warning (or worse) the first time its message, before its arguments are put in, is logged from
+    its place in the code; drops it after. Lines below warnings pass every time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[tuple[str, int, object]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        key = (record.pathname, record.lineno, record.msg)
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        return True
 
 
 def check_engine_args(model: str | os.PathLike, engine_args: Mapping[str, Any]) -> None:
@@ -194,6 +223,7 @@ def vllm_backend(engine_args: Mapping[str, Any], *, chat: bool | None = None, sy
     for a process that ends with the engine, such as a Ray actor. Arguments vLLM refuses, and an engine that fails
     to start, end in kvreuse's own errors."""
     log_to_stderr()
+    os.environ.setdefault(IN_PROCESS, "0")
     from vllm import LLM
 
     llm = _start(LLM, with_cpu_defaults({**ENGINE_DEFAULTS, **engine_args}))

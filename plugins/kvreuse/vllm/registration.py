@@ -7,8 +7,9 @@ boundary with vLLM (``kvreuse.patches.vllm_0_32``), which refuses a vLLM version
 engine process starts. It must stay cheap: it only adds names to vLLM's registries (the sparse attention backend, the
 module-cache KV connector ``KVReuseModuleCache`` and the sparse figures' connector ``KVReuseSparseFigures``) and
 makes sure the process tree has the local secret the offline module API signs its writes with
-(``kvreuse.config.share_local_secret``), and has vLLM's front end check every request's ``kvreuse_*`` parameters
-(``transfer_params_refusal``: a 400 naming the field, before the engine sees the request); choosing a plugin is left
+(``kvreuse.config.share_local_secret``), and has vLLM's front end bound every request's free-form arguments in shape
+and check its ``kvreuse_*`` parameters (``extra_args_refusal``: a 400 naming the field and the limit, before the
+engine sees the request); choosing a plugin is left
 to the user's own engine flags.
 
 The sparse attention backend (``kvreuse.vllm.sparse.backend``) is registered as ``AttentionBackendEnum.CUSTOM``,
@@ -25,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvreuse.config import TRUE_WORDS, check_environment, share_local_secret
+from kvreuse.shape import shape_problem
 from kvreuse.vllm.names import SPARSE_BACKEND, SPARSE_CPU_SWITCH, ConnectorName
 
 # Under vLLM's logger namespace so the line is printed in vLLM's format, tagged with the process it runs in.
@@ -52,8 +54,9 @@ def register() -> None:
     # Before any engine process starts, so they inherit it: the key the offline module API signs writes with.
     share_local_secret()
     _register_sparse_backend()
-    # Every request's kvreuse parameters are checked in vLLM's front end (a 400 naming the field), before the engine.
-    vllm_0_32.validate_transfer_params(transfer_params_refusal)
+    # Every request's free-form arguments are bounded in shape, and its kvreuse parameters checked, in vLLM's front
+    # end (a 400 naming the field and the limit), before the engine.
+    vllm_0_32.validate_extra_args(extra_args_refusal)
     # modules.shadow_every: the API server sends every Nth request's full-prefill copy (read on its first request).
     vllm_0_32.shadow_requests(shadow_halves)
     for name in ConnectorName:
@@ -62,17 +65,35 @@ def register() -> None:
     logger.info("kvreuse plugin registered in pid %d", os.getpid())
 
 
-def transfer_params_refusal(params: object) -> tuple[str, str] | None:
-    """Why a request's ``kv_transfer_params`` are refused (``(field, message)``), or ``None``; the module-cache
-    adapter's check (``kvreuse.vllm.modules.common.check_transfer_params``) is imported only for a request that
-    carries a ``kvreuse_`` key, so registering stays cheap and imports none of the module cache."""
+# The entries of a request's extra_args that vLLM's OpenAI server fills from fields of their own; every other
+# entry came from its vllm_xargs.
+_OWN_FIELDS = ("kv_transfer_params", "ec_transfer_params")
+
+
+def extra_args_refusal(extra_args: object) -> tuple[str, str] | None:
+    """Why a request's ``SamplingParams.extra_args`` are refused (``(field, message)``), or ``None``.
+
+    Each field vLLM passes on in them (``kv_transfer_params`` and ``ec_transfer_params`` each as a whole, the
+    rest as ``vllm_xargs``) is bounded in depth, elements and text (:mod:`kvreuse.shape`: an object nested 600 deep
+    ends the engine when vLLM pickles it). Then ``kv_transfer_params`` with a ``kvreuse_`` key is checked by the
+    module cache's adapter (``kvreuse.vllm.modules.common.check_transfer_params``), imported only for such a
+    request, so that registering stays cheap and imports none of the module cache."""
+    if not isinstance(extra_args, Mapping):
+        return None
+    fields = {name: extra_args[name] for name in _OWN_FIELDS if name in extra_args}
+    fields["vllm_xargs"] = {key: value for key, value in extra_args.items() if key not in _OWN_FIELDS}
+    for name, value in fields.items():
+        problem = shape_problem(value, name)
+        if problem is not None:
+            return problem
+    params = extra_args.get("kv_transfer_params")
     if not isinstance(params, Mapping) or not any(
         isinstance(key, str) and key.startswith("kvreuse_") for key in params
     ):
         return None
-    from kvreuse.vllm.modules.common import transfer_params_refusal as refusal
+    from kvreuse.vllm.modules.common import transfer_params_refusal
 
-    return refusal(params)
+    return transfer_params_refusal(params)
 
 
 _SHADOW_EVERY: dict[int, int] = {}  # id of a vLLM config -> its modules.shadow_every

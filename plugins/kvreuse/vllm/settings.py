@@ -13,6 +13,7 @@ from typing import Any
 
 from kvreuse import config
 from kvreuse.errors import ConfigError
+from kvreuse.shape import shape_problem
 
 KEY = "kvreuse"
 
@@ -29,7 +30,11 @@ def kvreuse_flags(additional_config: Any, plugin: str) -> Mapping[str, Any]:
 def check_additional_config(additional_config: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> dict:
     """Every kvreuse setting in vLLM's ``additional_config`` and the ``KVREUSE_*`` variables, loaded and checked:
     ``{plugin: settings}``. A top-level key that looks like ``kvreuse`` but is not is an error, too (other keys
-    belong to vLLM or other plugins)."""
+    belong to vLLM or other plugins), and so is an ``additional_config`` past the shape bounds of
+    :mod:`kvreuse.shape` (vLLM copies it to every engine process)."""
+    problem = shape_problem(additional_config, "additional_config")
+    if problem is not None:
+        raise ConfigError(problem[1])
     for key in additional_config:
         if key != KEY and (str(key).lower().startswith(KEY) or config.suggest(str(key), [KEY])):
             raise ConfigError(f"additional_config key {key!r} is not kvreuse's; write {KEY!r}")

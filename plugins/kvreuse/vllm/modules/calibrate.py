@@ -28,12 +28,12 @@ from kvreuse.modules.calibrate import (
     ALL_TOKENS,
     Measured,
     Setting,
-    agreement_lower_bound,
     cheapest,
-    prompts_needed,
+    sample_notes,
 )
 from kvreuse.patches import vllm_0_32
 from kvreuse.vllm.modules.common import BLEND_PASS
+from kvreuse.vllm.sparse.calibrate import read_prompt_lines
 
 FIRSTS = (0, 16, 32, 64)  # recompute_first candidates: the plain splice to a quarter of a ~250-token module
 
@@ -151,15 +151,7 @@ def calibrate_modules(
         curve.append(Measured(setting, agreed, len(runs), computed, passed, speedup))
     curve.sort(key=lambda m: m.computed)
     best = cheapest(curve, min_agreement)
-    notes = []
-    needed = prompts_needed(min_agreement, confidence) if 0.0 < min_agreement < 1.0 else None
-    if needed is not None and len(prompts) < needed:
-        notes.append(
-            f"{len(prompts)} prompts cannot show {min_agreement:.0%} at {confidence:.0%} confidence even where all "
-            f"agree ({needed} can): the choice keeps the floor on this sample, an estimate of your prompts'"
-        )
-    elif best is not None and agreement_lower_bound(best.agreed, best.prompts, confidence) < min_agreement:
-        notes.append(f"the chosen setting's lower bound is below the floor at {confidence:.0%} confidence")
+    notes = sample_notes(len(prompts), min_agreement, None if best is None else (best.agreed, best.prompts), confidence)
     compared = f"output after {normaliser}" if normaliser is not None else f"first {max_tokens} tokens"
     if best is None:
         return Calibration(min_agreement, curve, Setting(ALL_TOKENS), False, confidence, notes, compared)
@@ -199,14 +191,11 @@ def read_calibration_inputs(modules_path: Path, prompts_path: Path) -> tuple[dic
     ``kvreuse calibrate-modules`` command; a file that is not so raises :class:`ConfigError` naming it."""
     try:
         modules = json.loads(modules_path.read_text(encoding="utf-8"))
-        prompts = [json.loads(line) for line in prompts_path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except (OSError, json.JSONDecodeError) as why:
         raise ConfigError(f"calibration inputs: {why}") from None
     if not isinstance(modules, dict) or not modules or not all(isinstance(t, str) for t in modules.values()):
         raise ConfigError(f"{modules_path}: must be a JSON object of module name -> text, at least one")
-    if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise ConfigError(f"{prompts_path}: must hold one JSON string (a sample prompt) per line, at least one")
-    return modules, prompts
+    return modules, read_prompt_lines(prompts_path)
 
 
 def calibrate_in_new_engine(

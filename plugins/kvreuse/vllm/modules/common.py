@@ -228,11 +228,12 @@ def blend_layers(params: object, default: int) -> int:
 def check_transfer_params(params: object) -> None:
     """Every kvreuse key of a request's ``kv_transfer_params`` well formed and within its bounds, so that nothing a
     request carries reaches the engine's arithmetic unchecked (issue 26): vLLM's front end refuses the request with
-    a 400 naming the field (``patches.vllm_0_32.validate_transfer_params``), and the scheduler side reads the
+    a 400 naming the field (``patches.vllm_0_32.validate_extra_args``), and the scheduler side reads the
     values with the same functions. Bounds that depend on the prompt (an encode's context) are the scheduler's.
 
     Raises :class:`RequestParameterError`; a key starting with ``kvreuse_`` that kvreuse does not know is one too
-    (a misspelt setting must not be ignored).
+    (a misspelt setting must not be ignored), and so is an encode's key (context, replace, probe) without the
+    module it encodes, whatever its value.
     """
     if not isinstance(params, Mapping):
         return
@@ -250,6 +251,14 @@ def check_transfer_params(params: object) -> None:
     shadow_half(params)
     if marks_encode(params):
         write_fields(params)
+        return
+    for key in (ENCODE_CONTEXT, ENCODE_REPLACE, ENCODE_PROBE):
+        if key in params:
+            raise RequestParameterError(
+                f"{FIELD}.{key}",
+                f"{key} is part of a module encode, which names its module in {ENCODE_MODULE}; add {ENCODE_MODULE} "
+                f"or leave {key} out (got {key} = {_shown(params[key])} without it)",
+            )
 
 
 def write_fields(params: Mapping[str, Any]) -> tuple[str, int, bool, bool]:

@@ -18,16 +18,35 @@ are refused (logged, counted as ``writes_refused``) and the request runs as
 a plain one. An allowed encode request never reads vLLM's prefix cache: when it arrives (``on_new_request``, before
 vLLM's first look-up), the scheduler side sets the request's ``skip_reading_prefix_cache``.
 
+Which KV a request gets. The plan depends on the prompt, the store's entries and the settings, never on what
+else the engine runs: a request splices the run of adjacent stored modules that starts at its first token, each
+module in the encoding it takes (``kvreuse.modules.encodings``: computed with the request's adapter, after the
+prompt's own tokens where one was, else after a context that fits it), with the tokens its recovery recomputes;
+every other token is computed, modules after free text too. vLLM computes a request from the end of its own prefix
+hit, so the scheduler side offers the rest of that run from there (``splice.run_from``).
+
 What vLLM's prefix cache may give. Blocks a splice filled enter vLLM's prefix cache like computed ones, and the
-blocks after them were computed attending to that KV. So that none of them is ever given for another module entry
-(an entry replaced since, another tenant's), the first time vLLM asks about a request the scheduler side folds, into
-the hash of every block from vLLM's prefix hit on that holds tokens of a registered module, the identity of the
-module's entry (``ModuleKey.identity``: namespace, name, fingerprint, version; ``vllm_0_32.fold_into_block_hashes``).
-The hashes of later blocks chain from these, so only a request that finds the same entries in the same places
-computes them again: a replaced or dropped entry's blocks are never matched again (they age out of vLLM's cache).
-If the folded hashes are in the cache beyond vLLM's hit, the scheduler side answers "ask again" (``None``) once, so
-vLLM looks the request up with them: identical prompts still share their spliced blocks. A request whose folded
-entries left the store while it waited is folded again the same way.
+blocks after them were computed attending to that KV. So that none of them is ever given for another plan (an
+entry replaced since, another tenant's, another adapter's encoding, other recomputed tokens), the first time vLLM
+asks about a request the scheduler side folds, into the hash of every block holding tokens of its run, the
+identity of each module's entry (``ModuleKey.identity``: namespace, name, fingerprint, version) and what is
+recomputed in it (``vllm_0_32.fold_into_block_hashes``). The hashes of later blocks chain from these, so a prefix
+hit holds blocks computed by the same plan: a replaced or dropped entry's blocks are never matched again (they age
+out of vLLM's cache). If vLLM's hit used hashes the fold changed, or the folded hashes are in the cache beyond it,
+the scheduler side answers "ask again" (``None``) once, so vLLM looks the request up with them: identical prompts
+still share their spliced blocks. A request whose folded entries left the store while it waited is planned again.
+
+Chunked prefill. vLLM may schedule fewer tokens than the rest of a prompt (other requests took the step's budget).
+The run is then loaded as vLLM allocates its blocks, and the tokens it recomputes are computed in whichever steps
+vLLM schedules them, each step's metadata carrying the run's recompute (the worker moves the step's scheduled
+tokens to their positions): the same KV as in one step. vLLM caches full blocks when it allocates them, before
+a later step computes their recomputed tokens: such blocks leave its prefix cache (``vllm_0_32.uncache_blocks``),
+and a request admitted in the same step whose hit holds one waits a step. A run whose recompute
+``modules.recompute_blend`` chooses is the exception: its pass runs over every spliced token with the prompt before
+it, in the step that loads the run, so it needs the whole rest of the prompt in that step; where vLLM chunks such a
+prompt, the run's first tokens are loaded plainly and vLLM computes the rest at its own positions (more recompute
+than asked, never a wrong one), and the request's blocks from its first spliced one on leave the prefix cache as
+they fill (their KV is not the plan their hashes name).
 
 APE (``modules.ape_temperature`` / ``ape_scale``, ``kvreuse_ape`` per request) changes how the tokens after a
 request's spliced modules attend to them, not the modules' KV: the scheduler side sends the modules' spans of every
@@ -67,7 +86,7 @@ from kvreuse.modules.splice import (
     first_tokens,
     merge_positions,
     plan_splice,
-    run_start,
+    run_from,
     skipped_modules,
     token_slots,
 )
@@ -125,15 +144,18 @@ class WriteRefusal(StrEnum):
 
 @dataclass(frozen=True)
 class _Look:
-    """What the scheduler found in a waiting request's prompt, and the entries folded into its block hashes from
-    block ``first_block`` on, with the tokens per module it recomputes (``recompute_first``, allotted over the
-    spliced run as ``first``; ``recompute_share`` of each module's ``rankings``, as they were when folded; folded
-    too), the tokens the run's one budget chose (``budgeted``: ``modules.recompute_budget``, by module start, token
-    indices in the module; folded too), the modules whose KV is a full prefill's already (``exact``, by prompt
-    position: nothing of them is recomputed) and the modules its later tokens attend to with APE (its setting
-    folded into the first block after them)."""
+    """What the scheduler found in a waiting request's prompt and the plan it made of it (``ModuleScheduler._fold``):
+    the run it splices (``run``: the adjacent stored modules from the prompt's first token), the entries folded
+    into its block hashes from block ``first_block`` on, with the tokens per module it recomputes
+    (``recompute_first``, allotted over the run as ``first``; ``recompute_share`` of each module's ``rankings``, as
+    they were when folded; folded too), the tokens the run's one budget chose (``budgeted``:
+    ``modules.recompute_budget``, by module start, token indices in the module; folded too), the modules whose KV is
+    a full prefill's already (``exact``, by prompt position: nothing of them is recomputed), the modules its later
+    tokens attend to with APE (its setting folded into the first block after them) and the encoding each module
+    takes (``choices``)."""
 
     matches: list[ModuleMatch]
+    run: tuple[Piece, ...]
     first_block: int
     folded: frozenset[ModuleKey]
     recompute_first: int = 0
@@ -152,9 +174,8 @@ class _Look:
     run_identity: str = ""  # _run_identity of the run (where vLLM caches prefixes): names the choice made over it
 
     def first_count(self, module_start: int) -> int:
-        """The first tokens the module at ``module_start`` recomputes: its allotment, or ``recompute_first`` for a
-        module outside the run allotted when the request was folded (vLLM's hit moved past it since)."""
-        return self.first.get(module_start, self.recompute_first)
+        """The first tokens the module of the run at ``module_start`` recomputes (its allotment)."""
+        return self.first.get(module_start, 0)
 
     def recompute(self, pieces: Sequence[Piece]) -> tuple[int, ...]:
         """Prompt positions of ``pieces`` to recompute: LegoLink's first tokens, as allotted, the encode-time
@@ -176,6 +197,28 @@ class _Look:
             if piece.module_start not in self.exact
             for position in range(piece.prompt_start, piece.prompt_end)
         )
+
+
+@dataclass
+class _Loading:
+    """A request vLLM admitted with its planned run: the run from vLLM's hit (``pieces``), the positions in it
+    that are recomputed, vLLM's count of computed tokens after the load (``start``: the run's end less the
+    recomputed), the request's blocks as last seen and the prompt position up to which the run is loaded.
+
+    A run with ``recompute_blend`` carries its ``blend`` (``start`` counts its chosen tokens too) and the prompt's
+    length when admitted: it is loaded whole in the admitting step or plainly (``ModuleScheduler._loads``); a plain
+    fallback keeps its blocks from ``uncache_from`` on out of vLLM's prefix cache (``uncached``: the blocks done so
+    far) until the request finishes."""
+
+    pieces: tuple[Piece, ...]
+    recompute: tuple[int, ...]
+    start: int
+    block_ids: list[int]
+    loaded: int
+    blend: BlendSpec | None = None
+    prompt_len: int = 0
+    uncache_from: int | None = None
+    uncached: int = 0
 
 
 @dataclass(frozen=True)
@@ -231,8 +274,10 @@ class ModuleScheduler:
         self._looks: dict[str, _Look] = {}
         self._counted: set[str] = set()  # requests whose skipped modules were counted
         self._plans: dict[str, _Plan] = {}  # asked about, not yet allocated
-        self._loads: list[LoadSpec] = []  # allocated, for the next step's metadata
-        self._prompt_lens: dict[str, int] = {}  # requests of self._loads that recompute: their prompt's length
+        self._loading: dict[str, _Loading] = {}  # allocated, loading over one step or more (vLLM may chunk)
+        # Requests allocated in the step being scheduled that recompute tokens: the hashes of their blocks that hold
+        # a recomputed token, until the step's metadata says which ones that step computes (build_metadata).
+        self._recomputing: dict[str, dict[int, Hashable]] = {}
         self._ape: dict[str, ApeSpans] = {}  # requests whose later tokens attend to their modules with APE
         self._blended: dict[str, tuple[int, int]] = {}  # requests whose load ran recompute_blend's pass: its size
         # recompute_blend's choices, by the run they were made over (_Look.run_identity), the latest BLEND_CHOICES
@@ -292,26 +337,20 @@ class ModuleScheduler:
             self._plans.pop(rid, None)
             self._refuse_non_token_inputs(request, prompt)
             return 0
-        hit_block = num_computed_tokens // self.block_size
-        stale = look is not None and not look.folded <= self.available
-        if look is None or stale or hit_block < look.first_block:
-            matches, choices = (
-                (look.matches, look.choices) if look is not None and not stale else self._find(request, prompt)
-            )
-            first_block = hit_block if look is None else min(hit_block, look.first_block)
+        stop = min(len(prompt), request.num_tokens) - 1  # vLLM computes at least the last token
+        if look is None or not look.folded <= self.available:  # new, or an entry it took left the store since
             if look is not None:
                 ape = (look.ape.temperature, look.ape.scale) if look.ape is not None else self._ape_setting(request)
-            stop = min(len(prompt), request.num_tokens) - 1
+            matches, choices = self._find(request, prompt)
             look = self._looks[rid] = self._fold(
                 request,
                 matches,
-                first_block,
+                choices,
+                stop,
                 self._recompute_first(request),
                 self._recompute_share(request),
                 ape,
-                stop,
                 self._recompute_budget(request),
-                choices,
                 self._blend_setting(request),
             )
             if look.ape is not None:
@@ -319,13 +358,17 @@ class ModuleScheduler:
             else:
                 self._ape.pop(rid, None)
             if look.folded and (
-                num_computed_tokens > first_block * self.block_size  # vLLM's hit used hashes just changed
+                num_computed_tokens > look.first_block * self.block_size  # vLLM's hit used hashes just changed
                 or vllm_0_32.prefix_cache_hit(self.kv_cache_manager, request) > num_computed_tokens
             ):
                 self._plans.pop(rid, None)
                 return None
-        stop = min(len(prompt), request.num_tokens) - 1  # vLLM computes at least the last token
-        pieces = plan_splice(look.matches, num_computed_tokens, stop, self.available.__contains__)
+        if self._recomputing and self._reads_recomputed_blocks(request, num_computed_tokens):
+            self._plans.pop(rid, None)
+            return None  # its hit holds blocks a request admitted this step may recompute later: wait a step
+        # What vLLM's prefix hit holds was computed by this same plan (the fold names it); the rest of the run is
+        # loaded. A hit past the run leaves nothing to load: modules after it are computed, as the plan says.
+        pieces = run_from(look.run, num_computed_tokens)
         fixed = look.recompute(pieces)
         blend = None
         if look.blend_count:
@@ -347,8 +390,15 @@ class ModuleScheduler:
         plan = self._plans[rid] = _Plan(pieces, fixed, blend)
         if rid not in self._counted:  # counted once per request (vLLM may ask again while it waits)
             self._counted.add(rid)
-            self._count_skipped(request, prompt, look.matches, pieces, num_computed_tokens, stop)
+            self._count_skipped(request, prompt, look.matches, list(look.run), 0, stop)
         return plan.external
+
+    def _reads_recomputed_blocks(self, request: Request, num_computed_tokens: int) -> bool:
+        """Whether vLLM's prefix hit of ``request`` holds a block of a request admitted in this step that recomputes
+        tokens in it (``_recomputing``): which of them that step computes is known only when the step is built."""
+        pending = {block_hash for hashes in self._recomputing.values() for block_hash in hashes.values()}
+        hit = vllm_0_32.block_hashes(request)[: num_computed_tokens // self.block_size]
+        return any(block_hash in pending for block_hash in hit)
 
     def allocated(self, request: Request, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM gave the request its blocks and took ``num_external_tokens`` of the planned tokens."""
@@ -361,51 +411,49 @@ class ModuleScheduler:
             return
         self._spliced.add(rid)
         look = self._looks.get(rid)
+        loaded = plan.pieces if num_external_tokens == plan.external else _first(plan.pieces, num_external_tokens, rid)
         if look is not None:
-            for piece in _first(plan.pieces, num_external_tokens, rid):
+            for piece in loaded:
                 choice = look.choices.get(piece.module_start)
                 self.taken[choice.match if choice is not None else EncodingMatch.UNMATCHED] += 1
-        if (
-            (plan.recompute or plan.blend is not None)
-            and num_external_tokens == plan.external
-            and plan.pieces[-1].prompt_end <= len(block_ids) * self.block_size
-        ):
-            # The whole run is loaded; the recomputed positions are overwritten by the forward.
-            blend = plan.blend
-            if blend is not None:
-                context = tuple(token_slots(block_ids, self.block_size, 0, plan.pieces[0].prompt_start))
-                blend = replace(blend, context_slots=context)
-            self._loads.append(self._load(rid, plan.pieces, block_ids, plan.recompute, blend))
-            self._prompt_lens[rid] = request.num_tokens
+        if num_external_tokens != plan.external:
+            # vLLM took fewer tokens than offered (it trims a hit to whole blocks on models kvreuse does not splice
+            # into, hybrid ones): load the first ones; vLLM computes the rest of the run at its own positions.
+            logger.warning(
+                "kvreuse: vLLM took %d of the %d tokens planned for request %s", num_external_tokens, plan.external, rid
+            )
+            pieces = _first(plan.pieces, num_external_tokens, rid)
+            self._loading[rid] = _Loading(tuple(pieces), (), 0, list(block_ids), pieces[0].prompt_start)
             return
-        # vLLM took fewer tokens than offered (or the run's blocks are not all allocated): load the first ones;
-        # vLLM computes the rest of the run at its own positions (more recompute than asked, never a wrong one).
-        self._loads.append(self._load(rid, _first(plan.pieces, num_external_tokens, rid), block_ids, ()))
-
-    def _load(
-        self,
-        rid: str,
-        pieces: list[Piece],
-        block_ids: Sequence[int],
-        recompute: tuple[int, ...],
-        blend: BlendSpec | None = None,
-    ) -> LoadSpec:
-        slots = tuple(tuple(token_slots(block_ids, self.block_size, p.prompt_start, p.prompt_end)) for p in pieces)
-        blocks = tuple(tuple(sorted({s // self.block_size for s in piece_slots})) for piece_slots in slots)
-        chosen = len(recompute) + (blend.count if blend is not None else 0)
-        start = pieces[-1].prompt_end - chosen if chosen else 0
-        return LoadSpec(rid, tuple(pieces), slots, blocks, recompute, start, blend)
+        chosen = len(plan.recompute) + (plan.blend.count if plan.blend is not None else 0)
+        start = plan.pieces[-1].prompt_end - chosen if chosen else 0
+        blend = plan.blend
+        if blend is not None:
+            context = tuple(token_slots(block_ids, self.block_size, 0, plan.pieces[0].prompt_start))
+            blend = replace(blend, context_slots=context)
+        self._loading[rid] = _Loading(
+            tuple(plan.pieces),
+            plan.recompute,
+            start,
+            list(block_ids),
+            plan.pieces[0].prompt_start,
+            blend,
+            request.num_tokens,
+        )
+        if plan.recompute or blend is not None:
+            # vLLM cached this request's full blocks when it allocated them; until the step's metadata says which
+            # of the recomputed tokens this step computes (and, with recompute_blend, whether the run is blended at
+            # all), a request admitted after it in this step must not read them (matched_tokens asks it to wait).
+            hashes = vllm_0_32.block_hashes(request)
+            changed = plan.recompute + (blend.candidates if blend is not None else ())
+            self._recomputing[rid] = {
+                b: hashes[b] for b in sorted({p // self.block_size for p in changed}) if b < len(hashes)
+            }
 
     def build_metadata(self, scheduler_output: SchedulerOutput) -> ModuleCacheMetadata:
-        loads = [self._whole_or_plain(spec, scheduler_output) for spec in self._loads]
-        self._blended.update(
-            {spec.req_id: (len(spec.blend.candidates), spec.blend.layers) for spec in loads if spec.blend is not None}
-        )
-        meta = ModuleCacheMetadata(loads=loads, saves=self._saves(scheduler_output))
+        meta = ModuleCacheMetadata(loads=self._loads(scheduler_output), saves=self._saves(scheduler_output))
         scheduled = scheduler_output.num_scheduled_tokens
         meta.ape = {rid: spans for rid, spans in self._ape.items() if rid in scheduled}
-        self._loads = []
-        self._prompt_lens.clear()
         seen: set[ModuleKey] = set()
         for plan in self._plans.values():  # requests still waiting: their modules are worth promoting now
             for piece in plan.pieces:
@@ -414,30 +462,99 @@ class ModuleScheduler:
                     meta.prefetch.append(piece.name)
         return meta
 
-    def _whole_or_plain(self, spec: LoadSpec, scheduler_output: SchedulerOutput) -> LoadSpec:
-        """``spec`` if it recomputes nothing or vLLM scheduled the whole rest of the prompt in this step; else
-        (chunked prefill) the plain load of its first ``spec.start`` tokens: the recomputed tokens would be spread
-        over steps whose slots and keys the worker does not see, so vLLM computes the run's end at its own
-        positions instead (more recompute than asked, never a wrong one)."""
-        if not spec.recompute and spec.blend is None:
-            return spec
-        scheduled = scheduler_output.num_scheduled_tokens.get(spec.req_id, 0)
-        if spec.start + scheduled == self._prompt_lens.get(spec.req_id, -1):
-            return spec
-        pieces = _first(list(spec.pieces), spec.start - spec.pieces[0].prompt_start, spec.req_id)
-        kept = [slots[: piece.length] for piece, slots in zip(pieces, spec.slots)]
-        blocks = tuple(tuple(sorted({s // self.block_size for s in piece_slots})) for piece_slots in kept)
-        return LoadSpec(spec.req_id, tuple(pieces), tuple(kept), blocks)
+    def _loads(self, scheduler_output: SchedulerOutput) -> list[LoadSpec]:
+        """What this step writes into requests' blocks, and the recomputed tokens it computes.
+
+        A run is loaded as its blocks are allocated: all of it in the step vLLM admits the request, unless vLLM
+        chunks the prefill and allocates the run's last blocks in later steps (then each step loads what it
+        allocated). The recomputed tokens are computed in the steps vLLM schedules them, wherever vLLM cuts the
+        chunks: each step's ``LoadSpec`` carries the run's ``recompute`` and ``start``, and the worker moves that
+        step's scheduled tokens to their positions (``true_positions``), so the KV is the plan's whatever else is
+        scheduled. A block vLLM cached (it caches full blocks when it allocates them) that holds a recomputed token
+        a later step computes is taken out of vLLM's prefix cache, so that no other request reads it before then
+        (``vllm_0_32.uncache_blocks``; the request keeps it).
+
+        A run with ``recompute_blend`` is loaded whole, with its pass, where vLLM schedules the rest of the prompt in
+        the admitting step (:meth:`_blend_or_plain`)."""
+        loads = []
+        progress = _progress(scheduler_output)
+        for rid, loading in list(self._loading.items()):
+            scheduled = scheduler_output.num_scheduled_tokens.get(rid, 0)
+            if not scheduled or rid not in progress:
+                continue
+            if self.kv_cache_manager is not None:  # vLLM allocates more blocks as it schedules more of the prompt
+                loading.block_ids = vllm_0_32.request_block_ids(self.kv_cache_manager, rid)
+            done = progress[rid] + scheduled  # vLLM's count of computed tokens after this step
+            if loading.blend is not None:
+                loads.append(self._blend_or_plain(rid, loading, done))
+                if loading.blend is not None:  # blended in this step: nothing more to load or recompute
+                    self._blended[rid] = (len(loading.blend.candidates), loading.blend.layers)
+                    del self._loading[rid]
+                    continue
+            if loading.uncache_from is not None:
+                self._uncache_fallback(loading, done)
+                continue
+            run_end = loading.pieces[-1].prompt_end
+            allocated = min(run_end, len(loading.block_ids) * self.block_size)
+            pieces = run_from(loading.pieces, loading.loaded, allocated)
+            loads.append(self._load_spec(rid, pieces, loading.block_ids, loading.recompute, loading.start, None))
+            loading.loaded = max(loading.loaded, allocated)
+            pending = loading.recompute[max(0, done - loading.start) :] if loading.recompute else ()
+            cached = {p // self.block_size for p in pending if p // self.block_size < done // self.block_size}
+            if cached and self.kv_cache_manager is not None:
+                vllm_0_32.uncache_blocks(self.kv_cache_manager, [loading.block_ids[b] for b in sorted(cached)])
+            if loading.loaded >= run_end and not pending:
+                del self._loading[rid]
+        self._recomputing.clear()
+        return loads
+
+    def _blend_or_plain(self, rid: str, loading: _Loading, done: int) -> LoadSpec:
+        """The admitting step's load of a run with ``recompute_blend``: the whole run with its pass where the step
+        computes the rest of the prompt (``done``: vLLM's count after the step); else (chunked prefill) the plain
+        load of its first ``loading.start`` tokens, and vLLM computes the rest at its own positions (more recompute
+        than asked, never a wrong one): the pass would need the rest's tokens computed in this step. The fallback's
+        blocks from the first one holding a candidate hold KV the plan their hashes name does not give, so they
+        leave vLLM's prefix cache as they fill (``_uncache_fallback``)."""
+        assert loading.blend is not None
+        pieces = list(loading.pieces)
+        if done >= loading.prompt_len:
+            return self._load_spec(rid, pieces, loading.block_ids, loading.recompute, loading.start, loading.blend)
+        first = _first(pieces, loading.start - pieces[0].prompt_start, rid)
+        candidates = loading.blend.candidates
+        loading.uncache_from = min(candidates) // self.block_size if candidates else len(loading.block_ids)
+        loading.blend, loading.recompute = None, ()
+        return self._load_spec(rid, first, loading.block_ids, (), 0, None)
+
+    def _load_spec(
+        self,
+        rid: str,
+        pieces: list[Piece],
+        block_ids: Sequence[int],
+        recompute: tuple[int, ...],
+        start: int,
+        blend: BlendSpec | None,
+    ) -> LoadSpec:
+        slots = tuple(tuple(token_slots(block_ids, self.block_size, p.prompt_start, p.prompt_end)) for p in pieces)
+        blocks = tuple(tuple(sorted({s // self.block_size for s in piece_slots})) for piece_slots in slots)
+        return LoadSpec(rid, tuple(pieces), slots, blocks, recompute, start, blend)
+
+    def _uncache_fallback(self, loading: _Loading, done: int) -> None:
+        """Take the blocks of a plainly loaded ``recompute_blend`` run that vLLM cached, from ``uncache_from`` to
+        the last one full after this step (``done`` tokens), out of its prefix cache: their hashes name the blend's
+        plan, and every later block chains from them."""
+        assert loading.uncache_from is not None
+        first = max(loading.uncache_from, loading.uncached)
+        full = min(done // self.block_size, len(loading.block_ids))
+        if full > first and self.kv_cache_manager is not None:
+            vllm_0_32.uncache_blocks(self.kv_cache_manager, loading.block_ids[first:full])
+        loading.uncached = max(loading.uncached, full)
 
     def _saves(self, scheduler_output: SchedulerOutput) -> list[SaveSpec]:
         """The encode requests whose prompt is complete after this step."""
         saves: list[SaveSpec] = []
         if not self._encodes:
             return saves
-        progress = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
-        cached = scheduler_output.scheduled_cached_reqs
-        progress.update(zip(cached.req_ids, cached.num_computed_tokens))
-        for rid, computed in progress.items():
+        for rid, computed in _progress(scheduler_output).items():
             encode = self._encodes.get(rid)
             if encode is None:
                 continue
@@ -564,7 +681,8 @@ class ModuleScheduler:
             self._plans,
             self._writes,
             self._encodes,
-            self._prompt_lens,
+            self._loading,
+            self._recomputing,
             self._ape,
             self._blended,
         ):
@@ -676,23 +794,27 @@ class ModuleScheduler:
         self,
         request: Request,
         matches: list[ModuleMatch],
-        first_block: int,
+        choices: Mapping[int, Choice],
+        stop: int,
         recompute: int,
         share: float = 0.0,
         ape: tuple[float, float] = OFF,
-        stop: int = 0,
         budget: float = 0.0,
-        choices: Mapping[int, Choice] | None = None,
         blend: tuple[float, int] = (0.0, 1),
     ) -> _Look:
-        """Fold the entries of ``matches`` into the request's block hashes from ``first_block`` on (module doc),
-        and ``recompute`` and ``share`` where they are not 0 (with the ranking of each module in the block):
-        blocks whose spliced KV was partly recomputed differ from those of a plain splice or of another choice,
-        so none may be given for another.
+        """The request's plan, and its entries folded into the request's block hashes (module doc).
 
-        With APE on, the modules it applies to are the run the request splices from ``first_block`` (vLLM's hit
-        before the fold: the computed prefix) to ``stop``, taken back to the run's first module (``run_start``),
-        less a module at the prompt's start (nothing precedes it, so its KV is a prefill's: APE's shared prefix).
+        The plan depends on the prompt, the store's entries and the settings only, never on vLLM's prefix hit
+        (which depends on what other requests left in the cache): the request splices the run of adjacent stored
+        modules that starts at its first token, up to ``stop`` (``plan_splice`` from 0), each with the encoding
+        it takes (``choices``); every other token is computed, modules after free text too. The entries of the run
+        are folded into the hashes of the blocks holding its tokens, with ``recompute`` and ``share`` where they
+        are not 0 (with the ranking of each module in the block): blocks whose spliced KV was partly recomputed
+        differ from those of a plain splice or of another choice, so none may be given for another, and every
+        later block chains from them. A prefix hit in vLLM's cache was therefore computed by this same plan.
+
+        With APE on, the modules it applies to are the run less a module at the prompt's start (nothing precedes
+        it, so its KV is a prefill's: APE's shared prefix).
         APE changes no module's KV, only that of the tokens after the run, so APE's setting (and the spans) is
         folded into the block holding the first of them: blocks of module tokens alone stay shared with plain
         splices, and every block from there on (its hash chains) is told apart from a plain splice's and another
@@ -711,15 +833,14 @@ class ModuleScheduler:
         identity (``_run_identity``): only a request with the same run, settings and prefix (the hashes chain) gets
         them. An engine that cannot run the pass (``blend_refusal``) gets no splice for such a request: it is
         computed in full, never spliced without the asked recompute."""
-        choices = choices or {}
         rankings = self._rankings(request, matches, share)
-        available = self.available.__contains__
-        run = plan_splice(matches, run_start(matches, first_block * self.block_size, available), stop, available)
+        run = plan_splice(matches, 0, stop, self.available.__contains__)
         exact = frozenset(start for start, choice in choices.items() if choice.exact)
         first = allot_first_tokens(run, recompute, lambda piece: piece.module_start in exact)
         budgeted = (
             budgeted_tokens(run, budget, lambda piece: piece.module_start in exact, self.scores) if budget else {}
         )
+        num_blocks = request.num_tokens // self.block_size
         share_blend, layers = blend
         inexact = sum(piece.length for piece in run if piece.module_start not in exact)
         count = 0
@@ -732,7 +853,7 @@ class ModuleScheduler:
                     share_blend,
                     self.blend_refusal,
                 )
-                return _Look([], first_block, frozenset(), recompute, share)
+                return _Look([], (), num_blocks, frozenset(), recompute, share)
             count = inexact if layers >= self.num_layers else blend_count(share_blend, inexact)
         spans = None
         if ape != OFF:
@@ -740,7 +861,8 @@ class ModuleScheduler:
             spans = ApeSpans(ranges, *ape) if ranges else None
         look = _Look(
             matches,
-            first_block,
+            tuple(run),
+            num_blocks,
             frozenset(),
             recompute,
             share,
@@ -755,11 +877,10 @@ class ModuleScheduler:
             inexact,
         )
         manager = self.kv_cache_manager
-        if manager is None or not vllm_0_32.caches_prefixes(manager):
-            return look  # nothing is cached: no block to tell apart
-        stored = [match for match in matches if match.name in self.available]
-        num_blocks = request.num_tokens // self.block_size
-        blocks = block_modules(stored, self.block_size, first_block, num_blocks)
+        if manager is None or not vllm_0_32.caches_prefixes(manager) or not run:
+            return look  # nothing is cached (no block to tell apart), or nothing spliced (every token computed)
+        spliced = [match for match in matches if match.start < run[-1].prompt_end]  # the run's modules, in order
+        blocks = block_modules(spliced, self.block_size, 0, num_blocks)
         shared: tuple[str, ...] = (f"recompute_share={share!r}",) if share else ()
         keys = {
             block: tuple(match.name.identity for match in found)
@@ -784,14 +905,16 @@ class ModuleScheduler:
         if spans is not None and spans.after // self.block_size < num_blocks:
             after = spans.after // self.block_size
             keys[after] = (*keys.get(after, ()), f"ape={spans.temperature!r},{spans.scale!r},{spans.ranges!r}")
+        first_block = min(keys, default=num_blocks)
         if keys and not vllm_0_32.fold_into_block_hashes(self.vllm_config, manager, request, first_block, keys):
             logger.warning(
                 "kvreuse: request %s: this engine's prefix-cache hashes cannot name module entries (hybrid "
                 "KV cache); no module is spliced into it",
                 request.request_id,
             )
-            return _Look([], first_block, frozenset(), recompute, share)
-        return replace(look, folded=frozenset(match.name for found in blocks.values() for match in found))
+            return _Look([], (), num_blocks, frozenset(), recompute, share)
+        folded = frozenset(match.name for found in blocks.values() for match in found)
+        return replace(look, first_block=first_block, folded=folded)
 
     def _count_skipped(
         self,
@@ -920,6 +1043,14 @@ NO_APE = (
 def applies_ape(vllm_config: VllmConfig) -> bool:
     """Whether this engine's attention applies APE: kvreuse's backend in place of CPU_ATTN on vLLM's CPU build."""
     return vllm_0_32.device_type(vllm_config) == "cpu" and os.environ.get(SPARSE_CPU_SWITCH, "").lower() in TRUE_WORDS
+
+
+def _progress(scheduler_output: SchedulerOutput) -> dict[str, int]:
+    """vLLM's count of computed tokens, before this step, of each request the step schedules."""
+    progress = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    progress.update(zip(cached.req_ids, cached.num_computed_tokens))
+    return progress
 
 
 def _first(pieces: list[Piece], tokens: int, rid: str) -> list[Piece]:

@@ -10,8 +10,9 @@ requests that hold KV blocks) is vLLM's own. Settings come from ``additional_con
 It warns when the KV block size keeps prompts from sharing anything (``kvreuse.reorder.block_size``): at start when
 the block size is the platform's default and larger than 32 tokens (vLLM's CPU platform: 128), and once when at
 least half of the first 32 admitted prompts are shorter than one block. Its counters are logged every 1,000
-admissions and at shutdown here, in the engine core; under ``vllm serve`` the front end's stat logger
-(``kvreuse.vllm.reorder.metrics.ReorderStatLogger``) logs the same line with vLLM's periodic figures.
+admissions and at shutdown here, in the engine core; ``vllm serve`` stops the engine core without its shutdown
+(``mode=abort`` on Ctrl-C), so there the front end's stat logger (``kvreuse.vllm.reorder.metrics.ReorderStatLogger``)
+logs the same line with vLLM's periodic figures.
 """
 
 from __future__ import annotations
