@@ -59,7 +59,7 @@ ADDITIONAL = {
     "kvreuse": {
         "sparse": {"beta": "inf"},
         "modules": {
-            **{"gpu_bytes": 0, "cpu_bytes": 16 << 20, "disk_bytes": 0, "recompute_first": 0},
+            **{"gpu_bytes": 0, "cpu_bytes": 32 << 20, "disk_bytes": 0, "recompute_first": 0},
             "namespace_bytes": 12 << 20,
         },
     }

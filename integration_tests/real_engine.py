@@ -22,7 +22,9 @@ def start_llm(model: Path, **overrides):
 
 
 def stop_llm(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
+    from kvreuse.patches import vllm_0_32
+
+    vllm_0_32.shutdown_llm(llm)
 
 
 @contextmanager

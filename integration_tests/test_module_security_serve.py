@@ -4,9 +4,10 @@
 One server for the module: the module-cache connector (kvreuse's attention backend at beta = inf, dense, in
 CPU_ATTN's place), vLLM's prefix cache on (its default), ``--api-key``, the write guard with a module-write key, and
 ``--enable-prompt-tokens-details`` so each answer says how many prompt tokens were cached (vLLM's prefix hit plus
-the tokens spliced from modules). The host tier holds 16 MiB (about 360 tokens of this model's KV), no other tier,
-so the last tests can make the store drop modules; each tenant namespace may hold 12 MiB (``namespace_bytes``),
-and tenants' modules never push out global ones (``protect_global``, on by default).
+the tokens spliced from modules). The host tier holds 32 MiB (about 730 tokens of this model's KV), no other tier;
+each tenant namespace may hold 12 MiB (``namespace_bytes``, about 270 tokens), so the last test can make the store
+drop a tenant's modules whatever the earlier tests left, and tenants' modules never push out global ones
+(``protect_global``, on by default).
 
 Answers are greedy (8 tokens). A *reference* answer is the stock engine's: the same prompt computed by a request
 whose cache salt no other request uses, before any module with those tokens exists.
@@ -206,8 +207,8 @@ def test_an_encode_over_http_never_reads_the_prefix_cache(server, tokenizer):
 
 
 def test_a_module_the_store_dropped_leaves_the_index(server, tokenizer):
-    """Two 200-token modules do not fit the 16 MiB tier together: the first is dropped. Its tokens registered
-    again under another name are then found and spliced (a stale index entry would block the new name)."""
+    """Two 200-token modules of one tenant do not fit its 12 MiB quota together: the first is dropped. Its tokens
+    registered again under another name are then found and spliced (a stale index entry would block the new name)."""
     facts = ids(
         tokenizer, " ".join(f"Fact {i}: the number {i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(60))
     )

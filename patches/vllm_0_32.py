@@ -872,7 +872,7 @@ def engine_tokenizer(vllm_config: VllmConfig) -> Any:
 
 
 @MANIFEST.touches(attribute("vllm.v1.request:Request.block_hashes"))
-def block_hashes(request: Request) -> Sequence[Any]:
+def request_block_hashes(request: Request) -> Sequence[Any]:
     """``request``'s prefix-cache hashes, one per full block of its tokens (as ``fold_into_block_hashes`` left
     them). Tested: vLLM 0.32.0."""
     return request.block_hashes
@@ -925,10 +925,17 @@ def offline_engine(llm: LLM) -> Any:
     attribute("vllm.entrypoints.llm:LLM.llm_engine"),
     attribute("vllm.v1.engine.llm_engine:LLMEngine.engine_core"),
     call("vllm.v1.engine.core_client:EngineCoreClient.shutdown", "self"),
+    call("vllm.envs:disable_envs_cache"),
 )
 def shutdown_llm(llm: LLM) -> None:
-    """Stop a ``vllm.LLM``'s engine core (its processes) now; ``LLM`` has no public shutdown. Tested: vLLM 0.32.0."""
+    """Stop a ``vllm.LLM``'s engine core (its processes) now; ``LLM`` has no public shutdown. Then drop vLLM's cache
+    of environment variables, as vLLM's own clean-up does: an engine core in the calling process caches them when it
+    starts, and an engine started later in the process would read this one's settings (its
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` above all). Tested: vLLM 0.32.0."""
+    from vllm import envs
+
     llm.llm_engine.engine_core.shutdown()
+    envs.disable_envs_cache()
 
 
 # -- selective recompute of spliced tokens (modules plugin) ---------------------------------------------------------

@@ -223,10 +223,10 @@ def vllm_backend(engine_args: Mapping[str, Any], *, chat: bool | None = None, sy
     for a process that ends with the engine, such as a Ray actor. Arguments vLLM refuses, and an engine that fails
     to start, end in kvreuse's own errors."""
     log_to_stderr()
-    os.environ.setdefault(IN_PROCESS, "0")
     from vllm import LLM
 
-    llm = _start(LLM, with_cpu_defaults({**ENGINE_DEFAULTS, **engine_args}))
+    with _engine_core_in_process():
+        llm = _start(LLM, with_cpu_defaults({**ENGINE_DEFAULTS, **engine_args}))
     try:
         return VLLMBackend(llm, chat=chat, system=system)
     except ConfigError:
@@ -255,6 +255,20 @@ def started_vllm(
         yield backend
     finally:
         vllm_0_32.shutdown_llm(backend.llm)
+
+
+@contextmanager
+def _engine_core_in_process() -> Iterator[None]:
+    """:data:`IN_PROCESS` set to ``"0"`` while vLLM builds an engine, unless the user set it; as it was after (vLLM
+    reads it when it builds the engine core's client): engines the caller starts later itself are vLLM's default."""
+    if IN_PROCESS in os.environ:
+        yield
+        return
+    os.environ[IN_PROCESS] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(IN_PROCESS, None)
 
 
 def _start(llm_class: Any, args: Mapping[str, Any]) -> Any:

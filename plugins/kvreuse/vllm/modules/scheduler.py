@@ -397,7 +397,7 @@ class ModuleScheduler:
         """Whether vLLM's prefix hit of ``request`` holds a block of a request admitted in this step that recomputes
         tokens in it (``_recomputing``): which of them that step computes is known only when the step is built."""
         pending = {block_hash for hashes in self._recomputing.values() for block_hash in hashes.values()}
-        hit = vllm_0_32.block_hashes(request)[: num_computed_tokens // self.block_size]
+        hit = vllm_0_32.request_block_hashes(request)[: num_computed_tokens // self.block_size]
         return any(block_hash in pending for block_hash in hit)
 
     def allocated(self, request: Request, block_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -444,7 +444,7 @@ class ModuleScheduler:
             # vLLM cached this request's full blocks when it allocated them; until the step's metadata says which
             # of the recomputed tokens this step computes (and, with recompute_blend, whether the run is blended at
             # all), a request admitted after it in this step must not read them (matched_tokens asks it to wait).
-            hashes = vllm_0_32.block_hashes(request)
+            hashes = vllm_0_32.request_block_hashes(request)
             changed = plan.recompute + (blend.candidates if blend is not None else ())
             self._recomputing[rid] = {
                 b: hashes[b] for b in sorted({p // self.block_size for p in changed}) if b < len(hashes)
