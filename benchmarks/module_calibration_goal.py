@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -60,7 +61,7 @@ def prompts_of(set_name: str, seed: int, count: int, tokenizer) -> tuple[dict[st
     prompts = []
     for case in cases:
         for document in case.modules:
-            modules[document.name] = document.text
+            modules[module_name(document.name)] = document.text
         text = HEADER + "".join(document.text for document in case.modules) + case.question
         if encode(text) != tokenize_case(case, encode).prompt:
             raise SystemExit(
@@ -68,6 +69,11 @@ def prompts_of(set_name: str, seed: int, count: int, tokenizer) -> tuple[dict[st
             )
         prompts.append(text)
     return modules, prompts
+
+
+def module_name(document: str) -> str:
+    """A document's module name: its title with what a module name may not hold (spaces) as ``_``."""
+    return re.sub(r"[^A-Za-z0-9._:/@+#-]", "_", document)
 
 
 def calibrate_command(modules: dict[str, str], prompts: list[str], args: argparse.Namespace, folder: Path) -> str:
