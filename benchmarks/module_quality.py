@@ -22,11 +22,12 @@ pass of the question picks the module tokens it attends to most, which are then 
 (diagnostics that know the answer's module; not deployable).
 
 Per-case results are kept in ``build/module_quality/<set>.jsonl`` so an interrupted run resumes; the summary goes
-to ``benchmarks/results/module_quality_<set>.{json,png}``. Usage::
+to ``docs/benchmarks/results/module_quality_<set>.{json,png}``. Usage::
 
     python benchmarks/module_quality.py --set mixed --cases 300 --arms key   # the README's arms
     python benchmarks/module_quality.py --set mixed --cases 300 --arms all
     python benchmarks/module_quality.py --set long --cases 48 --arms main
+    python benchmarks/module_quality.py --set docs-4 --cases 60 --arms runtime   # the choice from the request
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from harness import RESULTS  # the committed results the docs cite
 from module_quality_data import QA_SETS, TokenizedCase, is_correct, make_cases, tokenize_case
 from splice_reference import (
     KV_ONLY_SHARE,
@@ -57,11 +59,18 @@ from splice_reference import (
 )
 
 from kvreuse.modules.blend import encode_deviation, ranking, token_scores
-from kvreuse.modules.splice import Piece, chosen_tokens, merge_positions
+from kvreuse.modules.splice import (
+    Piece,
+    allot_first_tokens,
+    budget_positions,
+    budgeted_tokens,
+    chosen_tokens,
+    merge_positions,
+)
+from kvreuse.modules.splice import first_tokens as first_tokens_of
 from kvreuse.modules.store import EncodedModule
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = REPO / "build" / "module_quality"
 MAX_NEW_TOKENS = 16
 RESUME_LAYERS = (15, 20)  # layers the resume arms start at (their hidden states are kept per module)
@@ -101,6 +110,7 @@ class Prepared:
     exact: KVCache | None = None  # full prefill's KV of the same tokens (for the oracle arms that use it)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> module tokens' own hidden states
     rankings: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)  # layer set -> per module, encode time
+    scores: list[tuple[float, ...]] = field(default_factory=list)  # per module, encode-time deviation (all layers)
 
     @property
     def module_index(self) -> torch.Tensor:
@@ -133,12 +143,16 @@ class ModuleCache:
             self._anchored[ids] = as_module(f"a{len(self._anchored)}", self.model.encode(ids, self.header))
         return self._anchored[ids]
 
-    def ranking(self, ids: tuple[int, ...], layers: str | Sequence[int]) -> tuple[int, ...]:
-        """The module's tokens by how far their KV encoded alone lies from their KV encoded after the header,
-        most first (``kvreuse.modules.blend``: what the engine stores with a module encoded with a probe)."""
+    def scores(self, ids: tuple[int, ...], layers: str | Sequence[int] = "all") -> tuple[float, ...]:
+        """Per token of the module, how far its KV encoded alone lies from its KV encoded after the header
+        (``kvreuse.modules.blend``: what the engine stores with a module encoded with a probe)."""
         if ids not in self._deviation:
             self._deviation[ids] = encode_deviation(self.alone(ids), self.anchored(ids), self.model.spec)
-        return ranking(token_scores(self._deviation[ids], layers))
+        return token_scores(self._deviation[ids], layers)
+
+    def ranking(self, ids: tuple[int, ...], layers: str | Sequence[int]) -> tuple[int, ...]:
+        """The module's tokens by :meth:`scores`, most first."""
+        return ranking(self.scores(ids, layers))
 
     def prepare(self, case: TokenizedCase) -> Prepared:
         spans, pos = [], len(self.header)
@@ -154,7 +168,8 @@ class ModuleCache:
         }
         hidden = {layer: torch.cat([self._hidden[ids][layer] for ids in case.modules]) for layer in RESUME_LAYERS}
         rankings = {name: [self.ranking(ids, layers) for ids in case.modules] for name, layers in RANKINGS.items()}
-        return Prepared(case, spans, caches, hidden=hidden, rankings=rankings)
+        scores = [self.scores(ids) for ids in case.modules]
+        return Prepared(case, spans, caches, hidden=hidden, rankings=rankings, scores=scores)
 
 
 # ---------------------------------------------------------------------------------------------------- the arms
@@ -268,8 +283,50 @@ def encoded_choice(share: float, layers: str, first: int = 0) -> Select:
     return select
 
 
-def deviation(ratios: dict[int, float]) -> Select:
-    return lambda prep: KVDeviation(prep.module_index, ratios)
+def deviation(ratios: dict[int, float], first: int = 0, anchored: bool = False) -> Select:
+    """CacheBlend's choice from the request itself (``KVDeviation``) over the module tokens whose KV is not exact
+    (with ``anchored``, the modules encoded after the header: the first one is exact, right after it), with the
+    engine's allotment of ``first`` first tokens (:func:`allotted_first`) always recomputed too (the union)."""
+
+    def select(prep: Prepared) -> Recompute:
+        forced = allotted_positions(prep, first, anchored) if first else torch.empty(0, dtype=torch.int64)
+        candidates = prep.module_index[prep.spans[1][0] - prep.spans[0][0] :] if anchored else prep.module_index
+        return KVDeviation(candidates, ratios, forced)
+
+    return select
+
+
+def _run(prep: Prepared) -> list[Piece]:
+    """The engine's spliced run of a case: the header (module -1, exact at the prompt's start), then the modules."""
+    return [Piece(-1, 0, 0, prep.spans[0][0])] + [Piece(i, 0, s, e - s) for i, (s, e) in enumerate(prep.spans)]
+
+
+def allotted_positions(prep: Prepared, k: int, anchored: bool = False) -> torch.Tensor:
+    """The engine's ``recompute_first`` k: k first tokens per module of the run, the exact modules' k going to the
+    others (``kvreuse.modules.splice.allot_first_tokens``): the header, and with ``anchored`` (modules encoded
+    after the header) the first module too."""
+    run = _run(prep)
+    exact = (-1, 0) if anchored else (-1,)
+    counts = allot_first_tokens(run, k, lambda piece: piece.name in exact)
+    return torch.tensor(first_tokens_of(run, counts), dtype=torch.int64)
+
+
+def allotted_first(k: int, anchored: bool = False) -> Select:
+    """LegoLink as the engine serves it (:func:`allotted_positions`), recomputed in every layer."""
+    return lambda prep: FixedTokens(allotted_positions(prep, k, anchored))
+
+
+def budget(share: float) -> Select:
+    """The engine's one budget per prompt chosen at encode time (``modules.recompute_budget``,
+    ``kvreuse.modules.splice.budgeted_tokens``: position-weighted need times the probe's deviation), recomputed in
+    every layer."""
+
+    def select(prep: Prepared) -> Recompute:
+        run = _run(prep)
+        chosen = budgeted_tokens(run, share, lambda piece: piece.name == -1, dict(enumerate(prep.scores)))
+        return FixedTokens(torch.tensor(budget_positions(run, chosen), dtype=torch.int64))
+
+    return select
 
 
 def recent(k: int) -> Select:
@@ -371,7 +428,39 @@ def arms(which: str) -> list[Arm]:
     if which in ("key", "blend"):
         names = KEY_ARMS if which == "key" else BLEND_ARMS
         return [a for a in main + sweep if a.name in names]
+    if which == "runtime":
+        return runtime_arms()
     return {"main": main, "sweep": sweep, "all": main + sweep}[which]
+
+
+def runtime_arms() -> list[Arm]:
+    """CacheBlend's choice from the request's own context against the engine's choices made before the request
+    (``--arms runtime``): the engine's default (``recompute_first`` 16, allotted as the engine does), 64, the
+    encode-time choices (``recompute_share``, ``recompute_budget``) and ``rb-L<l>-<share>``: every module token
+    computed exactly through layers ``0 .. l-1`` with the prompt before it, the top share by its deviation on layer
+    ``l`` recomputed in the remaining layers (``+f16``: with the default's first tokens too; ``gradual``:
+    CacheBlend's filtering over layers 1-3)."""
+    out = [
+        Arm("naive", "naive"),
+        Arm("first-16", "legolink", select=allotted_first(16), note="the engine's default"),
+        Arm("first-32", "legolink", select=allotted_first(32)),
+        Arm("first-64", "legolink", select=allotted_first(64)),
+        *[Arm(f"share-{p}%", "blend", select=encoded_choice(p / 100, "all")) for p in (10, 20, 30)],
+        *[Arm(f"budget-{p}%", "budget", select=budget(p / 100)) for p in (10, 20, 30)],
+        *[Arm(f"rb-L1-{p}%", "runtime", select=deviation({1: p / 100})) for p in (10, 15, 20, 30)],
+        *[Arm(f"rb-L2-{p}%", "runtime", select=deviation({2: p / 100})) for p in (10, 20)],
+        *[Arm(f"rb-L4-{p}%", "runtime", select=deviation({4: p / 100})) for p in (10, 20)],
+        Arm("rb-gradual-15%", "runtime", select=deviation({1: 0.3, 2: 0.2, 3: 0.15})),
+        *[Arm(f"rb-L1-{p}%+f16", "runtime", select=deviation({1: p / 100}, 16)) for p in (5, 10, 15)],
+        # the modules encoded after the header (an encoding per context): the first one is exact where it stands
+        Arm("anchored", "anchored", cache="anchored"),
+        Arm("anchored+first-16", "anchored", cache="anchored", select=allotted_first(16, anchored=True)),
+        *[
+            Arm(f"anchored+rb-L1-{p}%", "anchored", cache="anchored", select=deviation({1: p / 100}, anchored=True))
+            for p in (15, 30)
+        ],
+    ]
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------ the run
@@ -673,7 +762,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", default="mixed", choices=sorted(QA_SETS))
     parser.add_argument("--cases", type=int, default=None, help="the first N cases (default: all)")
-    parser.add_argument("--arms", default="main", choices=("main", "sweep", "all", "key", "blend"))
+    parser.add_argument("--arms", default="main", choices=("main", "sweep", "all", "key", "blend", "runtime"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--report-only", action="store_true", help="summarise the kept results, compute nothing")
     args = parser.parse_args(argv)
@@ -695,7 +784,7 @@ def main(argv: list[str] | None = None) -> None:
         "kv_only_share": KV_ONLY_SHARE,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    suffix = "_blend" if args.arms == "blend" else ""  # its own file: the README's table is the key arms'
+    suffix = f"_{args.arms}" if args.arms in ("blend", "runtime") else ""  # the README's table is the key arms'
     report(f"module_quality_{args.set}{suffix}", summaries, meta)
 
 

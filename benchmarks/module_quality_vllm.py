@@ -28,33 +28,35 @@ header's, the prompt's shared prefix) with temperature T; ``ape-alone-T0.8`` ove
 Prints, per arm, how many answers are right, how many outputs equal the engine's own full prefill's, the share of
 prompt tokens the engine computed, and, where ``module_quality.py`` measured the same cases and arm, how many give
 the reference's tokens exactly (and, where not, the first output token that differs); writes
-``benchmarks/results/module_quality_vllm_<set>.json``::
+``docs/benchmarks/results/module_quality_vllm_<set>.json``::
 
     python benchmarks/module_quality_vllm.py --set mixed --cases 20
     python benchmarks/module_quality_vllm.py --set long --cases 8 --ttft-only   # the issue's shape: 8 modules x ~256
 
-``--curves --sets schema-2,schema-4,schema-8``: the same arms on the schema workload (``module_quality_data.py``:
-Spider schemas of 2, 4 or 8 tables, one module per table encoded after the tables it references, as TableCache
-does, and probed after the header; a question asking for a SQL query, 32 greedy tokens). It has no answers: each
-arm's query is compared with full prefill's, token for token (``same_as_full``) and normalised
-(``normalise_sql``: ``same_sql_as_full``)::
+``--curves``: answers against compute, every recovery the engine serves (``--arms``, from :data:`CURVE_ARMS`: the
+plain splice, LegoLink's first K tokens, the engine's default 16 among them, CacheBlend's choice made at encode
+time (``recompute_share``), the one budget (``recompute_budget``) and CacheBlend's choice from the request
+(``recompute_blend`` after ``blend_layers`` exact layers)), on document sets (``docs-1`` to ``docs-8``: 1 to 8
+documents of 100-140 tokens after the chat header) or the schema workload (``schema-2``, ``schema-4``,
+``schema-8``: Spider schemas of 2, 4 or 8 tables, one module per table encoded after the tables it references, as
+TableCache does; a question asking for a SQL query, 32 greedy tokens), the cases drawn with ``--seed``, in one
+engine, the arms taking turns per case (so TTFT ratios compare like with like), the prefix cache reset before each
+request. Per arm and set: right answers, full prefill's right answers kept, outputs with the same 16 tokens as full
+prefill's, the same answer (the first line, case and whitespace aside; on a schema set, the same query after
+``normalise_sql``), the share of prompt tokens vLLM computed (and with the pass of ``recompute_blend``, counted as
+its tokens through its layers and one more), TTFT full/arm (medians) and where the arm's TTFT went (the module
+loads and the pass, each a median share of its TTFT, from the worker's figures). Rows go to
+``build/module_quality_vllm/curves-<tag>.jsonl`` as each case finishes; a run stops starting cases after
+``--minutes`` and the next resumes, so a long run goes in pieces; writes
+``docs/benchmarks/results/module_quality_vllm_<tag>.{json,png}``::
 
-    python benchmarks/module_quality_vllm.py --curves --sets schema-2,schema-4,schema-8 --cases 20
-
-``--curves``: issue 27's accuracy-compute curves, every recovery at a few compute points on the ``docs-1``,
-``docs-2``, ``docs-4`` and ``docs-8`` sets (1, 2, 4, 8 documents of 100-140 tokens after the header) in one engine,
-the arms taking turns per case (so TTFT ratios compare like with like), 16 greedy tokens each: full prefill, the
-plain splice, StreamingLLM's attention sinks (Xiao et al., ICLR 2024: each module's first 4 tokens, the sink its
-encoding alone made, recomputed), LegoLink's first K tokens (EPIC), CacheBlend's choice made at encode time
-(``recompute_share``) and kvreuse's one budget per prompt (``recompute_budget``,
-``kvreuse.modules.splice.budgeted_tokens``); prints the table, writes
-``benchmarks/results/module_quality_vllm_curves.{json,png}``::
-
-    python benchmarks/module_quality_vllm.py --curves --cases 10
+    python benchmarks/module_quality_vllm.py --curves --sets docs-4 --cases 60 --tag docs4 \
+        --arms naive,first-16,first-64,share-30%,blend-15%,blend-20%,blend-30%
+    python benchmarks/module_quality_vllm.py --curves --sets schema-2,schema-4,schema-8 --cases 16 --tag schema
 
 ``--ttft-only``: TTFT alone (one token per request), the arms interleaved case by case in one engine (``full``,
 ``naive``, ``legolink-*``, ``blend-*``; ``anchored`` computes what ``naive`` does), so that a change in the
-machine's load hits every arm alike; writes ``benchmarks/results/module_quality_vllm_ttft_<set>.json``.
+machine's load hits every arm alike; writes ``docs/benchmarks/results/module_quality_vllm_ttft_<set>.json``.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ from module_quality_data import (
 )
 
 from kvreuse.localmodel import DATASETS, local_engine_args
+from kvreuse.modules.agreement import Normaliser, same_output
 
 REPO = Path(__file__).resolve().parents[1]
 CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
@@ -107,19 +110,25 @@ NAIVE_ARMS = {
 ANCHORED_ARMS = {"ape-anchored-T0.8": APE, "ape+legolink-16": {**APE, "kvreuse_recompute_first": 16}}
 TRANSFER = {**NAIVE_ARMS, **ANCHORED_ARMS}
 SPLICED = ("naive", "anchored", "ape-alone-T0.8", "ape-anchored-T0.8")  # the whole run of modules from the cache
-# --curves: arm -> its requests' kv_transfer_params (over modules encoded alone and probed after the header)
+# --curves: arm -> its requests' kv_transfer_params (over modules encoded alone and probed after the header): full
+# prefill, the plain splice, LegoLink's first tokens (16 is the engine's default), CacheBlend's choice made at encode
+# time (recompute_share), the one budget (recompute_budget) and CacheBlend's choice from the request
+# (recompute_blend after blend_layers exact layers; +first: with the default's first tokens too).
 CURVE_ARMS: dict[str, dict | None] = {
     "full": None,
-    "naive": {},
-    "sink-4": {"kvreuse_recompute_first": 4},
-    "legolink-16": {"kvreuse_recompute_first": 16},
-    "legolink-32": {"kvreuse_recompute_first": 32},
-    "blend-10%": {"kvreuse_recompute_share": 0.10},
-    "blend-20%": {"kvreuse_recompute_share": 0.20},
-    "budget-10%": {"kvreuse_recompute_budget": 0.10},
-    "budget-15%": {"kvreuse_recompute_budget": 0.15},
-    "budget-20%": {"kvreuse_recompute_budget": 0.20},
+    "naive": {"kvreuse_recompute_first": 0},
+    "first-16": {"kvreuse_recompute_first": 16},
+    "first-32": {"kvreuse_recompute_first": 32},
+    "first-64": {"kvreuse_recompute_first": 64},
+    "share-20%": {"kvreuse_recompute_share": 0.2},
+    "budget-20%": {"kvreuse_recompute_budget": 0.2},
+    **{f"blend-{p}%": {"kvreuse_recompute_blend": p / 100} for p in (10, 15, 20, 25, 30)},
+    **{f"blend-L2-{p}%": {"kvreuse_recompute_blend": p / 100, "kvreuse_blend_layers": 2} for p in (15, 20)},
+    **{f"first-16+blend-{p}%": {"kvreuse_recompute_first": 16, "kvreuse_recompute_blend": p / 100} for p in (10, 15)},
 }
+DEFAULT_CURVE_ARMS = ("naive", "first-16", "first-64", "share-20%", "blend-15%", "blend-20%", "blend-30%")
+ANSWER = Normaliser.parse(["first-line", "case", "whitespace"])  # what a reader of these answers compares
+NUM_LAYERS = 30  # SmolLM2-135M's
 CURVE_SETS = ("docs-1", "docs-2", "docs-4", "docs-8")
 SCHEMA_CURVE_SETS = tuple(SCHEMA_SETS)  # schema-2, schema-4, schema-8: --curves --sets schema-2,schema-4,schema-8
 
@@ -146,13 +155,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", default="mixed", choices=sorted(QA_SETS))
     parser.add_argument("--cases", type=int, default=20)
     parser.add_argument("--ttft-only", action="store_true", help="TTFT per arm, arms interleaved per case")
-    parser.add_argument("--curves", action="store_true", help="issue 27's curves: 1, 2, 4, 8 documents, every arm")
+    parser.add_argument("--curves", action="store_true", help="answers against compute per arm, arms interleaved")
     parser.add_argument("--sets", default=",".join(CURVE_SETS), help="--curves: the sets, comma-separated")
+    parser.add_argument(
+        "--arms", default=",".join(DEFAULT_CURVE_ARMS), help=f"--curves: arms of {', '.join(CURVE_ARMS)}"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="--curves: the seed the cases are drawn with")
+    parser.add_argument("--minutes", type=float, default=20.0, help="--curves: start no case after this long")
+    parser.add_argument("--tag", default="curves", help="--curves: name of the resumable log and the results")
+    parser.add_argument("--report-only", action="store_true", help="--curves: summarise the log, run nothing")
     args = parser.parse_args(argv)
     os.environ["KVREUSE_SPARSE_CPU_BACKEND"] = "1"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if args.curves:
-        _curves(args.sets.split(","), args.cases)
+        arms = args.arms.split(",")
+        unknown = [arm for arm in arms if arm not in CURVE_ARMS or arm == "full"]
+        if unknown:
+            raise SystemExit(f"unknown arms {unknown}; known: {', '.join(a for a in CURVE_ARMS if a != 'full')}")
+        sets = args.sets.split(",")
+        if not args.report_only:
+            _curves(sets, args.cases, arms, args.seed, args.minutes, args.tag)
+        log = RUNS.parent / "module_quality_vllm" / f"curves-{args.tag}.jsonl"
+        keys = {name: {f"{name}-{i}" for i in range(args.cases)} for name in sets}  # make_cases' keys: "<set>-<index>"
+        rows = [r for r in _rows(log) if r["set"] in keys and r["case"] in keys[r["set"]] and r["seed"] == args.seed]
+        summary = _curve_summary(rows, arms)
+        _print_curves(summary)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        path = RESULTS / f"module_quality_vllm_{args.tag}.json"
+        meta = {"cases_per_set": args.cases, "seed": args.seed, "answer": str(ANSWER)}
+        path.write_text(json.dumps({**meta, "summary": summary, "rows": rows}, indent=1))
+        _plot_curves(summary, RESULTS / f"module_quality_vllm_{args.tag}.png")
+        print(f"wrote {path}")
         return
     if args.ttft_only:
         _ttft_side_by_side(args.set, args.cases)
@@ -174,14 +207,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {path}")
 
 
-def curve_cases(name: str, encode, num_cases: int) -> list[TokenizedCase]:
-    """The first ``num_cases`` tokenized cases of a document set (``QA_SETS``) or a schema set (``SCHEMA_SETS``)."""
+def curve_cases(name: str, encode, num_cases: int, seed: int = 0) -> list[TokenizedCase]:
+    """The first ``num_cases`` tokenized cases of a document set (``QA_SETS``) or a schema set (``SCHEMA_SETS``),
+    drawn with ``seed``."""
     if name in SCHEMA_SETS:
         from kvreuse.modules.schemas import spider_schemas
 
         schemas = spider_schemas(DATASETS / "spider" / "tables.json")
-        return [tokenize_schema_case(c, encode) for c in make_schema_cases(SCHEMA_SETS[name], schemas)[:num_cases]]
-    return [tokenize_case(c, encode) for c in make_cases(QA_SETS[name], encode)[:num_cases]]
+        cases = make_schema_cases(SCHEMA_SETS[name], schemas, seed)[:num_cases]
+        return [tokenize_schema_case(c, encode) for c in cases]
+    return [tokenize_case(c, encode) for c in make_cases(QA_SETS[name], encode, seed)[:num_cases]]
 
 
 def encode_curve_modules(llm, sets: dict[str, list[TokenizedCase]]) -> dict[tuple[int, ...], str]:
@@ -209,12 +244,16 @@ def encode_curve_modules(llm, sets: dict[str, list[TokenizedCase]]) -> dict[tupl
     return named
 
 
-def _curves(set_names: list[str], num_cases: int) -> None:
-    """Every arm of :data:`CURVE_ARMS` on the first ``num_cases`` cases of each set, in one engine, the arms taking
-    turns per case, the prefix cache reset before each request."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def _curves(set_names: list[str], num_cases: int, arms: list[str], seed: int, minutes: float, tag: str) -> None:
+    """The arms ``arms`` of :data:`CURVE_ARMS` on the first ``num_cases`` cases of each set (drawn with ``seed``), in
+    one engine, the arms taking turns per case, the prefix cache reset before each request. Rows go to
+    ``build/module_quality_vllm/curves-<tag>.jsonl`` as each case finishes; a run stops starting cases after
+    ``minutes`` and the next one resumes (each piece fits the machine's CPU lock)."""
+    from vllm import LLM
 
+    log = RUNS.parent / "module_quality_vllm" / f"curves-{tag}.jsonl"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    done = {(r["set"], r["case"], r["arm"]) for r in _rows(log)}
     llm = LLM(
         **local_engine_args(
             REPO / "build" / "models" / "smollm2", kv_transfer_config=CONNECTOR, additional_config=SETTINGS
@@ -226,144 +265,188 @@ def _curves(set_names: list[str], num_cases: int) -> None:
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
-    sets = {name: curve_cases(name, encode, num_cases) for name in set_names}
-    rows: list[dict] = []
+    sets = {name: curve_cases(name, encode, num_cases, seed) for name in set_names}
+    todo = {
+        name: [tc for tc in tokenized if any((name, tc.case.key, arm) not in done for arm in ["full", *arms])]
+        for name, tokenized in sets.items()
+    }
     started = time.perf_counter()
     try:
-        count = len(encode_curve_modules(llm, sets))
+        count = len(encode_curve_modules(llm, {name: tcs for name, tcs in todo.items() if tcs}))
         print(f"encoded {count} modules in {time.perf_counter() - started:.0f} s", flush=True)
-        for name, tokenized in sets.items():
-            schema = name in SCHEMA_SETS
-            max_tokens = SCHEMA_SETS[name].max_tokens if schema else MAX_NEW_TOKENS
-            for n, tc in enumerate(tokenized):
-                full_tokens: list[int] = []
-                for arm, transfer in CURVE_ARMS.items():
-                    params = SamplingParams(
-                        max_tokens=max_tokens,
-                        temperature=0.0,
-                        stop_token_ids=[eos],
-                        skip_reading_prefix_cache=transfer is None,
-                        extra_args={"kv_transfer_params": transfer} if transfer else None,
-                    )
-                    llm.reset_prefix_cache()
-                    out = llm.generate([TokensPrompt(prompt_token_ids=list(tc.prompt))], params, use_tqdm=False)[0]
-                    tokens = list(out.outputs[0].token_ids)
-                    ttft = _ttft(out)
-                    if ttft is None:
-                        raise SystemExit("vLLM gave no request stats (disable_log_stats must be off)")
-                    if transfer is None:
-                        full_tokens = tokens
-                    text = tokenizer.decode(tokens, skip_special_tokens=True)
-                    full_text = tokenizer.decode(full_tokens, skip_special_tokens=True)
-                    rows.append(
-                        {
-                            "set": name,
-                            "case": tc.case.key,
-                            "arm": arm,
-                            "right": None if schema else is_correct(text, tc.case),
-                            "same_as_full": tokens == full_tokens,
-                            "same_sql_as_full": normalise_sql(text) == normalise_sql(full_text) if schema else None,
-                            "prompt_tokens": len(tc.prompt),
-                            "computed": len(tc.prompt) - out.num_cached_tokens,
-                            "ttft_s": ttft,
-                        }
-                    )
-                elapsed = time.perf_counter() - started
-                print(f"{name} [{n + 1}/{len(tokenized)}] {len(tc.prompt)} tokens, {elapsed:.0f} s", flush=True)
+        with log.open("a") as out:
+            for name, tokenized in todo.items():
+                for tc in tokenized:
+                    if time.perf_counter() - started > minutes * 60:
+                        print(f"stopped after {minutes} minutes: run again to go on", flush=True)
+                        return
+                    rows = _case_rows(llm, tokenizer, eos, name, seed, tc, ["full", *arms])
+                    for row in rows:
+                        out.write(json.dumps(row) + "\n")
+                    out.flush()
+                    elapsed = time.perf_counter() - started
+                    print(f"{name} {tc.case.key}: {len(tc.prompt)} tokens, {elapsed:.0f} s", flush=True)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    summary = _curve_summary(rows)
-    _print_curves(summary)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "module_quality_vllm_curves.json"
-    path.write_text(json.dumps({"cases_per_set": num_cases, "summary": summary, "rows": rows}, indent=1))
-    _plot_curves(summary, RESULTS / "module_quality_vllm_curves.png")
-    print(f"wrote {path}")
 
 
-def _curve_summary(rows: list[dict]) -> dict[str, dict[str, dict]]:
-    """Per set and arm: right answers, as a share of full prefill's, outputs equal to full's, share of prompt
-    tokens computed, median TTFT and full's median TTFT over it."""
+def _case_rows(llm, tokenizer, eos: int, name: str, seed: int, tc, arms: list[str]) -> list[dict]:
+    """One case under every arm in turn: its figures per arm (full prefill first: the others compare with it)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvreuse.vllm.modules.common import BLEND_PASS
+
+    rows: list[dict] = []
+    full_tokens: list[int] = []
+    full_right: bool | None = False
+    schema = name in SCHEMA_SETS
+    answer = normalise_sql if schema else ANSWER
+    for arm in arms:
+        transfer = CURVE_ARMS[arm]
+        params = SamplingParams(
+            max_tokens=SCHEMA_SETS[name].max_tokens if schema else MAX_NEW_TOKENS,
+            temperature=0.0,
+            stop_token_ids=[eos],
+            skip_reading_prefix_cache=transfer is None,
+            extra_args={"kv_transfer_params": transfer} if transfer else None,
+        )
+        llm.reset_prefix_cache()
+        before = llm.collective_rpc(_worker_figures)[0]
+        out = llm.generate([TokensPrompt(prompt_token_ids=list(tc.prompt))], params, use_tqdm=False)[0]
+        after = llm.collective_rpc(_worker_figures)[0]
+        tokens = list(out.outputs[0].token_ids)
+        ttft = _ttft(out)
+        if ttft is None:
+            raise SystemExit("vLLM gave no request stats (disable_log_stats must be off)")
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        right = None if schema else is_correct(text, tc.case)  # a schema case has no gold query: agreement only
+        if transfer is None:
+            full_tokens, full_right = tokens, right
+        report = (out.kv_transfer_params or {}).get(BLEND_PASS)
+        rows.append(
+            {
+                "set": name,
+                "seed": seed,
+                "case": tc.case.key,
+                "arm": arm,
+                "right": right,
+                "full_right": full_right,
+                "same_as_full": tokens == full_tokens,
+                "same_answer_as_full": same_output(full_tokens, tokens, answer, _decoder(tokenizer)),
+                "prompt_tokens": len(tc.prompt),
+                "computed": len(tc.prompt) - out.num_cached_tokens,
+                "passed": report["tokens"] * (report["layers"] + 1) / NUM_LAYERS if report else 0.0,
+                "ttft_s": ttft,
+                "load_s": after["load_s"] - before["load_s"],
+                "blend_s": after["blend_s"] - before["blend_s"],
+                "loadavg": os.getloadavg()[0],
+            }
+        )
+    return rows
+
+
+def _decoder(tokenizer):
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _worker_figures(worker) -> dict:
+    from kvreuse.vllm.runtime import module_figures
+
+    return module_figures()
+
+
+def _rows(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _curve_summary(rows: list[dict], arms: list[str]) -> dict[str, dict[str, dict]]:
+    """Per set and arm: right answers, full prefill's right answers kept, outputs equal to full's (tokens; answers
+    after :data:`ANSWER`), prompt tokens computed (vLLM's count; with the pass), median TTFT and full's median over
+    it, and where the arm's TTFT went (module loads, the pass), each a share of its median TTFT."""
     summary: dict[str, dict[str, dict]] = {}
     for name in dict.fromkeys(r["set"] for r in rows):
         mine = [r for r in rows if r["set"] == name]
-        answered = mine[0].get("right") is not None  # a schema set has no answers
-        full_ttft = statistics.median(r["ttft_s"] for r in mine if r["arm"] == "full")
-        full_right = sum(r["right"] for r in mine if r["arm"] == "full") if answered else 0
+        full = {r["case"]: r for r in mine if r["arm"] == "full"}
+        full_ttft = statistics.median(r["ttft_s"] for r in full.values())
         summary[name] = {}
-        for arm in CURVE_ARMS:
-            arm_rows = [r for r in mine if r["arm"] == arm]
-            right = sum(r["right"] for r in arm_rows) if answered else None
+        for arm in ["full", *arms]:
+            arm_rows = [r for r in mine if r["arm"] == arm and r["case"] in full]
+            if not arm_rows:
+                continue
             ttft = statistics.median(r["ttft_s"] for r in arm_rows)
+            tokens = sum(r["prompt_tokens"] for r in arm_rows)
+            answered = arm_rows[0]["right"] is not None  # a schema case has no gold query
             summary[name][arm] = {
                 "cases": len(arm_rows),
-                "right": right,
-                "vs_full": round(right / full_right, 4) if right is not None and full_right else None,
+                "right": sum(r["right"] for r in arm_rows) if answered else None,
+                "full_right": sum(full[r["case"]]["right"] for r in arm_rows) if answered else None,
+                "kept": sum(r["right"] and full[r["case"]]["right"] for r in arm_rows) if answered else None,
                 "same_as_full": sum(r["same_as_full"] for r in arm_rows),
-                "same_sql_as_full": None if answered else sum(r["same_sql_as_full"] for r in arm_rows),
-                "computed_share": round(
-                    sum(r["computed"] for r in arm_rows) / sum(r["prompt_tokens"] for r in arm_rows), 4
-                ),
+                "same_answer_as_full": sum(r["same_answer_as_full"] for r in arm_rows),
+                "computed_share": round(sum(r["computed"] for r in arm_rows) / tokens, 4),
+                "with_pass_share": round(sum(r["computed"] + r["passed"] for r in arm_rows) / tokens, 4),
                 "ttft_median_s": round(ttft, 5),
                 "speedup": round(full_ttft / ttft, 2),
+                "load_share": round(statistics.median(r["load_s"] / r["ttft_s"] for r in arm_rows), 3),
+                "pass_share": round(statistics.median(r["blend_s"] / r["ttft_s"] for r in arm_rows), 3),
+                "loadavg": [
+                    round(min(r["loadavg"] for r in arm_rows), 1),
+                    round(max(r["loadavg"] for r in arm_rows), 1),
+                ],
             }
     return summary
 
 
 def _print_curves(summary: dict[str, dict[str, dict]]) -> None:
     print(
-        "| set | arm | right | of full's | same tokens as full | same SQL as full | prompt tokens computed | "
-        "TTFT full/arm |"
+        "| set | arm | right | full's right answers kept | same 16 tokens as full | same answer as full "
+        "| prompt tokens computed (with the pass) | TTFT full/arm | of its TTFT: loads, pass |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, arms in summary.items():
         for arm, r in arms.items():
-            vs_full = f"{r['vs_full']:.0%}" if r["vs_full"] is not None else "n/a"
-            right = f"{r['right']}/{r['cases']}" if r["right"] is not None else "n/a"
-            sql = f"{r['same_sql_as_full']}/{r['cases']}" if r.get("same_sql_as_full") is not None else "n/a"
+            n = r["cases"]
+            with_pass = f" ({r['with_pass_share']:.1%})" if r["with_pass_share"] != r["computed_share"] else ""
+            right = f"{r['right']}/{n}" if r["right"] is not None else "n/a"
+            kept = f"{r['kept']}/{r['full_right']}" if r["kept"] is not None else "n/a"
             print(
-                f"| {name} | {arm} | {right} | {vs_full} | {r['same_as_full']}/{r['cases']} | {sql} | "
-                f"{r['computed_share']:.1%} | {r['speedup']:.1f}x |"
+                f"| {name} | {arm} | {right} | {kept} | {r['same_as_full']}/{n} "
+                f"| {r['same_answer_as_full']}/{n} | {r['computed_share']:.1%}{with_pass} | {r['speedup']:.1f}x "
+                f"| {r['load_share']:.0%}, {r['pass_share']:.0%} |"
             )
 
 
 def _plot_curves(summary: dict[str, dict[str, dict]], path: Path) -> None:
-    """Per set, accuracy as a share of full prefill's against the share of prompt tokens computed, one colour per
-    recovery (its compute points joined); the goal's corner shaded."""
+    """Per set, full prefill's answers kept and outputs the same as full's against the share of prompt tokens
+    computed (with the pass), one point per arm; the goal's corner shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    families = dict.fromkeys(arm.split("-")[0] for arm in CURVE_ARMS)
-    colours = plt.get_cmap("tab10")
-    fig, axes = plt.subplots(1, len(summary), figsize=(4.2 * len(summary), 4.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(summary), figsize=(5 * len(summary), 4.4), squeeze=False, sharey=True)
     for ax, (name, arms) in zip(axes[0], summary.items()):
-        for i, family in enumerate(families):
-            points = sorted(
-                (r["computed_share"], _agreement(r)) for arm, r in arms.items() if arm.split("-")[0] == family
-            )
-            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color=colours(i), label=family, markersize=5)
-        ax.fill_between([0, 0.2], 0.95, 1.3, color="#1b9e77", alpha=0.15, label="goal: >= 95% at <= 20%")
-        ax.set_title(f"{name} ({next(iter(arms.values()))['cases']} cases)")
-        ax.set_xlabel("share of prompt tokens computed")
+        for arm, r in arms.items():
+            x = r["with_pass_share"]
+            same = r["same_answer_as_full"] / r["cases"]
+            if r["kept"] is not None:
+                kept = r["kept"] / r["full_right"] if r["full_right"] else 0.0
+                ax.scatter([x], [kept], marker="o", color="tab:blue")
+            ax.scatter([x], [same], marker="x", color="tab:orange")
+            ax.annotate(arm, (x, same), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.scatter([], [], marker="o", color="tab:blue", label="full's right answers kept")
+        ax.scatter([], [], marker="x", color="tab:orange", label="same answer as full (first line; schema: SQL)")
+        ax.fill_between([0, 0.3], 0.9, 1.05, color="#1b9e77", alpha=0.15, label="goal: >= 0.9 at <= 30%")
+        ax.set_title(f"{name} ({arms['full']['cases']} cases)")
+        ax.set_xlabel("share of prompt tokens computed (with the pass)")
         ax.set_xscale("symlog", linthresh=0.05)
         ax.set_xlim(0, 1.1)
-    axes[0][0].set_ylabel("right answers as a share of full's (schema sets: same SQL as full)")
+    axes[0][0].set_ylabel("share of cases")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _agreement(figures: dict) -> float:
-    """An arm's y in the plot: its right answers as a share of full prefill's, or, on a schema set (no answers),
-    the share of its queries equal to full prefill's after normalising."""
-    if figures["vs_full"] is not None:
-        return float(figures["vs_full"])
-    if figures.get("same_sql_as_full") is not None:
-        return figures["same_sql_as_full"] / figures["cases"]
-    return 0.0
 
 
 def _ttft_side_by_side(set_name: str, num_cases: int) -> None:

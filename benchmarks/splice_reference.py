@@ -160,11 +160,14 @@ class KVDeviation:
     their mean squared norm) go on, ``ratios[layer]`` of ``candidates`` in all.
 
     ``ratios = {1: 0.15}``: pick once on layer 1 (the first layer whose KV differs); ``{1: 0.3, 2: 0.2, 3: 0.15}``:
-    CacheBlend's gradual filtering.
+    CacheBlend's gradual filtering; ``{2: 0.15}``: every candidate computed exactly through layers 0 and 1, then the
+    pick on layer 2. ``forced`` (cache indices among the candidates, e.g. LegoLink's first tokens) always go on, on
+    top of the ratio's count (the union of both choices). Ties go to the earlier token.
     """
 
     candidates: torch.Tensor
     ratios: dict[int, float]
+    forced: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
 
     def start(self, cache: KVCache) -> torch.Tensor:
         return torch.unique(self.candidates)
@@ -172,12 +175,16 @@ class KVDeviation:
     def keep(self, layer, index, fresh, cache) -> torch.Tensor | None:
         if layer not in self.ratios:
             return None
-        count = min(len(index), max(0, round(self.ratios[layer] * len(self.candidates))))
         k, v = fresh
         dk = (k - cache.keys[layer, index]).pow(2).sum((1, 2)) / cache.keys[layer, index].pow(2).sum((1, 2)).mean()
         dv = (v - cache.values[layer, index]).pow(2).sum((1, 2)) / cache.values[layer, index].pow(2).sum((1, 2)).mean()
+        score = (dk + dv).double()
+        forced = torch.isin(index, self.forced)
+        score[forced] = math.inf
+        count = min(len(index), int(forced.sum()) + max(0, round(self.ratios[layer] * len(self.candidates))))
+        order = sorted(range(len(index)), key=lambda i: (-float(score[i]), i))
         mask = torch.zeros(len(index), dtype=torch.bool)
-        mask[torch.topk(dk + dv, count).indices] = True
+        mask[order[:count]] = True
         return mask
 
     def joining(self, layer: int) -> None:

@@ -11,6 +11,11 @@
   splice, in plain PyTorch); recomputing 100% is full prefill.
 - **One budget per prompt** (``modules.recompute_budget``): over the same probed modules, the engine recomputes
   the budget's share of the spliced run's tokens, and all of them is the full prefill.
+- **CacheBlend's choice from the request** (``modules.recompute_blend`` / ``blend_layers``): the engine's pass over
+  the first layers and its choice give the 16 greedy tokens and first-token log-probabilities of the offline
+  reference (``benchmarks/splice_reference.py``'s ``KVDeviation``: every module token computed through the first
+  layers, the top share by deviation on the next recomputed in the rest); all of them is the full prefill; vLLM's
+  prefix cache gives the blended blocks to the same request only.
 - **APE** (``modules.ape_temperature`` / ``ape_scale``; per request ``kvreuse_ape``) over modules encoded after the
   header (``anchored``, as the offline arm ``ape-anchored-T0.8``), against the offline reference
   (``benchmarks/splice_reference.py``, ``ApeBias``).
@@ -43,6 +48,7 @@ EOS_TEXT = "<|im_end|>"
 MAX_TOKENS = 16
 CASES = 3  # the first cases of the QA set `mixed` (3 to 6 modules each)
 SHARE = 0.10  # the CacheBlend arm's recompute share
+BLEND = 0.20  # the share of the choice from the request
 TEMPERATURE = 0.8  # the APE arm's
 
 # The LegoLink tests' two modules. A is longer than B: recomputing the first len(B) tokens of each module recomputes
@@ -70,6 +76,8 @@ def generate(
     recompute_first: int | None = None,
     share: float | None = None,
     budget: float | None = None,
+    blend: float | None = None,
+    blend_layers: int | None = None,
     ape: dict | None = None,
     full: bool = False,
     reset: bool = True,
@@ -86,6 +94,8 @@ def generate(
             ("kvreuse_recompute_first", recompute_first),
             ("kvreuse_recompute_share", share),
             ("kvreuse_recompute_budget", budget),
+            ("kvreuse_recompute_blend", blend),
+            ("kvreuse_blend_layers", blend_layers),
             ("kvreuse_ape", ape),
         )
         if value is not None
@@ -184,6 +194,8 @@ def test_a_plain_splice_of_b_is_not_the_full_prefill(llm, prompt, full):
         ({"ape": {"scale": 1e308}}, "kvreuse_ape.scale"),
         ({"recompute_first": 2**31}, "kvreuse_recompute_first"),
         ({"share": float("nan")}, "kvreuse_recompute_share"),
+        ({"blend": float("inf")}, "kvreuse_recompute_blend"),
+        ({"blend": 0.2, "blend_layers": 2**40}, "kvreuse_blend_layers"),
     ],
 )
 def test_a_setting_past_its_bounds_is_refused_before_the_engine_naming_the_field(llm, prompt, full, own, field):
@@ -296,15 +308,24 @@ def reference_model(smollm2_model):
 
 
 @pytest.fixture(scope="module")
-def blend_reference(reference_model, mixed):
+def prepared(reference_model, mixed):
+    """The offline reference's preparation of each case (``module_quality.ModuleCache``: every module encoded alone,
+    and after the header for the encode-time ranking)."""
+    from module_quality import ModuleCache
+
+    model, _ = reference_model
+    store = ModuleCache(model, model.encode(mixed.header))
+    return [store.prepare(tc) for tc in mixed.cases]
+
+
+@pytest.fixture(scope="module")
+def blend_reference(reference_model, mixed, prepared):
     """The offline reference's greedy tokens per case: ``blend-all-10%`` and, for the control, ``naive``."""
-    from module_quality import ModuleCache, encoded_choice
+    from module_quality import encoded_choice
 
     model, eos = reference_model
-    store = ModuleCache(model, model.encode(mixed.header))
     out = []
-    for tc in mixed.cases:
-        prep = store.prepare(tc)
+    for tc, prep in zip(mixed.cases, prepared):
         cache, question = prep.caches["alone"], list(tc.question)
         blend = model.generate(
             cache, question, max_new_tokens=MAX_TOKENS, eos=eos, recompute=encoded_choice(SHARE, "all")(prep)
@@ -388,6 +409,79 @@ def test_a_budget_of_every_token_is_the_full_prefill(llm, probed):
     assert out.num_cached_tokens == len(tc.header)
     assert_same_greedy_path(full.outputs[0], out.outputs[0], "budget 1")
     assert gap(full, out) <= LOGPROB_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def runtime_reference(reference_model, mixed, prepared):
+    """Per case and number of exact layers (1: CacheBlend's layer 0, every case; 2, the first case), the offline
+    reference's generation with the top ``BLEND`` of the module tokens by their deviation on the next layer
+    recomputed in the rest."""
+    from module_quality import deviation
+
+    model, eos = reference_model
+    return [
+        {
+            layers: model.generate(
+                prep.caches["alone"],
+                list(tc.question),
+                max_new_tokens=MAX_TOKENS,
+                eos=eos,
+                recompute=deviation({layers: BLEND})(prep),
+            )
+            for layers in ((1, 2) if n == 0 else (1,))
+        }
+        for n, (tc, prep) in enumerate(zip(mixed.cases, prepared))
+    ]
+
+
+def test_the_engines_choice_from_the_request_gives_the_offline_references_tokens(llm, probed, runtime_reference):
+    """Each case's 16 greedy tokens and first-token log-probabilities with the engine's pass over the first 1 (or 2)
+    layers and its choice of 20% of the module tokens equal the reference's; the engine computed that many tokens
+    more than the plain splice, and its pass ran over every module token."""
+    for tc, ref in zip(probed, runtime_reference):
+        plain = generate(llm, tc.prompt, recompute_first=0)
+        for layers in ref:
+            before = llm.collective_rpc(_figures)[0]
+            out = generate(llm, tc.prompt, recompute_first=0, blend=BLEND, blend_layers=layers)
+            after = llm.collective_rpc(_figures)[0]
+            tokens = sum(len(m) for m in tc.modules)
+            assert plain.num_cached_tokens - out.num_cached_tokens == round(BLEND * tokens), tc.case.key
+            assert after["blend_tokens"] - before["blend_tokens"] == tokens  # the header is exact: no candidate
+            assert list(out.outputs[0].token_ids) == ref[layers].tokens, (tc.case.key, layers)
+            assert gap_to_logits(out, ref[layers].first_logits) <= LOGPROB_TOLERANCE, (tc.case.key, layers)
+
+
+def test_the_choice_from_the_request_changes_answers(runtime_reference, blend_reference):
+    """The control: the chosen tokens change the reference's output from the plain splice's, so the test above tells
+    the engine's choice from none."""
+    assert any(ref[1].tokens != plain["naive"] for ref, plain in zip(runtime_reference, blend_reference))
+
+
+def test_a_blend_of_every_token_is_the_full_prefill(llm, probed):
+    tc = probed[0]
+    full = generate(llm, tc.prompt, full=True)
+    out = generate(llm, tc.prompt, recompute_first=0, blend=1.0)
+    assert out.num_cached_tokens == len(tc.header)
+    assert_same_greedy_path(full.outputs[0], out.outputs[0], "recompute_blend 1")
+    assert gap(full, out) <= LOGPROB_TOLERANCE
+
+
+def test_the_prefix_cache_gives_blended_blocks_to_the_same_request_only(llm, probed):
+    """The same prompt with the same setting finds its blended blocks in vLLM's prefix cache: it loads at most the
+    run's tokens in the block where the run ends (recomputing there what the first request chose) and gives the same
+    tokens; another share, or none, does not get them (only blocks of the exact header, a plain splice's)."""
+    block = 32  # kvreuse.localmodel.local_engine_args
+    tc = probed[0]
+    run = len(tc.prompt) - len(tc.question)
+    fresh = generate(llm, tc.prompt, recompute_first=0, blend=BLEND)
+    before = loaded(llm)
+    again = generate(llm, tc.prompt, recompute_first=0, blend=BLEND, reset=False)
+    assert loaded(llm) - before < block and again.num_cached_tokens > run - block - round(BLEND * run)
+    assert again.outputs[0].token_ids == fresh.outputs[0].token_ids
+    for other in ({"blend": 0.1}, {}):
+        before = loaded(llm)
+        generate(llm, tc.prompt, recompute_first=0, reset=False, **other)
+        assert loaded(llm) - before >= run - len(tc.header) // block * block, other
 
 
 def ape(llm, prompt, setting: dict | None, *, reset: bool = True):

@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
-    from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
@@ -632,11 +631,12 @@ def attention_backend_names(vllm_config: VllmConfig, layer_names: Sequence[str])
     return {name: layers[name].attn_backend.get_name() if name in layers else "?" for name in layer_names}
 
 
-@MANIFEST.touches(attribute("vllm.forward_context:ForwardContext.no_compile_layers"))
-def attention_layers(forward_context: ForwardContext, layer_names: Sequence[str]) -> list[Any]:
-    """The attention layer modules called ``layer_names``, in that order, during a forward pass.
-    Tested: vLLM 0.32.0."""
-    return [forward_context.no_compile_layers[name] for name in layer_names]
+@MANIFEST.touches(attribute("vllm.config.compilation:CompilationConfig.static_forward_context"))
+def static_attention_layers(vllm_config: VllmConfig, layer_names: Sequence[str]) -> list[Any]:
+    """The attention layer modules called ``layer_names``, in that order (the modules a forward pass calls), also
+    outside a forward pass. Tested: vLLM 0.32.0."""
+    layers = vllm_config.compilation_config.static_forward_context
+    return [layers[name] for name in layer_names]
 
 
 @MANIFEST.touches(attribute(f"{_LAYER}.kv_cache"))
@@ -862,6 +862,15 @@ def prefix_cache_hit(manager: KVCacheManager, request: Request) -> int:
     return int(tokens)
 
 
+@MANIFEST.touches(call("vllm.tokenizers:cached_tokenizer_from_config", "model_config"))
+def engine_tokenizer(vllm_config: VllmConfig) -> Any:
+    """The model's tokenizer in the process that asks (the engine core's scheduler side, for shadow checks compared
+    as texts), through vLLM's own cached loader. Tested: vLLM 0.32.0."""
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    return cached_tokenizer_from_config(vllm_config.model_config)
+
+
 @MANIFEST.touches(attribute("vllm.v1.request:Request.block_hashes"))
 def request_block_hashes(request: Request) -> Sequence[Any]:
     """``request``'s prefix-cache hashes, one per full block of its tokens (as ``fold_into_block_hashes`` left
@@ -932,14 +941,16 @@ def shutdown_llm(llm: LLM) -> None:
 # -- selective recompute of spliced tokens (modules plugin) ---------------------------------------------------------
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
-# What the installed wrapper calls: ((the step's connector metadata, its request ids in batch order) -> {request
-# id: (start, recompute positions)}, the step's true positions -> None). One per process: the worker side of the
-# engine built last installs it.
-_REMAP: list[tuple[Callable[[Any, Sequence[str]], Mapping[str, tuple[int, Sequence[int]]]], Callable[[Any], None]]] = []
+# What the installed wrapper calls: ((the step's connector metadata, its request ids in batch order, the runner's
+# model) -> {request id: (start, recompute positions)}, the step's true positions -> None). One per process: the
+# worker side of the engine built last installs it.
+_Moves = Callable[[Any, Sequence[str], Any], Mapping[str, tuple[int, Sequence[int]]]]
+_REMAP: list[tuple[_Moves, Callable[[Any], None]]] = []
 
 
 @MANIFEST.touches(
     call(f"{_RUNNER}._prepare_inputs", "self", "scheduler_output", "num_scheduled_tokens"),
+    call(f"{_RUNNER}.get_model", "self"),
     attribute(f"{_RUNNER}.input_batch"),
     attribute(f"{_RUNNER}.positions"),
     attribute(f"{_RUNNER}.input_ids"),
@@ -961,7 +972,7 @@ _REMAP: list[tuple[Callable[[Any, Sequence[str]], Mapping[str, tuple[int, Sequen
     attribute("vllm.v1.core.sched.output:SchedulerOutput.total_num_scheduled_tokens"),
 )
 def remap_scheduled_tokens(
-    moves: Callable[[Any, Sequence[str]], Mapping[str, tuple[int, Sequence[int]]]],
+    moves: _Moves,
     publish: Callable[[Any], None],
     true_positions: Callable[[int, int, int, Sequence[int]], list[int]],
 ) -> None:
@@ -970,8 +981,9 @@ def remap_scheduled_tokens(
     The module connector claims a spliced run less the ``r`` tokens it recomputes, so vLLM schedules ``r`` tokens
     more, from ``start`` on, as if they followed the loaded ones. After vLLM's ``_prepare_inputs`` built the step's
     inputs, the wrapper gives those scheduled tokens of each request in ``moves(scheduler_output
-    .kv_connector_metadata, request ids in batch order)`` (which also tells the worker side the step's order of
-    requests, for per-request attention settings such as APE) their true prompt positions (``true_positions(first,
+    .kv_connector_metadata, request ids in batch order, the runner's model)`` (which also tells the worker side the
+    step's order of requests, for per-request attention settings such as APE, and lets it run a pass of the model's
+    first layers that chooses the tokens, :class:`DecoderLayers`) their true prompt positions (``true_positions(first,
     count, start, recompute)``), their token ids (from the request's prompt, as vLLM reads them) and their slots
     (vLLM's own slot-mapping computation, run again on the new positions, every KV cache group). Logits are still
     read at each request's last scheduled token, the prompt's last, which keeps its position. ``publish`` gets the
@@ -995,7 +1007,7 @@ def remap_scheduled_tokens(
         found = [
             (batch.req_id_to_index[rid], start, recompute)
             for rid, (start, recompute) in wanted(
-                scheduler_output.kv_connector_metadata, batch.req_ids[: batch.num_reqs]
+                scheduler_output.kv_connector_metadata, batch.req_ids[: batch.num_reqs], self.get_model()
             ).items()
             if rid in batch.req_id_to_index
         ]
@@ -1021,6 +1033,119 @@ def remap_scheduled_tokens(
     GPUModelRunner._prepare_inputs = _prepare_inputs  # type: ignore[method-assign]
 
 
+_LLAMA = "vllm.model_executor.models.llama"
+
+
+class DecoderLayers:
+    """A vLLM Llama model's embedding and decoder layers as plain steps, for a pass over chosen tokens outside
+    vLLM's forward (the module cache's choice from the request's own context, ``kvreuse.vllm.modules.blend``): per
+    layer, :meth:`attention_inputs` (input norm, QKV projection, RoPE) and :meth:`finish_layer` (output projection,
+    post-attention norm, MLP), with the attention between them the caller's. Each step is the layer's own module
+    (vLLM's kernels, weights and dtype), so the pass computes what the model's forward computes for those tokens.
+    Built by :func:`decoder_layers`."""
+
+    def __init__(self, model: Any) -> None:
+        inner = model.model
+        self._embed = inner.embed_tokens
+        self._layers = list(inner.layers)
+        attention = self._layers[0].self_attn
+        self.num_heads: int = attention.num_heads
+        self.num_kv_heads: int = attention.num_kv_heads
+        self.head_dim: int = attention.head_dim
+        self.scale: float = attention.scaling
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``[tokens, hidden]``: the input of layer 0."""
+        hidden: torch.Tensor = self._embed(token_ids)
+        return hidden
+
+    def attention_inputs(
+        self, layer: int, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s queries ``[n, heads, head_dim]``, keys and values ``[n, kv_heads, head_dim]`` (RoPE at
+        ``positions``) of tokens whose input is ``hidden`` (with ``residual``, ``None`` at layer 0), and the residual
+        stream to hand :meth:`finish_layer`, as ``LlamaDecoderLayer.forward`` and ``LlamaAttention.forward`` compute
+        them."""
+        block = self._layers[layer]
+        if residual is None:
+            residual, normed = hidden, block.input_layernorm(hidden)
+        else:
+            normed, residual = block.input_layernorm(hidden, residual)
+        attention = block.self_attn
+        qkv, _ = attention.qkv_proj(normed)
+        q, k, v = qkv.split([attention.q_size, attention.kv_size, attention.kv_size], dim=-1)
+        q, k = attention.rotary_emb(positions, q, k)
+        n = hidden.shape[0]
+        shaped = (
+            q.reshape(n, self.num_heads, self.head_dim),
+            k.reshape(n, self.num_kv_heads, self.head_dim),
+            v.reshape(n, self.num_kv_heads, self.head_dim),
+        )
+        return (*shaped, residual)
+
+    def finish_layer(
+        self, layer: int, attended: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output (hidden states and residual, the next layer's input) from its attention output
+        ``[n, heads, head_dim]``."""
+        block = self._layers[layer]
+        out, _ = block.self_attn.o_proj(attended.reshape(attended.shape[0], -1))
+        hidden, residual = block.post_attention_layernorm(out, residual)
+        return block.mlp(hidden), residual
+
+
+@MANIFEST.touches(
+    attribute(f"{_LLAMA}:LlamaForCausalLM.model"),
+    attribute(f"{_LLAMA}:LlamaModel.embed_tokens"),
+    attribute(f"{_LLAMA}:LlamaModel.layers"),
+    call(f"{_LLAMA}:LlamaDecoderLayer.forward", "self", "positions", "hidden_states", "residual"),
+    attribute(f"{_LLAMA}:LlamaDecoderLayer.input_layernorm"),
+    attribute(f"{_LLAMA}:LlamaDecoderLayer.post_attention_layernorm"),
+    attribute(f"{_LLAMA}:LlamaDecoderLayer.self_attn"),
+    attribute(f"{_LLAMA}:LlamaDecoderLayer.mlp"),
+    call(f"{_LLAMA}:LlamaAttention.forward", "self", "positions", "hidden_states"),
+    attribute(f"{_LLAMA}:LlamaAttention.qkv_proj"),
+    attribute(f"{_LLAMA}:LlamaAttention.o_proj"),
+    attribute(f"{_LLAMA}:LlamaAttention.rotary_emb"),
+    attribute(f"{_LLAMA}:LlamaAttention.q_size"),
+    attribute(f"{_LLAMA}:LlamaAttention.kv_size"),
+    attribute(f"{_LLAMA}:LlamaAttention.num_heads"),
+    attribute(f"{_LLAMA}:LlamaAttention.num_kv_heads"),
+    attribute(f"{_LLAMA}:LlamaAttention.head_dim"),
+    attribute(f"{_LLAMA}:LlamaAttention.scaling"),
+)
+def decoder_layers(model: Any) -> DecoderLayers:
+    """``model``'s layers as :class:`DecoderLayers`, for a model whose every decoder layer computes exactly what
+    vLLM's Llama layer does (its ``forward`` is ``LlamaDecoderLayer.forward`` and its attention's
+    ``LlamaAttention.forward``: Llama, and models vLLM builds from its classes), on one pipeline stage.
+
+    Raises ``ConfigError`` naming the model's class otherwise: a pass of other layers could differ from the model's
+    forward (a norm on the queries and keys, another residual), and its choice would be made on other values.
+    Tested: vLLM 0.32.0 (``LlamaForCausalLM``).
+    """
+    from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer
+
+    from kvreuse.errors import ConfigError
+
+    inner = getattr(model, "model", None)
+    layers = list(getattr(inner, "layers", ()))
+    llama = bool(layers) and all(
+        type(layer).forward is LlamaDecoderLayer.forward
+        and type(getattr(layer, "self_attn", None)).forward is LlamaAttention.forward
+        for layer in layers
+    )
+    if not llama:  # a layer of another pipeline stage is a placeholder, not a Llama layer
+        raise ConfigError(
+            f"the pass of modules.recompute_blend runs Llama's decoder layers; {type(model).__name__}'s are not "
+            "(or are split over pipeline stages)"
+        )
+    return DecoderLayers(model)
+
+
 # -- the interface the adapters use directly -----------------------------------------------------------------------
 
 _BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
@@ -1036,6 +1161,9 @@ MANIFEST.declare_interface(
     attribute("vllm.config:VllmConfig.model_config"),
     attribute("vllm.config:VllmConfig.cache_config"),
     attribute("vllm.config:VllmConfig.compilation_config"),
+    attribute("vllm.config:VllmConfig.parallel_config"),
+    attribute("vllm.config:ParallelConfig.tensor_parallel_size"),
+    attribute("vllm.config:ParallelConfig.pipeline_parallel_size"),
     attribute("vllm.config:CacheConfig.block_size"),
     attribute("vllm.sampling_params:SamplingParams.max_tokens"),  # the batch backend's greedy requests
     attribute("vllm.config:SchedulerConfig.async_scheduling"),
@@ -1052,6 +1180,10 @@ MANIFEST.declare_interface(
     call("vllm:LLM.get_metrics", "self"),
     call("vllm:LLM.collective_rpc", "self", "method"),
     call("vllm:LLM.reset_prefix_cache", "self"),
+    attribute("vllm.outputs:RequestOutput.metrics"),  # per request timings (calibration's TTFT)
+    attribute("vllm.outputs:RequestOutput.kv_transfer_params"),  # the module connector's report (BLEND_PASS)
+    attribute("vllm.v1.metrics.stats:RequestStateStats.first_token_ts"),
+    attribute("vllm.v1.metrics.stats:RequestStateStats.scheduled_ts"),
     attribute("vllm:SamplingParams.skip_reading_prefix_cache"),
     attribute("vllm:SamplingParams.extra_args"),
     value("vllm.inputs:TokensPrompt"),

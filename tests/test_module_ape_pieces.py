@@ -296,8 +296,8 @@ def test_the_worker_hands_the_backend_each_steps_ape_in_batch_order():
 
     worker = SimpleNamespace(masks_by_position=True)
     spans = ApeSpans(((3, 9),), 0.8, 1.0)
-    assert ModuleWorker.plan_step(worker, ModuleCacheMetadata(ape={"b": spans}), ["a", "b", "c"]) == {}
+    assert ModuleWorker.plan_step(worker, ModuleCacheMetadata(ape={"b": spans}), ["a", "b", "c"], None) == {}
     assert runtime().step_ape == (None, spans, None) and step_ape(3) == (None, spans, None)
     assert step_ape(2) is None  # a step of another size (a dummy run) never gets them
-    ModuleWorker.plan_step(worker, ModuleCacheMetadata(), ["a", "b"])
+    ModuleWorker.plan_step(worker, ModuleCacheMetadata(), ["a", "b"], None)
     assert runtime().step_ape is None

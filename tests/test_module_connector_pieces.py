@@ -79,8 +79,9 @@ def module_scheduler(**modules):
         additional_config={"kvreuse": {"modules": modules}},
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute"),
         cache_config=SimpleNamespace(block_size=4),
-        model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: hf)),
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: hf, num_hidden_layers=4)),
         device_config=SimpleNamespace(device_type="cpu"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
     )
     return ModuleScheduler(config)
 

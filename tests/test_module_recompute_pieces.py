@@ -300,7 +300,7 @@ def test_the_input_wrapper_moves_a_requests_scheduled_tokens_to_their_positions_
     worker = SimpleNamespace(masks_by_position=True)
     from kvreuse.vllm.modules.worker import ModuleWorker
 
-    moves = lambda meta, req_ids: ModuleWorker.plan_step(worker, meta, req_ids)  # noqa: E731
+    moves = lambda meta, req_ids, model: ModuleWorker.plan_step(worker, meta, req_ids, model)  # noqa: E731
     vllm_0_32.remap_scheduled_tokens(moves, published.append, true_positions)
     runner = SimpleNamespace(
         input_batch=SimpleNamespace(
@@ -313,6 +313,7 @@ def test_the_input_wrapper_moves_a_requests_scheduled_tokens_to_their_positions_
         ),
         positions=torch.zeros(16, dtype=torch.int64),
         input_ids=SimpleNamespace(cpu=torch.zeros(16, dtype=torch.int64), gpu=torch.zeros(16, dtype=torch.int64)),
+        get_model=lambda: None,
     )
     from kvreuse.vllm.modules.common import LoadSpec
 

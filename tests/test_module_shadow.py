@@ -30,6 +30,41 @@ def test_only_the_first_tokens_of_a_half_are_kept_and_compared():
     assert pairs.finished("p", True, [1] * COMPARED_TOKENS + [3]) is True  # they differ after the compared tokens
 
 
+def test_a_pair_compared_after_a_normaliser_agrees_where_the_texts_do():
+    from kvreuse.modules.agreement import Normaliser, same_output
+
+    texts = {(1, 2): "Amber.\nMore", (3, 4): "amber.\nOther", (5, 6): "Teal."}
+    answer = Normaliser.parse(["first-line", "case"])
+    seen = []
+
+    def same(full, served):
+        seen.append((tuple(full), tuple(served)))
+        return same_output(full, served, answer, lambda ids: texts[tuple(ids)])
+
+    pairs = ShadowPairs(same=same)
+    pairs.finished("p", False, [3, 4])
+    assert pairs.finished("p", True, [1, 2]) is True  # other tokens, the same first line after case folding
+    pairs.finished("q", True, [1, 2])
+    assert pairs.finished("q", False, [5, 6]) is False
+    assert seen == [((1, 2), (3, 4)), ((1, 2), (5, 6))]  # the full half first, whichever finished first
+
+
+def test_the_engines_shadow_normaliser_is_a_json_list_of_steps_checked_at_start():
+    from kvreuse.errors import ConfigError
+    from kvreuse.modules.config import ModulesConfig
+
+    assert ModulesConfig.load({}, {}).shadow_normaliser() is None
+    found = ModulesConfig.load({"shadow_normalise": '["first-line", "case"]'}, {}).shadow_normaliser()
+    assert found is not None and found("  Amber.\nx") == "amber."
+    for bad, said in (
+        ("first-line", "must be a JSON list of normaliser steps"),
+        ('{"a": 1}', "must be a JSON list of normaliser steps, got dict"),
+        ('["lowercase"]', "unknown normaliser step 'lowercase'"),
+    ):
+        with pytest.raises(ConfigError, match=said):
+            ModulesConfig.load({"shadow_normalise": bad}, {})
+
+
 def test_a_pair_with_nothing_to_compare_or_two_halves_of_one_kind_is_no_check():
     pairs = ShadowPairs()
     pairs.finished("p", False, [])

@@ -37,15 +37,35 @@ def test_the_choice_is_by_tokens_computed_not_by_order_or_agreement():
 def test_a_setting_has_an_engine_form_and_a_per_request_form():
     setting = Setting(32, 0.1)
     assert setting.additional_config() == {
-        "kvreuse": {"modules": {"recompute_first": 32, "recompute_share": 0.1, "recompute_budget": 0.0}}
+        "kvreuse": {
+            "modules": {
+                "recompute_first": 32,
+                "recompute_share": 0.1,
+                "recompute_budget": 0.0,
+                "recompute_blend": 0.0,
+                "blend_layers": 1,
+            }
+        }
     }
     assert setting.transfer_params() == {
         "kvreuse_recompute_first": 32,
         "kvreuse_recompute_share": 0.1,
         "kvreuse_recompute_budget": 0.0,
+        "kvreuse_recompute_blend": 0.0,
+        "kvreuse_blend_layers": 1,
     }
     assert str(Setting(ALL_TOKENS)) == "recompute_first all, recompute_share 0"
     assert str(Setting(0, 0.0, 0.15)) == "recompute_first 0, recompute_share 0, recompute_budget 0.15"
+    assert str(Setting(0, 0.0, 0.0, 0.2, 2)) == "recompute_first 0, recompute_share 0, recompute_blend 0.2 after 2"
+
+
+def test_every_form_of_a_setting_passes_the_engines_checks():
+    from kvreuse.modules.config import ModulesConfig
+    from kvreuse.vllm.modules.common import check_transfer_params
+
+    setting = Setting(16, 0.1, 0.15, 0.2, 2)
+    check_transfer_params(setting.transfer_params())
+    assert ModulesConfig.load(setting.additional_config()["kvreuse"]["modules"], {}).recompute_blend == 0.2
 
 
 def test_the_wilson_bound_at_full_agreement_is_n_over_n_plus_z_squared():
@@ -101,3 +121,14 @@ def test_the_command_checks_its_inputs_before_an_engine_starts(tmp_path, capsys)
     with pytest.raises(SystemExit):
         main([*command, "--shares", "0.1,2"])
     assert "each share must be above 0 and at most 1" in capsys.readouterr().err
+    for bad, said in (
+        (["--blends", "0.2,nan"], "each share must be above 0 and at most 1"),
+        (["--blend-layers", "0"], "'0' is not a comma-separated list of layer counts from 1 to 1024"),
+        (["--blend-layers", "1,99999"], "layer counts from 1 to 1024"),
+    ):
+        with pytest.raises(SystemExit):
+            main([*command, *bad])
+        assert said in capsys.readouterr().err
+    prompts.write_text('"A profile.\\nQuestion?"\n')
+    assert main([*command, "--normalise", "first-line", "--normalise", "regex:(unclosed"]) == 1
+    assert "regex:(unclosed: not a regular expression" in capsys.readouterr().err

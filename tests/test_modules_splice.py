@@ -151,3 +151,22 @@ def test_block_modules_gives_every_module_whose_tokens_lie_in_a_block_from_the_f
     assert block_modules(matches, 4, 0, 3) == {0: (a,), 1: (a, b), 2: (b,)}
     assert block_modules(matches, 4, 2, 4) == {2: (b,), 3: (c,)}
     assert block_modules([], 4, 0, 3) == {}
+
+
+def test_piece_kv_moves_every_layers_keys_as_a_move_of_that_layer_alone_would_bit_for_bit():
+    """piece_kv moves all layers at once (the layers as more heads); each key gets the same arithmetic as a move of
+    its layer alone, so the spliced KV is the same to the last bit."""
+    import torch
+
+    from kvreuse.kernels.rerotate import RopeSpec, move_keys
+    from kvreuse.modules.splice import Piece, piece_kv
+    from kvreuse.modules.store import EncodedModule
+
+    spec = RopeSpec(head_dim=8, rotary_dim=8)
+    kv = torch.randn(3, 2, 7, 2, 8, generator=torch.Generator().manual_seed(0))
+    module = EncodedModule("m", "model", "tok", tuple(range(7)), 4, kv)
+    piece = Piece("m", 2, 30, 5)  # from the module's token 2, at prompt position 30
+    deltas = torch.full((5,), 30 - (4 + 2), dtype=torch.int64)
+    for layer, (keys, values) in enumerate(piece_kv(module, piece, spec, "cpu")):
+        assert torch.equal(keys, move_keys(kv[layer, 0, 2:7], deltas, spec))
+        assert torch.equal(values, kv[layer, 1, 2:7]) and keys.is_contiguous()

@@ -39,6 +39,8 @@ from kvreuse.batch.progress import JobProgress, Tally
 from kvreuse.batch.savings import PrefillReport, field_order_advice
 from kvreuse.batch.table_io import UTF8, read_table
 from kvreuse.errors import BackendError, ConfigError, KVReuseError
+from kvreuse.modules.agreement import Normaliser
+from kvreuse.modules.config import MAX_BLEND_LAYERS
 from kvreuse.reorder import (
     FIELD_ORDERS,
     METHODS,
@@ -348,9 +350,10 @@ def _add_calibrate_modules(commands: argparse._SubParsersAction) -> None:
         help="pick the cheapest module-splice recompute whose answers agree with full prefill's on a floor",
         description="Start vLLM on --model with the module cache, encode --modules, run every --prompts line with "
         "full prefill and with each candidate (modules.recompute_first 0/16/32/64, each with every --shares; each "
-        "--budgets), print "
-        "the curve and the cheapest setting that keeps --min-agreement, as --additional-config and per request "
-        "(kvreuse.vllm.modules.calibrate). On vLLM's CPU build set KVREUSE_SPARSE_CPU_BACKEND=1.",
+        "--budgets; each --blends after each --blend-layers), print the curve (agreement, prompt tokens computed, "
+        "TTFT) and the cheapest setting that keeps --min-agreement, as --additional-config and per request "
+        "(kvreuse.vllm.modules.calibrate). Outputs agree where their first 16 tokens are the same, or where their "
+        "texts are after the --normalise steps. On vLLM's CPU build set KVREUSE_SPARSE_CPU_BACKEND=1.",
     )
     calibrate.add_argument("--model", required=True, help="the model (path or name)")
     calibrate.add_argument("--modules", required=True, type=Path, help="JSON object: module name -> text")
@@ -361,6 +364,25 @@ def _add_calibrate_modules(commands: argparse._SubParsersAction) -> None:
     )
     calibrate.add_argument(
         "--budgets", type=_share_list, default=[], help="recompute_budget candidates, comma-separated, e.g. 0.1,0.15"
+    )
+    calibrate.add_argument(
+        "--blends",
+        type=_share_list,
+        default=[],
+        help="recompute_blend candidates (chosen from each request's own context), comma-separated, e.g. 0.15,0.2",
+    )
+    calibrate.add_argument(
+        "--blend-layers",
+        type=_layer_list,
+        default=[1],
+        help="blend_layers for each --blends candidate, comma-separated (default: 1)",
+    )
+    calibrate.add_argument(
+        "--normalise",
+        action="append",
+        metavar="STEP",
+        help="compare outputs after this step (repeat for several, applied in order): first-line, case, whitespace, "
+        "regex:PATTERN (its first group), json:FIELD (default: the same tokens)",
     )
     calibrate.add_argument("--probe", help="text the modules are probed after (needed for --shares; used by --budgets)")
     calibrate.add_argument("--engine-args", type=_engine_args, default={}, help="JSON object of vLLM engine arguments")
@@ -418,6 +440,8 @@ def _calibrate_modules(args: argparse.Namespace) -> int:
 
     if not 0.0 <= args.min_agreement <= 1.0:
         raise ConfigError(f"--min-agreement must be between 0 and 1, got {args.min_agreement}")
+    if args.normalise:
+        Normaliser.parse(args.normalise)  # a bad step is refused before the engine starts
     modules, prompts = read_calibration_inputs(args.modules, args.prompts)
     found = calibrate_in_new_engine(
         args.model,
@@ -426,6 +450,9 @@ def _calibrate_modules(args: argparse.Namespace) -> int:
         args.min_agreement,
         shares=args.shares,
         budgets=args.budgets,
+        blends=args.blends,
+        blend_layers=args.blend_layers,
+        normalise=args.normalise,
         probe=args.probe,
         engine_args=args.engine_args,
     )
@@ -451,6 +478,15 @@ def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return int(text)
+
+
+def _layer_list(text: str) -> list[int]:
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() and 1 <= int(part) <= MAX_BLEND_LAYERS for part in parts):
+        raise argparse.ArgumentTypeError(
+            f"{text[:40]!r} is not a comma-separated list of layer counts from 1 to {MAX_BLEND_LAYERS}"
+        )
+    return [int(part) for part in parts]
 
 
 def _share_list(text: str) -> list[float]:

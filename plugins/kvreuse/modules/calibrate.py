@@ -24,12 +24,15 @@ ALL_TOKENS = 2**31 - 1
 
 @dataclass(frozen=True)
 class Setting:
-    """A candidate setting of the module cache's recompute: ``modules.recompute_first``, ``recompute_share`` and
-    ``recompute_budget``. Both forms name all three, so no engine default adds to the measured setting."""
+    """A candidate setting of the module cache's recompute: ``modules.recompute_first``, ``recompute_share``,
+    ``recompute_budget``, ``recompute_blend`` and ``blend_layers``. Both forms name all of them, so no engine default
+    adds to the measured setting."""
 
     recompute_first: int
     recompute_share: float = 0.0
     recompute_budget: float = 0.0
+    recompute_blend: float = 0.0
+    blend_layers: int = 1
 
     def transfer_params(self) -> dict[str, int | float]:
         """The per-request form: a request's ``kv_transfer_params``."""
@@ -44,23 +47,30 @@ class Setting:
             "recompute_first": self.recompute_first,
             "recompute_share": self.recompute_share,
             "recompute_budget": self.recompute_budget,
+            "recompute_blend": self.recompute_blend,
+            "blend_layers": self.blend_layers,
         }
 
     def __str__(self) -> str:
         first = "all" if self.recompute_first == ALL_TOKENS else str(self.recompute_first)
         budget = f", recompute_budget {self.recompute_budget:g}" if self.recompute_budget else ""
-        return f"recompute_first {first}, recompute_share {self.recompute_share:g}{budget}"
+        blend = f", recompute_blend {self.recompute_blend:g} after {self.blend_layers}" if self.recompute_blend else ""
+        return f"recompute_first {first}, recompute_share {self.recompute_share:g}{budget}{blend}"
 
 
 @dataclass(frozen=True)
 class Measured:
     """``setting`` gave full prefill's answer for ``agreed`` of ``prompts`` sampled prompts, computing ``computed``
-    of their prompt tokens (0 to 1; the rest came from modules)."""
+    of their prompt tokens (0 to 1; the rest came from modules; ``recompute_blend``'s pass counted in, as the
+    tokens whose every layer it equals: ``passed``), with a median time to first token ``speedup`` times shorter
+    than full prefill's (``None`` where the engine gave no timings)."""
 
     setting: Setting
     agreed: int
     prompts: int
     computed: float
+    passed: float = 0.0
+    speedup: float | None = None
 
     @property
     def agreement(self) -> float:

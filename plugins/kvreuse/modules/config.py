@@ -8,6 +8,7 @@ adapter passes a budget), and the disk tier off (it needs a size chosen for the 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -15,6 +16,7 @@ from typing import Any
 
 from kvreuse import config
 from kvreuse.errors import ConfigError
+from kvreuse.modules.agreement import Normaliser
 from kvreuse.sparse.ape import MAX_SCALE, MAX_TEMPERATURE, MIN_SCALE, MIN_TEMPERATURE, check_ape
 
 
@@ -28,6 +30,7 @@ class EvictionPolicy(StrEnum):
 
 EVICTION_POLICIES = tuple(EvictionPolicy)
 AUTO = -1  # gpu_bytes: the device tier's size is the budget the engine adapter gives the store
+MAX_BLEND_LAYERS = 1024  # blend_layers: more than any model's layer count (past the model's: the whole run)
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,27 @@ class ModulesConfig:
         low=0,
         high=1,
     )
+    recompute_blend: float = config.setting(
+        0.0,
+        "engine: share (0 to 1) of a spliced run's module tokens whose KV is not a full prefill's, computed afresh "
+        "as chosen from the request itself (CacheBlend): every such token is first computed through the first "
+        "blend_layers layers with the prompt before it (its KV there, and on the next layer, becomes a full "
+        "prefill's), ranked by how far its KV on the next layer lies from the spliced KV, and the top share is "
+        "recomputed in every layer (kvreuse.modules.blend); one budget per prompt; a request may set its own with "
+        'kv_transfer_params {"kvreuse_recompute_blend": R}; with recompute_first, recompute_share and '
+        "recompute_budget, the union (0 = off); needs kvreuse's attention backend and a Llama-type model on one "
+        "worker",
+        low=0,
+        high=1,
+    )
+    blend_layers: int = config.setting(
+        1,
+        "engine: layers computed for every spliced token before recompute_blend's choice (the exact first layers; "
+        "1 = layer 0 alone, as CacheBlend); at least the model's layer count computes the whole run; a request may "
+        'set its own with kv_transfer_params {"kvreuse_blend_layers": L}',
+        low=1,
+        high=MAX_BLEND_LAYERS,
+    )
 
     ape_temperature: float = config.setting(
         1.0,
@@ -148,6 +172,13 @@ class ModulesConfig:
         high=1_000_000,
     )
 
+    shadow_normalise: str = config.setting(
+        "",
+        "engine: compare a shadow pair's outputs as texts after these normaliser steps, a JSON list of first-line, "
+        'case, whitespace, regex:PATTERN, json:FIELD (e.g. ["first-line", "case"]; kvreuse.modules.agreement); '
+        "empty = the same tokens",
+    )
+
     def __post_init__(self) -> None:
         try:
             check_ape(self.ape_temperature, self.ape_scale, "modules.ape_temperature / modules.ape_scale")
@@ -155,6 +186,25 @@ class ModulesConfig:
             raise ConfigError(
                 f"{why} ({config.env_name('modules', 'ape_temperature')}, {config.env_name('modules', 'ape_scale')})"
             ) from None
+        self.shadow_normaliser()  # refused at start, naming the step
+
+    def shadow_normaliser(self) -> Normaliser | None:
+        """``shadow_normalise`` parsed (``None`` where empty).
+
+        Raises :class:`ConfigError` for a value that is not a JSON list of normaliser steps."""
+        if not self.shadow_normalise:
+            return None
+        where = f"modules.shadow_normalise ({config.env_name('modules', 'shadow_normalise')})"
+        try:
+            steps = json.loads(self.shadow_normalise)
+        except ValueError:
+            raise ConfigError(f'{where} must be a JSON list of normaliser steps, e.g. ["first-line", "case"]') from None
+        if not isinstance(steps, list):
+            raise ConfigError(f"{where} must be a JSON list of normaliser steps, got {type(steps).__name__}")
+        try:
+            return Normaliser.parse(steps)
+        except ConfigError as why:
+            raise ConfigError(f"{where}: {why}") from None
 
     @property
     def ape(self) -> tuple[float, float]:

@@ -1,4 +1,5 @@
-"""Shadow checks: a spliced request's first tokens compared with those of the same prompt computed in full.
+"""Shadow checks: a spliced request's first tokens compared with those of the same prompt computed in full (or their
+texts, after a user's normaliser).
 
 A splice trades answers for compute (README, "Answer quality of spliced modules"); how many it costs depends on the
 prompts a deployment sees, and can drift as they change. A shadow check sends a sampled request twice, as served
@@ -11,17 +12,22 @@ agreement rate live.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 PENDING_PAIRS = 4096  # halves waiting for their other half (a lost half, e.g. an aborted request, ages out)
 COMPARED_TOKENS = 64  # first output tokens kept and compared per half: what is waiting stays bounded
 
 
 class ShadowPairs:
-    """Finished halves of shadow pairs waiting for the other half, at most ``limit`` (the oldest forgotten)."""
+    """Finished halves of shadow pairs waiting for the other half, at most ``limit`` (the oldest forgotten).
+    ``same(full, served)`` says whether two compared outputs agree (default: the same tokens; e.g.
+    ``kvreuse.modules.agreement.same_output`` with a user's normaliser)."""
 
-    def __init__(self, limit: int = PENDING_PAIRS) -> None:
+    def __init__(
+        self, limit: int = PENDING_PAIRS, same: Callable[[Sequence[int], Sequence[int]], bool] | None = None
+    ) -> None:
         self.limit = limit
+        self.same = same
         self._waiting: OrderedDict[str, tuple[bool, tuple[int, ...]]] = OrderedDict()
 
     def finished(self, pair: str, full: bool, tokens: Sequence[int]) -> bool | None:
@@ -40,7 +46,10 @@ class ShadowPairs:
         compared = min(len(tokens), len(other_tokens), COMPARED_TOKENS)
         if other_full == full or not compared:
             return None
-        return tuple(tokens[:compared]) == other_tokens[:compared]
+        mine, theirs = tuple(tokens[:compared]), other_tokens[:compared]
+        if self.same is not None:
+            return self.same(theirs, mine) if full is False else self.same(mine, theirs)
+        return mine == theirs
 
     def __len__(self) -> int:
         return len(self._waiting)

@@ -16,6 +16,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from kvreuse.errors import ModuleRegistrationError, RequestParameterError
+from kvreuse.modules.config import MAX_BLEND_LAYERS
 from kvreuse.modules.encodings import NO_ADAPTER, Encoding
 from kvreuse.modules.namespace import GLOBAL
 from kvreuse.modules.splice import Piece
@@ -39,8 +40,12 @@ ENCODE_PROBE = "kvreuse_probe"  # the module's tokens after a probe context: ran
 RECOMPUTE_FIRST = "kvreuse_recompute_first"  # a request's own modules.recompute_first
 RECOMPUTE_SHARE = "kvreuse_recompute_share"  # a request's own modules.recompute_share
 RECOMPUTE_BUDGET = "kvreuse_recompute_budget"  # a request's own modules.recompute_budget
+RECOMPUTE_BLEND = "kvreuse_recompute_blend"  # a request's own modules.recompute_blend
+BLEND_LAYERS = "kvreuse_blend_layers"  # a request's own modules.blend_layers
 APE = "kvreuse_ape"  # a request's own modules.ape_temperature / ape_scale: {"temperature": T, "scale": S}
 SHADOW = "kvreuse_shadow"  # one half of a shadow check: {"pair": NAME, "full": true|false} (kvreuse.modules.shadow)
+# In a finished request's output (not a request key): {"tokens": T, "layers": L} of the pass recompute_blend ran.
+BLEND_PASS = "kvreuse_blend_pass"
 
 
 def encode_params(name: str, context_tokens: int = 0, *, replace: bool = False, probe: bool = False) -> dict[str, Any]:
@@ -72,6 +77,8 @@ KNOWN = (
     RECOMPUTE_FIRST,
     RECOMPUTE_SHARE,
     RECOMPUTE_BUDGET,
+    RECOMPUTE_BLEND,
+    BLEND_LAYERS,
     APE,
     SHADOW,
     WRITE_PROOF,
@@ -181,6 +188,43 @@ def recompute_budget(params: object, default: float) -> float:
     return float(value)
 
 
+def recompute_blend(params: object, default: float) -> float:
+    """The share of a spliced run's inexact module tokens a request recomputes as chosen from its own context
+    (``kvreuse.modules.blend``): its ``kv_transfer_params``' :data:`RECOMPUTE_BLEND`, else ``default``
+    (``modules.recompute_blend``).
+
+    Raises :class:`RequestParameterError` for a value that is not a number from 0 to 1.
+    """
+    if not isinstance(params, Mapping) or RECOMPUTE_BLEND not in params:
+        return default
+    value = params[RECOMPUTE_BLEND]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise RequestParameterError(
+            f"{FIELD}.{RECOMPUTE_BLEND}",
+            f"{RECOMPUTE_BLEND} must be a number from 0 to 1 (share of the spliced run's module tokens), "
+            f"got {_shown(value)}",
+        )
+    return float(value)
+
+
+def blend_layers(params: object, default: int) -> int:
+    """The layers a request computes for every spliced token before its :data:`RECOMPUTE_BLEND` choice: its
+    ``kv_transfer_params``' :data:`BLEND_LAYERS`, else ``default`` (``modules.blend_layers``).
+
+    Raises :class:`RequestParameterError` for a value that is not an integer from 1 to :data:`MAX_BLEND_LAYERS`.
+    """
+    if not isinstance(params, Mapping) or BLEND_LAYERS not in params:
+        return default
+    value = params[BLEND_LAYERS]
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BLEND_LAYERS:
+        raise RequestParameterError(
+            f"{FIELD}.{BLEND_LAYERS}",
+            f"{BLEND_LAYERS} must be an integer from 1 to {MAX_BLEND_LAYERS} (layers computed for every spliced "
+            f"token), got {_shown(value)}",
+        )
+    return value
+
+
 def check_transfer_params(params: object) -> None:
     """Every kvreuse key of a request's ``kv_transfer_params`` well formed and within its bounds, so that nothing a
     request carries reaches the engine's arithmetic unchecked (issue 26): vLLM's front end refuses the request with
@@ -201,6 +245,8 @@ def check_transfer_params(params: object) -> None:
     recompute_first(params, 0)
     recompute_share(params, 0.0)
     recompute_budget(params, 0.0)
+    recompute_blend(params, 0.0)
+    blend_layers(params, 1)
     ape_setting(params, OFF)
     shadow_half(params)
     if marks_encode(params):
@@ -355,6 +401,24 @@ class LoadSpec:
     # to their own positions before the forward (``kvreuse.patches.vllm_0_32.remap_scheduled_tokens``).
     recompute: tuple[int, ...] = ()
     start: int = 0
+    blend: BlendSpec | None = None  # more positions to recompute, chosen by the worker from the request's context
+
+
+@dataclass(frozen=True)
+class BlendSpec:
+    """``modules.recompute_blend`` for one load: the worker computes the first ``layers`` layers for every
+    ``candidates`` position (the run's tokens whose spliced KV is not a full prefill's, ascending, all inside the
+    load's pieces), writes their exact KV of layers ``0 .. layers``, and adds to the load's ``recompute`` the
+    ``count`` candidates outside it whose KV deviates most on layer ``layers`` (``kvreuse.modules.blend``); the
+    load's ``start`` counts them already. ``context_slots``: the slots of the prompt's tokens before the pieces
+    (vLLM's prefix hit), which the pass attends to. A ``count`` of 0 runs the pass without a choice: the rest of a
+    run whose choice an identical request made (its blocks are vLLM's prefix hit; the tokens it chose in the rest
+    are in the load's ``recompute``)."""
+
+    count: int
+    layers: int
+    candidates: tuple[int, ...]
+    context_slots: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -403,6 +467,8 @@ class ModuleCacheWorkerMeta(KVConnectorWorkerMetadata):
     scores: dict[ModuleKey, tuple[float, ...]] = field(default_factory=dict)  # probed modules: per token
     # stored modules: what each was computed with and after, and whether it is its name's primary encoding
     placed: dict[ModuleKey, Encoding] = field(default_factory=dict)
+    # requests whose recompute_blend pass ran: the positions it chose (one worker runs it: blend_refusal)
+    blended: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def aggregate(self, other: ModuleCacheWorkerMeta) -> ModuleCacheWorkerMeta:
         return ModuleCacheWorkerMeta(
@@ -415,4 +481,5 @@ class ModuleCacheWorkerMeta(KVConnectorWorkerMetadata):
                 if key in other.scores
             },
             placed={key: where for key, where in self.placed.items() if key in other.placed},
+            blended={**self.blended, **other.blended},
         )

@@ -110,8 +110,9 @@ class KVReuseModuleCache(KVReuseMetrics, KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler.shadow_finished(request)
+        report = self._scheduler.finished_params(request.request_id)
         self._scheduler.finished(request.request_id)
-        return False, None
+        return False, report
 
     # ---------------------------------------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -41,7 +41,12 @@ The run is then loaded as vLLM allocates its blocks, and the tokens it recompute
 vLLM schedules them, each step's metadata carrying the run's recompute (the worker moves the step's scheduled
 tokens to their positions): the same KV as in one step. vLLM caches full blocks when it allocates them, before
 a later step computes their recomputed tokens: such blocks leave its prefix cache (``vllm_0_32.uncache_blocks``),
-and a request admitted in the same step whose hit holds one waits a step.
+and a request admitted in the same step whose hit holds one waits a step. A run whose recompute
+``modules.recompute_blend`` chooses is the exception: its pass runs over every spliced token with the prompt before
+it, in the step that loads the run, so it needs the whole rest of the prompt in that step; where vLLM chunks such a
+prompt, the run's first tokens are loaded plainly and vLLM computes the rest at its own positions (more recompute
+than asked, never a wrong one), and the request's blocks from its first spliced one on leave the prefix cache as
+they fill (their KV is not the plan their hashes name).
 
 APE (``modules.ape_temperature`` / ``ape_scale``, ``kvreuse_ape`` per request) changes how the tokens after a
 request's spliced modules attend to them, not the modules' KV: the scheduler side sends the modules' spans of every
@@ -55,7 +60,7 @@ import hashlib
 import json
 import logging
 import os
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -64,7 +69,8 @@ from typing import TYPE_CHECKING, TypeVar
 from kvreuse.config import TRUE_WORDS
 from kvreuse.errors import ConfigError, ModuleRegistrationError, RequestParameterError, UnsupportedPositionalEncoding
 from kvreuse.kernels.rerotate import rope_spec_from_hf_config
-from kvreuse.modules.blend import ranking
+from kvreuse.modules.agreement import same_output
+from kvreuse.modules.blend import blend_count, ranking
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.encodings import Choice, Encoding, EncodingMatch, choose_encoding
 from kvreuse.modules.namespace import namespace_label, namespace_of
@@ -91,16 +97,20 @@ from kvreuse.patches import vllm_0_32
 from kvreuse.sparse.ape import OFF, ApeSpans
 from kvreuse.vllm.modules.common import (
     APE,
+    BLEND_PASS,
+    BlendSpec,
     LoadSpec,
     ModuleCacheMetadata,
     ModuleCacheWorkerMeta,
     ModuleWrite,
     SaveSpec,
     ape_setting,
+    blend_layers,
     encode_request,
     kv_adapter,
     marks_encode,
     non_token_inputs,
+    recompute_blend,
     recompute_budget,
     recompute_first,
     recompute_share,
@@ -117,6 +127,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm.plugins.kvreuse")
+BLEND_CHOICES = 4096  # recompute_blend choices remembered for identical requests (a run's chosen positions each)
 T = TypeVar("T")  # an engine setting's value, as _own_setting reads it per request
 
 
@@ -155,6 +166,12 @@ class _Look:
     exact: frozenset[int] = frozenset()  # starts of the run's modules whose encoding is exact here (encodings)
     budgeted: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # module start -> budgeted_tokens' choice
     choices: Mapping[int, Choice] = field(default_factory=dict)  # module start -> the encoding taken, how it fits
+    # modules.recompute_blend: the tokens the worker chooses from the request's context (blend_count over the run's
+    # inexact tokens, ``inexact`` of them), after ``blend_layers`` exact layers; folded too.
+    blend_count: int = 0
+    blend_layers: int = 1
+    inexact: int = 0
+    run_identity: str = ""  # _run_identity of the run (where vLLM caches prefixes): names the choice made over it
 
     def first_count(self, module_start: int) -> int:
         """The first tokens the module of the run at ``module_start`` recomputes (its allotment)."""
@@ -170,18 +187,38 @@ class _Look:
         inexact = [piece for piece in pieces if piece.module_start not in self.exact]
         return merge_positions(first, budgeted, chosen_tokens(inexact, self.rankings, self.recompute_share))
 
+    def blend_candidates(self, pieces: Sequence[Piece]) -> tuple[int, ...]:
+        """Prompt positions of ``pieces``' tokens whose spliced KV is not a full prefill's (the candidates of
+        ``recompute_blend``'s choice); fewer than the run's (``inexact``) where vLLM's prefix hit ended past the
+        run's first inexact token."""
+        return tuple(
+            position
+            for piece in pieces
+            if piece.module_start not in self.exact
+            for position in range(piece.prompt_start, piece.prompt_end)
+        )
+
 
 @dataclass
 class _Loading:
     """A request vLLM admitted with its planned run: the run from vLLM's hit (``pieces``), the positions in it
     that are recomputed, vLLM's count of computed tokens after the load (``start``: the run's end less the
-    recomputed), the request's blocks as last seen and the prompt position up to which the run is loaded."""
+    recomputed), the request's blocks as last seen and the prompt position up to which the run is loaded.
+
+    A run with ``recompute_blend`` carries its ``blend`` (``start`` counts its chosen tokens too) and the prompt's
+    length when admitted: it is loaded whole in the admitting step or plainly (``ModuleScheduler._loads``); a plain
+    fallback keeps its blocks from ``uncache_from`` on out of vLLM's prefix cache (``uncached``: the blocks done so
+    far) until the request finishes."""
 
     pieces: tuple[Piece, ...]
     recompute: tuple[int, ...]
     start: int
     block_ids: list[int]
     loaded: int
+    blend: BlendSpec | None = None
+    prompt_len: int = 0
+    uncache_from: int | None = None
+    uncached: int = 0
 
 
 @dataclass(frozen=True)
@@ -190,11 +227,13 @@ class _Plan:
 
     pieces: list[Piece]
     recompute: tuple[int, ...] = ()
+    blend: BlendSpec | None = None  # context_slots filled in once vLLM allocated the blocks
 
     @property
     def external(self) -> int:
         """The tokens offered to vLLM as computed."""
-        return sum(piece.length for piece in self.pieces) - len(self.recompute)
+        chosen = self.blend.count if self.blend is not None else 0
+        return sum(piece.length for piece in self.pieces) - len(self.recompute) - chosen
 
 
 class ModuleScheduler:
@@ -240,6 +279,9 @@ class ModuleScheduler:
         # a recomputed token, until the step's metadata says which ones that step computes (build_metadata).
         self._recomputing: dict[str, dict[int, Hashable]] = {}
         self._ape: dict[str, ApeSpans] = {}  # requests whose later tokens attend to their modules with APE
+        self._blended: dict[str, tuple[int, int]] = {}  # requests whose load ran recompute_blend's pass: its size
+        # recompute_blend's choices, by the run they were made over (_Look.run_identity), the latest BLEND_CHOICES
+        self.blend_choices: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         # APE is applied by kvreuse's attention backend in PyTorch; the Triton kernels (CUDA) know no APE bias.
         self.applies_ape = applies_ape(vllm_config)
         if self.config.ape != OFF and not self.applies_ape:
@@ -247,12 +289,18 @@ class ModuleScheduler:
                 f"modules.ape_temperature / modules.ape_scale ({self.config.ape}) need kvreuse's attention backend "
                 f"over vLLM's CPU build ({SPARSE_CPU_SWITCH}=1); this engine {NO_APE}"
             )
+        # modules.recompute_blend's pass runs the model's first layers in the worker, over its own heads: one
+        # worker holds every head and layer (a tensor- or pipeline-parallel engine would rank each share apart).
+        self.blend_refusal = blend_refusal(vllm_config)
+        if self.config.recompute_blend and self.blend_refusal:
+            raise ConfigError(f"modules.recompute_blend ({self.config.recompute_blend}) {self.blend_refusal}")
+        self.num_layers = int(vllm_config.model_config.hf_config.num_hidden_layers)
         self._writes: dict[str, ModuleWrite | None] = {}  # encode requests asked about: the write, None if refused
         self._encodes: dict[str, tuple[ModuleWrite, tuple[int, ...]]] = {}  # req id -> write, prompt
         self.skipped: Counter[str] = Counter()  # modules found but not spliced, by reason (since take_stats)
         self.taken: Counter[str] = Counter()  # encodings spliced into requests, by EncodingMatch (since take_stats)
         self.refused: Counter[str] = Counter()  # encode requests not stored, by WriteRefusal (since take_stats)
-        self.shadows = ShadowPairs()  # finished halves of shadow checks waiting for the other half
+        self.shadows = ShadowPairs(same=self._shadow_comparison())  # finished halves waiting for the other half
         self._spliced: set[str] = set()  # requests that took KV from modules (a shadow check counts only for them)
         self.shadow_counts: Counter[str] = Counter()  # shadow_checks, shadow_agreed (since take_stats)
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM (KVConnectorBase_V1.bind_kv_cache_manager)
@@ -303,6 +351,7 @@ class ModuleScheduler:
                 self._recompute_share(request),
                 ape,
                 self._recompute_budget(request),
+                self._blend_setting(request),
             )
             if look.ape is not None:
                 self._ape[rid] = look.ape
@@ -320,7 +369,25 @@ class ModuleScheduler:
         # What vLLM's prefix hit holds was computed by this same plan (the fold names it); the rest of the run is
         # loaded. A hit past the run leaves nothing to load: modules after it are computed, as the plan says.
         pieces = run_from(look.run, num_computed_tokens)
-        plan = self._plans[rid] = _Plan(pieces, look.recompute(pieces))
+        fixed = look.recompute(pieces)
+        blend = None
+        if look.blend_count:
+            candidates = look.blend_candidates(pieces)
+            count = min(look.blend_count, len(set(candidates) - set(fixed)))
+            if len(candidates) < look.inexact:
+                # vLLM's hit holds inexact tokens of the run: an identical request's blocks (their hashes name the
+                # run and the setting). Its choice was over the whole run: the rest recomputes what it chose there
+                # (recorded from the worker's report), after the pass over the rest's candidates; unrecorded, the
+                # rest of the run is computed.
+                chosen = self.blend_choices.get(look.run_identity)
+                if chosen is None:
+                    self._plans.pop(rid, None)
+                    return 0
+                fixed = merge_positions(fixed, [p for p in chosen if p in set(candidates)])
+                count = 0
+            if count or len(candidates) > len(set(fixed) & set(candidates)):
+                blend = BlendSpec(count, look.blend_layers, candidates, ())
+        plan = self._plans[rid] = _Plan(pieces, fixed, blend)
         if rid not in self._counted:  # counted once per request (vLLM may ask again while it waits)
             self._counted.add(rid)
             self._count_skipped(request, prompt, look.matches, list(look.run), 0, stop)
@@ -358,17 +425,29 @@ class ModuleScheduler:
             pieces = _first(plan.pieces, num_external_tokens, rid)
             self._loading[rid] = _Loading(tuple(pieces), (), 0, list(block_ids), pieces[0].prompt_start)
             return
-        start = plan.pieces[-1].prompt_end - len(plan.recompute) if plan.recompute else 0
+        chosen = len(plan.recompute) + (plan.blend.count if plan.blend is not None else 0)
+        start = plan.pieces[-1].prompt_end - chosen if chosen else 0
+        blend = plan.blend
+        if blend is not None:
+            context = tuple(token_slots(block_ids, self.block_size, 0, plan.pieces[0].prompt_start))
+            blend = replace(blend, context_slots=context)
         self._loading[rid] = _Loading(
-            tuple(plan.pieces), plan.recompute, start, list(block_ids), plan.pieces[0].prompt_start
+            tuple(plan.pieces),
+            plan.recompute,
+            start,
+            list(block_ids),
+            plan.pieces[0].prompt_start,
+            blend,
+            request.num_tokens,
         )
-        if plan.recompute:
+        if plan.recompute or blend is not None:
             # vLLM cached this request's full blocks when it allocated them; until the step's metadata says which
-            # of the recomputed tokens this step computes, a request admitted after it in this step must not read
-            # them (matched_tokens asks it to wait a step).
+            # of the recomputed tokens this step computes (and, with recompute_blend, whether the run is blended at
+            # all), a request admitted after it in this step must not read them (matched_tokens asks it to wait).
             hashes = vllm_0_32.request_block_hashes(request)
+            changed = plan.recompute + (blend.candidates if blend is not None else ())
             self._recomputing[rid] = {
-                b: hashes[b] for b in sorted({p // self.block_size for p in plan.recompute}) if b < len(hashes)
+                b: hashes[b] for b in sorted({p // self.block_size for p in changed}) if b < len(hashes)
             }
 
     def build_metadata(self, scheduler_output: SchedulerOutput) -> ModuleCacheMetadata:
@@ -393,7 +472,10 @@ class ModuleScheduler:
         step's scheduled tokens to their positions (``true_positions``), so the KV is the plan's whatever else is
         scheduled. A block vLLM cached (it caches full blocks when it allocates them) that holds a recomputed token
         a later step computes is taken out of vLLM's prefix cache, so that no other request reads it before then
-        (``vllm_0_32.uncache_blocks``; the request keeps it)."""
+        (``vllm_0_32.uncache_blocks``; the request keeps it).
+
+        A run with ``recompute_blend`` is loaded whole, with its pass, where vLLM schedules the rest of the prompt in
+        the admitting step (:meth:`_blend_or_plain`)."""
         loads = []
         progress = _progress(scheduler_output)
         for rid, loading in list(self._loading.items()):
@@ -402,16 +484,21 @@ class ModuleScheduler:
                 continue
             if self.kv_cache_manager is not None:  # vLLM allocates more blocks as it schedules more of the prompt
                 loading.block_ids = vllm_0_32.request_block_ids(self.kv_cache_manager, rid)
+            done = progress[rid] + scheduled  # vLLM's count of computed tokens after this step
+            if loading.blend is not None:
+                loads.append(self._blend_or_plain(rid, loading, done))
+                if loading.blend is not None:  # blended in this step: nothing more to load or recompute
+                    self._blended[rid] = (len(loading.blend.candidates), loading.blend.layers)
+                    del self._loading[rid]
+                    continue
+            if loading.uncache_from is not None:
+                self._uncache_fallback(loading, done)
+                continue
             run_end = loading.pieces[-1].prompt_end
             allocated = min(run_end, len(loading.block_ids) * self.block_size)
             pieces = run_from(loading.pieces, loading.loaded, allocated)
-            slots = tuple(
-                tuple(token_slots(loading.block_ids, self.block_size, p.prompt_start, p.prompt_end)) for p in pieces
-            )
-            blocks = tuple(tuple(sorted({s // self.block_size for s in piece_slots})) for piece_slots in slots)
-            loads.append(LoadSpec(rid, tuple(pieces), slots, blocks, loading.recompute, loading.start))
+            loads.append(self._load_spec(rid, pieces, loading.block_ids, loading.recompute, loading.start, None))
             loading.loaded = max(loading.loaded, allocated)
-            done = progress[rid] + scheduled  # vLLM's count of computed tokens after this step
             pending = loading.recompute[max(0, done - loading.start) :] if loading.recompute else ()
             cached = {p // self.block_size for p in pending if p // self.block_size < done // self.block_size}
             if cached and self.kv_cache_manager is not None:
@@ -420,6 +507,47 @@ class ModuleScheduler:
                 del self._loading[rid]
         self._recomputing.clear()
         return loads
+
+    def _blend_or_plain(self, rid: str, loading: _Loading, done: int) -> LoadSpec:
+        """The admitting step's load of a run with ``recompute_blend``: the whole run with its pass where the step
+        computes the rest of the prompt (``done``: vLLM's count after the step); else (chunked prefill) the plain
+        load of its first ``loading.start`` tokens, and vLLM computes the rest at its own positions (more recompute
+        than asked, never a wrong one): the pass would need the rest's tokens computed in this step. The fallback's
+        blocks from the first one holding a candidate hold KV the plan their hashes name does not give, so they
+        leave vLLM's prefix cache as they fill (``_uncache_fallback``)."""
+        assert loading.blend is not None
+        pieces = list(loading.pieces)
+        if done >= loading.prompt_len:
+            return self._load_spec(rid, pieces, loading.block_ids, loading.recompute, loading.start, loading.blend)
+        first = _first(pieces, loading.start - pieces[0].prompt_start, rid)
+        candidates = loading.blend.candidates
+        loading.uncache_from = min(candidates) // self.block_size if candidates else len(loading.block_ids)
+        loading.blend, loading.recompute = None, ()
+        return self._load_spec(rid, first, loading.block_ids, (), 0, None)
+
+    def _load_spec(
+        self,
+        rid: str,
+        pieces: list[Piece],
+        block_ids: Sequence[int],
+        recompute: tuple[int, ...],
+        start: int,
+        blend: BlendSpec | None,
+    ) -> LoadSpec:
+        slots = tuple(tuple(token_slots(block_ids, self.block_size, p.prompt_start, p.prompt_end)) for p in pieces)
+        blocks = tuple(tuple(sorted({s // self.block_size for s in piece_slots})) for piece_slots in slots)
+        return LoadSpec(rid, tuple(pieces), slots, blocks, recompute, start, blend)
+
+    def _uncache_fallback(self, loading: _Loading, done: int) -> None:
+        """Take the blocks of a plainly loaded ``recompute_blend`` run that vLLM cached, from ``uncache_from`` to
+        the last one full after this step (``done`` tokens), out of its prefix cache: their hashes name the blend's
+        plan, and every later block chains from them."""
+        assert loading.uncache_from is not None
+        first = max(loading.uncache_from, loading.uncached)
+        full = min(done // self.block_size, len(loading.block_ids))
+        if full > first and self.kv_cache_manager is not None:
+            vllm_0_32.uncache_blocks(self.kv_cache_manager, loading.block_ids[first:full])
+        loading.uncached = max(loading.uncached, full)
 
     def _saves(self, scheduler_output: SchedulerOutput) -> list[SaveSpec]:
         """The encode requests whose prompt is complete after this step."""
@@ -483,6 +611,13 @@ class ModuleScheduler:
                 namespace_label(key.namespace),
                 len(token_ids),
             )
+        for rid, chosen in report.blended.items():
+            look = self._looks.get(rid)
+            if look is not None and look.run_identity:
+                self.blend_choices[look.run_identity] = chosen
+                self.blend_choices.move_to_end(look.run_identity)
+                while len(self.blend_choices) > BLEND_CHOICES:
+                    self.blend_choices.popitem(last=False)
         self.available -= report.dropped
         for key, scores in report.scores.items():
             if key in self.available:
@@ -491,6 +626,15 @@ class ModuleScheduler:
                 self._unranked.discard(key)
         for name, why in report.failed.items():
             logger.error("kvreuse module %s was not stored: %s", name, why)
+
+    def _shadow_comparison(self) -> Callable[[Sequence[int], Sequence[int]], bool] | None:
+        """How a shadow pair's outputs are compared: with ``modules.shadow_normalise``, as texts after it (the model's
+        tokenizer, loaded in the engine core for it), else token for token (``None``)."""
+        normaliser = self.config.shadow_normaliser()
+        if normaliser is None:
+            return None
+        tokenizer = vllm_0_32.engine_tokenizer(self.vllm_config)
+        return lambda full, served: same_output(full, served, normaliser, tokenizer.decode)
 
     def take_stats(self) -> dict[str, int]:
         """The skipped-module, refused-write and shadow-check counts since the last call, as stats keys
@@ -522,6 +666,15 @@ class ModuleScheduler:
             self.shadow_counts["shadow_checks"] += 1
             self.shadow_counts["shadow_agreed"] += agreed
 
+    def finished_params(self, request_id: str) -> dict[str, dict[str, int]] | None:
+        """What the finished request's output reports in its ``kv_transfer_params``: the size of the pass its
+        ``recompute_blend`` ran (``{BLEND_PASS: {"tokens": T, "layers": L}}``: T spliced tokens through the first L
+        layers and the next one's keys and values, work vLLM's count of computed tokens leaves out), else nothing."""
+        if request_id not in self._blended:
+            return None
+        tokens, layers = self._blended[request_id]
+        return {BLEND_PASS: {"tokens": tokens, "layers": layers}}
+
     def finished(self, request_id: str) -> None:
         for state in (
             self._looks,
@@ -531,6 +684,7 @@ class ModuleScheduler:
             self._loading,
             self._recomputing,
             self._ape,
+            self._blended,
         ):
             state.pop(request_id, None)
         self._counted.discard(request_id)
@@ -595,6 +749,12 @@ class ModuleScheduler:
         engine's)."""
         return self._own_setting(request, recompute_budget, self.config.recompute_budget, "modules.recompute_budget")
 
+    def _blend_setting(self, request: Request) -> tuple[float, int]:
+        """``request``'s (recompute_blend, blend_layers): its own, else the engine's."""
+        share = self._own_setting(request, recompute_blend, self.config.recompute_blend, "modules.recompute_blend")
+        layers = self._own_setting(request, blend_layers, self.config.blend_layers, "modules.blend_layers")
+        return share, layers
+
     def _rankings(self, request: Request, matches: list[ModuleMatch], share: float) -> dict[Hashable, tuple[int, ...]]:
         """The encode-time rankings of the modules of ``matches`` (none when ``share`` is 0); a module without one
         (encoded without a probe) is logged once and recomputes by ``recompute_first`` alone."""
@@ -640,6 +800,7 @@ class ModuleScheduler:
         share: float = 0.0,
         ape: tuple[float, float] = OFF,
         budget: float = 0.0,
+        blend: tuple[float, int] = (0.0, 1),
     ) -> _Look:
         """The request's plan, and its entries folded into the request's block hashes (module doc).
 
@@ -663,7 +824,15 @@ class ModuleScheduler:
         whose encoding is exact here (``choices``: encoded after the prompt's own tokens before it, at its position,
         ``kvreuse.modules.encodings``) recomputes none, the others share its budget. Each module's count is folded
         into its blocks, and so is the choice of ``budget`` (``budgeted_tokens``, over the same run) in each
-        module."""
+        module.
+
+        ``blend`` (recompute_blend, blend_layers) counts the tokens the worker chooses over the run's inexact
+        tokens from the request's own context (``kvreuse.modules.blend.blend_count``; all of them at
+        ``blend_layers`` past the model's layers). That choice depends on every token of the run and on every
+        other choice in it, so the blocks holding inexact tokens are folded with the setting and the whole run's
+        identity (``_run_identity``): only a request with the same run, settings and prefix (the hashes chain) gets
+        them. An engine that cannot run the pass (``blend_refusal``) gets no splice for such a request: it is
+        computed in full, never spliced without the asked recompute."""
         rankings = self._rankings(request, matches, share)
         run = plan_splice(matches, 0, stop, self.available.__contains__)
         exact = frozenset(start for start, choice in choices.items() if choice.exact)
@@ -671,11 +840,25 @@ class ModuleScheduler:
         budgeted = (
             budgeted_tokens(run, budget, lambda piece: piece.module_start in exact, self.scores) if budget else {}
         )
+        num_blocks = request.num_tokens // self.block_size
+        share_blend, layers = blend
+        inexact = sum(piece.length for piece in run if piece.module_start not in exact)
+        count = 0
+        if share_blend:
+            if self.blend_refusal:
+                logger.error(
+                    "kvreuse: request %s asks for recompute_blend %s but %s; its modules are not spliced (the prompt "
+                    "is computed in full)",
+                    request.request_id,
+                    share_blend,
+                    self.blend_refusal,
+                )
+                return _Look([], (), num_blocks, frozenset(), recompute, share)
+            count = inexact if layers >= self.num_layers else blend_count(share_blend, inexact)
         spans = None
         if ape != OFF:
             ranges = tuple((p.prompt_start, p.prompt_end) for p in run if not (p.prompt_start == 0 and p.offset == 0))
             spans = ApeSpans(ranges, *ape) if ranges else None
-        num_blocks = request.num_tokens // self.block_size
         look = _Look(
             matches,
             tuple(run),
@@ -689,6 +872,9 @@ class ModuleScheduler:
             exact,
             budgeted,
             choices,
+            count,
+            layers,
+            inexact,
         )
         manager = self.kv_cache_manager
         if manager is None or not vllm_0_32.caches_prefixes(manager) or not run:
@@ -704,6 +890,18 @@ class ModuleScheduler:
             + tuple(f"recompute_budget={_digest(budgeted[m.start])}" for m in found if budgeted.get(m.start))
             for block, found in blocks.items()
         }
+        if count:
+            identity = _run_identity(run, look)
+            look = replace(look, run_identity=f"{share_blend!r},{layers},{identity}")
+            blended = f"recompute_blend={share_blend!r},layers={layers},run={identity}"
+            for block in {
+                p // self.block_size
+                for piece in run
+                if piece.module_start not in exact
+                for p in range(piece.prompt_start, piece.prompt_end)
+            }:
+                if block < num_blocks:
+                    keys[block] = (*keys.get(block, ()), blended)
         if spans is not None and spans.after // self.block_size < num_blocks:
             after = spans.after // self.block_size
             keys[after] = (*keys.get(after, ()), f"ape={spans.temperature!r},{spans.scale!r},{spans.ranges!r}")
@@ -790,6 +988,26 @@ def _shown(name: Hashable) -> Hashable:
     return name[1] if isinstance(name, tuple) and len(name) == 2 else name
 
 
+def _run_identity(run: Sequence[Piece], look: _Look) -> str:
+    """A short name of a spliced run (every module entry, where it stands, whether it is exact) and of every other
+    choice of recompute in it (first tokens, the encode-time share and its rankings, the budget's tokens): what
+    ``recompute_blend``'s choice over the run depends on besides the tokens before it. It does not depend on where
+    vLLM's prefix hit ended."""
+    pieces = [
+        [
+            getattr(p.name, "identity", repr(p.name)),
+            p.prompt_start,
+            p.length,
+            p.module_start in look.exact,
+            look.first_count(p.module_start),
+            list(look.budgeted.get(p.module_start, ())),
+            _ranking_digest(look.rankings[p.name]) if look.recompute_share and p.name in look.rankings else "",
+        ]
+        for p in run
+    ]
+    return _digest_text(json.dumps([pieces, look.recompute_share]))
+
+
 def _ranking_digest(order: Sequence[int]) -> str:
     """A short name of a module's ranking (a module probed again ranks its tokens anew under the same entry)."""
     return "ranking=" + _digest(order)
@@ -797,7 +1015,23 @@ def _ranking_digest(order: Sequence[int]) -> str:
 
 def _digest(indices: Sequence[int]) -> str:
     """A short name of a list of a module's token indices."""
-    return hashlib.sha256(json.dumps(list(indices)).encode()).hexdigest()[:16]
+    return _digest_text(json.dumps(list(indices)))
+
+
+def _digest_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def blend_refusal(vllm_config: VllmConfig) -> str:
+    """Why this engine cannot run ``modules.recompute_blend``'s pass, or ``""``: the pass computes the model's first
+    layers over every spliced token in the worker, so one worker must hold every head and layer."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        return (
+            f"needs one worker holding the whole model (tensor parallel {parallel.tensor_parallel_size}, pipeline "
+            f"parallel {parallel.pipeline_parallel_size})"
+        )
+    return ""
 
 
 NO_APE = (

@@ -33,11 +33,12 @@ from kvreuse.modules.blend import encode_deviation, token_scores
 from kvreuse.modules.config import ModulesConfig
 from kvreuse.modules.encodings import Encoding
 from kvreuse.modules.namespace import namespace_label
-from kvreuse.modules.splice import Piece, piece_kv, true_positions
+from kvreuse.modules.splice import Piece, merge_positions, piece_kv, true_positions
 from kvreuse.modules.store import EncodedModule, ModuleKey, ModuleStore, context_fingerprint
 from kvreuse.patches import vllm_0_32
 from kvreuse.sparse.figures import FigureIncrements
 from kvreuse.vllm.metrics import KVReuseStats
+from kvreuse.vllm.modules import blend
 from kvreuse.vllm.modules.common import LoadSpec, ModuleCacheMetadata, ModuleCacheWorkerMeta, SaveSpec
 from kvreuse.vllm.modules.metrics import module_counter_values
 from kvreuse.vllm.names import SPARSE_CPU_SWITCH, ConnectorName
@@ -73,7 +74,9 @@ class ModuleFigures:
     ``load_failures``: pieces that could not be loaded (recomputed by vLLM); ``modules_encoded``: encode requests
     whose module entered the store; ``encode_failures``: those refused (too large, bad tokens); ``load_s``:
     host seconds spent looking modules up and writing them into requests (on a GPU, the copies and rotations it
-    queues run on the device afterwards).
+    queues run on the device afterwards); ``blend_passes``/``blend_tokens``/``blend_s``: requests whose recompute
+    ``modules.recompute_blend`` chose, the spliced tokens its pass ran through the first layers, and the seconds the
+    passes took (``kvreuse.vllm.modules.blend``; on a GPU, host seconds until the choice, which waits for the pass).
     """
 
     pieces_loaded: int = 0
@@ -82,6 +85,9 @@ class ModuleFigures:
     modules_encoded: int = 0
     encode_failures: int = 0
     load_s: float = 0.0
+    blend_passes: int = 0
+    blend_tokens: int = 0
+    blend_s: float = 0.0
 
 
 class ModuleWorker:
@@ -107,6 +113,9 @@ class ModuleWorker:
         # (request id, piece, slots) of every piece written by the last step that loaded any: lets a test or an
         # operator read back exactly what was spliced where.
         self.last_loads: list[tuple[str, Piece, tuple[int, ...]]] = []
+        self._loaded_early: set[str] = set()  # this step's requests loaded before the forward's inputs were moved
+        self._decoder: vllm_0_32.DecoderLayers | None = None  # the model's layers, for recompute_blend's pass
+        self._decoder_refusal = ""  # why the model's layers cannot run the pass (logged once)
         runtime().module_worker = self
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -128,7 +137,10 @@ class ModuleWorker:
         # kvreuse's backend names itself CUSTOM (SparseAttentionBackend.get_name), also where it replaces CPU_ATTN.
         self.masks_by_position = all(backends[name] == "CUSTOM" for name in self.layers)
         if not self.masks_by_position and (
-            self.config.recompute_first or self.config.recompute_share or self.config.recompute_budget
+            self.config.recompute_first
+            or self.config.recompute_share
+            or self.config.recompute_budget
+            or self.config.recompute_blend
         ):
             # recompute_first is on by default (16): say once at start what a GPU user's stock backend costs.
             logger.warning(
@@ -157,20 +169,25 @@ class ModuleWorker:
     def load(self, meta: ModuleCacheMetadata, forward_context: ForwardContext) -> None:
         if meta.prefetch and self.config.prefetch_depth:
             self.store.prefetch(meta.prefetch)
-        if not meta.loads:
+        early, self._loaded_early = self._loaded_early, set()
+        loads = [spec for spec in meta.loads if spec.req_id not in early]
+        if not loads:
             return
-        self.last_loads = []
+        if not early:
+            self.last_loads = []
         started = time.perf_counter()
-        for spec in meta.loads:
-            self._load_request(spec, forward_context)
+        for spec in loads:
+            self._load_request(spec)
         self.figures.load_s += time.perf_counter() - started
 
-    def plan_step(self, meta: object, req_ids: Sequence[str]) -> dict[str, tuple[int, tuple[int, ...]]]:
-        """Called with a step's inputs (``vllm_0_32.remap_scheduled_tokens``), its requests in batch order: hands
-        the attention backend the APE spans of those with APE (``runtime().step_ape``), and returns per request
-        that recomputes tokens inside its spliced run where vLLM's scheduled tokens start and the positions they
-        stand for (what the wrapper moves)."""
+    def plan_step(self, meta: object, req_ids: Sequence[str], model: object) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Called with a step's inputs (``vllm_0_32.remap_scheduled_tokens``), its requests in batch order and the
+        runner's model: hands the attention backend the APE spans of those with APE (``runtime().step_ape``), runs
+        ``recompute_blend``'s pass for the loads that ask for it (loading them first), and returns per request that
+        recomputes tokens inside its spliced run where vLLM's scheduled tokens start and the positions they stand
+        for (what the wrapper moves)."""
         runtime().step_ape = None
+        self._loaded_early = set()
         if not isinstance(meta, ModuleCacheMetadata) or not self.masks_by_position:
             if isinstance(meta, ModuleCacheMetadata) and meta.ape:
                 logger.error(
@@ -181,10 +198,72 @@ class ModuleWorker:
             return {}
         if meta.ape:
             runtime().step_ape = tuple(meta.ape.get(rid) for rid in req_ids)
-        return {spec.req_id: (spec.start, spec.recompute) for spec in meta.loads if spec.recompute}
+        moves = {}
+        for spec in meta.loads:
+            if spec.blend is not None:
+                moves[spec.req_id] = (spec.start, merge_positions(spec.recompute, self._blend(spec, model)))
+            elif spec.recompute:
+                moves[spec.req_id] = (spec.start, spec.recompute)
+        return moves
 
-    def _load_request(self, spec: LoadSpec, forward_context: ForwardContext) -> None:
-        if spec.recompute and not self.masks_by_position:
+    def _blend(self, spec: LoadSpec, model: object) -> tuple[int, ...]:
+        """Load ``spec`` now and run ``recompute_blend``'s pass over it (``kvreuse.vllm.modules.blend``): the
+        positions it adds to the load's recompute. Where the load or the pass cannot run, every block of the load is
+        reported to vLLM as failed (it computes them: never a splice without the asked recompute) and the positions
+        are the first open candidates (the step's output for the request is discarded)."""
+        assert spec.blend is not None
+        started = time.perf_counter()
+        if not self._loaded_early:
+            self.last_loads = []
+        self._loaded_early.add(spec.req_id)
+        failures = self.figures.load_failures
+        self._load_request(spec)
+        self.figures.load_s += time.perf_counter() - started
+        decoder = self._decoder_of(model) if self.figures.load_failures == failures else None
+        if decoder is None:
+            if self.figures.load_failures == failures:  # the load went in, the pass cannot run: fail it over
+                self._errors.update(block for blocks in spec.blocks for block in blocks)
+                self.figures.load_failures += len(spec.pieces)
+            taken = set(spec.recompute)
+            return tuple(p for p in spec.blend.candidates if p not in taken)[: spec.blend.count]
+        started = time.perf_counter()
+        layers = vllm_0_32.static_attention_layers(self.vllm_config, self.layers)
+        caches = [vllm_0_32.layer_kv_cache(layer) for layer in layers]
+
+        def write(layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+            vllm_0_32.write_kv(layers[layer], keys, values, slots)
+
+        chosen = blend.choose(spec, self._token_ids(spec), decoder, caches, write)
+        if spec.blend.count:  # a choice over the whole run: the scheduler side keeps it for identical requests
+            self._report.blended[spec.req_id] = chosen
+        self.figures.blend_passes += 1
+        self.figures.blend_tokens += len(spec.blend.candidates)
+        self.figures.blend_s += time.perf_counter() - started
+        return chosen
+
+    def _decoder_of(self, model: object) -> vllm_0_32.DecoderLayers | None:
+        """The model's layers for the pass, or ``None`` where they cannot run it (logged once)."""
+        if self._decoder is None and not self._decoder_refusal:
+            try:
+                self._decoder = vllm_0_32.decoder_layers(model)
+            except ConfigError as why:
+                self._decoder_refusal = str(why)
+                logger.error("kvreuse: %s; requests with recompute_blend compute their spliced runs instead", why)
+        return self._decoder
+
+    def _token_ids(self, spec: LoadSpec) -> list[int]:
+        """The token ids at the blend's candidate positions, from the loaded modules."""
+        assert spec.blend is not None
+        by_position: dict[int, int] = {}
+        for piece in spec.pieces:
+            module = self.store.get(piece.name)
+            assert module is not None  # loaded this step
+            ids = module.token_ids[piece.offset : piece.offset + piece.length]
+            by_position.update(zip(range(piece.prompt_start, piece.prompt_end), ids))
+        return [by_position[position] for position in spec.blend.candidates]
+
+    def _load_request(self, spec: LoadSpec) -> None:
+        if (spec.recompute or spec.blend is not None) and not self.masks_by_position:
             self._errors.update(block for blocks in spec.blocks for block in blocks)
             self.figures.load_failures += len(spec.pieces)
             logger.warning(
@@ -205,16 +284,14 @@ class ModuleWorker:
                     piece.length,
                 )
                 continue
-            self._write(module, piece, slots, forward_context)
+            self._write(module, piece, slots)
             self.last_loads.append((spec.req_id, piece, slots))
             self.figures.pieces_loaded += 1
             self.figures.tokens_loaded += piece.length
 
-    def _write(
-        self, module: EncodedModule, piece: Piece, slots: tuple[int, ...], forward_context: ForwardContext
-    ) -> None:
+    def _write(self, module: EncodedModule, piece: Piece, slots: tuple[int, ...]) -> None:
         assert self.spec is not None
-        layers = vllm_0_32.attention_layers(forward_context, self.layers)
+        layers = vllm_0_32.static_attention_layers(self.vllm_config, self.layers)
         device = vllm_0_32.layer_kv_cache(layers[0]).device
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
         for layer, (keys, values) in zip(layers, piece_kv(module, piece, self.spec, device)):
@@ -327,7 +404,7 @@ class ModuleWorker:
         report = self._report
         self._report = ModuleCacheWorkerMeta()
         report.scores = {k: v for k, v in report.scores.items() if k not in lost}
-        return report if (report.stored or report.dropped or report.failed or report.scores) else None
+        return report if (report.stored or report.dropped or report.failed or report.scores or report.blended) else None
 
     def take_increments(self) -> KVReuseStats | None:
         """The counters' increments since the last call, for vLLM's metrics (``None`` when nothing changed)."""

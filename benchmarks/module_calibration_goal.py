@@ -1,0 +1,192 @@
+"""Calibration to an answer floor, as a user runs it: ``kvreuse calibrate-modules`` on a sample of one seed's prompts,
+then the chosen setting on held-back prompts of another seed.
+
+For each QA set (``module_quality_data``: the chat header and documents as modules, one question per prompt), the
+script writes what the command reads (``modules.json``: the header and the sample's documents by name;
+``prompts.jsonl``: the sample's prompts as text, each checked to tokenize to the ids a module splice needs), runs::
+
+    kvreuse calibrate-modules --model build/models/smollm2 --modules modules.json --prompts prompts.jsonl \\
+        --min-agreement 0.9 --normalise first-line --normalise case --normalise whitespace \\
+        --blends ... --engine-args '{...}'
+
+in a subprocess (its report printed as is), reads the chosen setting from the report's per-request line, then
+starts one engine with the held-back prompts' modules and measures the chosen setting on them with the same
+comparison (``calibrate_modules(..., firsts=(), settings=[chosen])``): agreement, prompt tokens computed and TTFT
+against full prefill on the same prompts. Writes ``docs/benchmarks/results/module_calibration_goal_<set>.json``::
+
+    python benchmarks/module_calibration_goal.py --set docs-4 --prompts 25 --blends 0.15,0.2,0.3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from harness import RESULTS
+from module_quality_data import HEADER, QA_SETS, make_cases, tokenize_case
+
+from kvreuse.localmodel import local_engine_args
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = REPO / "build" / "models" / "smollm2"
+NORMALISE = ["first-line", "case", "whitespace"]  # the answer as a reader of these prompts reads it
+MODULES = {"gpu_bytes": 0, "cpu_bytes": 4 << 30}
+CPU_ENGINE = {"kvreuse": {"sparse": {"beta": float("inf")}, "modules": MODULES}}
+
+
+def engine_args() -> dict:
+    """The engine of every run here: ``local_engine_args`` (float32, block size 32, statistics on) with the module
+    store in host memory and kvreuse's dense attention backend (``KVREUSE_SPARSE_CPU_BACKEND=1``)."""
+    args = local_engine_args(MODEL, additional_config=CPU_ENGINE)
+    del args["model"]
+    return args
+
+
+def prompts_of(set_name: str, seed: int, count: int, tokenizer) -> tuple[dict[str, str], list[str]]:
+    """The first ``count`` cases of the set drawn with ``seed``: their documents by name (the header too) and their
+    prompts as text. Each prompt's tokens must be the header's, the documents' and the question's ids in a row."""
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    cases = make_cases(QA_SETS[set_name], encode, seed)[:count]
+    modules = {"header": HEADER}
+    prompts = []
+    for case in cases:
+        for document in case.modules:
+            modules[module_name(document.name)] = document.text
+        text = HEADER + "".join(document.text for document in case.modules) + case.question
+        if encode(text) != tokenize_case(case, encode).prompt:
+            raise SystemExit(
+                f"{case.key}: its text does not tokenize to its parts' ids; the splice would not find them"
+            )
+        prompts.append(text)
+    return modules, prompts
+
+
+def module_name(document: str) -> str:
+    """A document's module name: its title with what a module name may not hold (spaces) as ``_``."""
+    return re.sub(r"[^A-Za-z0-9._:/@+#-]", "_", document)
+
+
+def calibrate_command(modules: dict[str, str], prompts: list[str], args: argparse.Namespace, folder: Path) -> str:
+    """``kvreuse calibrate-modules`` on the sample; its report."""
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    command = [
+        str(REPO / ".venv" / "bin" / "kvreuse"),
+        "calibrate-modules",
+        "--model",
+        str(MODEL),
+        "--modules",
+        str(folder / "modules.json"),
+        "--prompts",
+        str(folder / "prompts.jsonl"),
+        "--min-agreement",
+        str(args.min_agreement),
+        *(part for step in NORMALISE for part in ("--normalise", step)),
+        "--engine-args",
+        json.dumps(engine_args()),
+    ]
+    if args.blends:
+        command += ["--blends", args.blends, "--blend-layers", args.blend_layers]
+    environment = {**os.environ, "KVREUSE_SPARSE_CPU_BACKEND": "1"}
+    print("$", " ".join(command[:-2]), "--engine-args '...'", flush=True)
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, check=False)
+    if done.returncode:
+        sys.stderr.write(done.stderr[-4000:])
+        raise SystemExit(f"kvreuse calibrate-modules failed ({done.returncode})")
+    return done.stdout
+
+
+def chosen_setting(report: str):
+    """The setting the report chose, from its per-request line."""
+    from kvreuse.modules.calibrate import Setting
+
+    line = next(line for line in report.splitlines() if line.startswith("per request:"))
+    params = json.loads(line.split('"kv_transfer_params": ', 1)[1])
+    return Setting(**{key.removeprefix("kvreuse_"): value for key, value in params.items()})
+
+
+def check_held_back(modules: dict[str, str], prompts: list[str], setting, args: argparse.Namespace):
+    """The chosen setting on the held-back prompts, in an engine of their own modules."""
+    from vllm import LLM
+
+    from kvreuse.vllm.modules import calibrate_modules, encode_modules
+
+    connector = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+    llm = LLM(model=str(MODEL), kv_transfer_config=connector, **engine_args())
+    try:
+        encode_modules(llm, modules)
+        return calibrate_modules(llm, prompts, args.min_agreement, firsts=(), settings=[setting], normalise=NORMALISE)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", default="docs-4", choices=sorted(QA_SETS))
+    parser.add_argument("--prompts", type=int, default=25, help="sample size, and as many held back")
+    parser.add_argument("--min-agreement", type=float, default=0.9)
+    parser.add_argument("--blends", default="0.15,0.2,0.3", help="--blends of the command ('' for none)")
+    parser.add_argument("--blend-layers", default="1", help="--blend-layers of the command")
+    parser.add_argument("--sample-seed", type=int, default=1)
+    parser.add_argument("--held-back-seed", type=int, default=2)
+    parser.add_argument("--step", choices=("both", "calibrate", "check"), default="both", help="one piece of the run")
+    args = parser.parse_args(argv)
+    os.environ["KVREUSE_SPARSE_CPU_BACKEND"] = "1"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    path = RESULTS / f"module_calibration_goal_{args.set}.json"
+    result = json.loads(path.read_text()) if path.exists() and args.step == "check" else {}
+    if args.step in ("both", "calibrate"):
+        modules, prompts = prompts_of(args.set, args.sample_seed, args.prompts, tokenizer)
+        started = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="kvreuse-goal-") as folder:
+            report = calibrate_command(modules, prompts, args, Path(folder))
+        print(report, flush=True)
+        result = {
+            "set": args.set,
+            "prompts": args.prompts,
+            "sample_seed": args.sample_seed,
+            "min_agreement": args.min_agreement,
+            "normalise": NORMALISE,
+            "report": report,
+            "chosen": chosen_setting(report).transfer_params(),
+            "calibrate_s": round(time.perf_counter() - started),
+            "loadavg": os.getloadavg(),
+        }
+    if args.step in ("both", "check"):
+        from kvreuse.modules.calibrate import Setting
+
+        setting = Setting(**{key.removeprefix("kvreuse_"): value for key, value in result["chosen"].items()})
+        modules, prompts = prompts_of(args.set, args.held_back_seed, args.prompts, tokenizer)
+        started = time.perf_counter()
+        check = check_held_back(modules, prompts, setting, args)
+        print(check.report(), flush=True)
+        (measured,) = check.curve
+        result["held_back"] = {
+            "seed": args.held_back_seed,
+            "agreed": measured.agreed,
+            "prompts": measured.prompts,
+            "computed": measured.computed,
+            "passed": measured.passed,
+            "speedup": measured.speedup,
+            "check_s": round(time.perf_counter() - started),
+            "loadavg": os.getloadavg(),
+        }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
