@@ -533,9 +533,12 @@ def test_every_modules_setting_is_documented():
         "modules.recompute_first",
         "modules.recompute_share",
         "modules.recompute_budget",
+        "modules.recompute_blend",
+        "modules.blend_layers",
         "modules.ape_temperature",
         "modules.ape_scale",
         "modules.shadow_every",
+        "modules.shadow_normalise",
     ]
     assert all(doc for *_, doc in rows)
 
