@@ -280,7 +280,7 @@ def _curves(set_names: list[str], num_cases: int, arms: list[str], seed: int, mi
                     if time.perf_counter() - started > minutes * 60:
                         print(f"stopped after {minutes} minutes: run again to go on", flush=True)
                         return
-                    rows = _case_rows(llm, tokenizer, eos, name, seed, tc, ["full", *arms])
+                    rows = case_rows(llm, tokenizer, eos, name, seed, tc, ["full", *arms])
                     for row in rows:
                         out.write(json.dumps(row) + "\n")
                     out.flush()
@@ -290,7 +290,7 @@ def _curves(set_names: list[str], num_cases: int, arms: list[str], seed: int, mi
         llm.llm_engine.engine_core.shutdown()
 
 
-def _case_rows(llm, tokenizer, eos: int, name: str, seed: int, tc, arms: list[str]) -> list[dict]:
+def case_rows(llm, tokenizer, eos: int, name: str, seed: int, tc, arms: list[str]) -> list[dict]:
     """One case under every arm in turn: its figures per arm (full prefill first: the others compare with it)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
