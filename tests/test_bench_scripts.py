@@ -17,6 +17,7 @@ ON_THE_HARNESS = [
     "module_calibration_goal",
     "module_encodings_vllm",
     "module_index",
+    "module_quality",
     "module_quality_vllm",
     "ray_replicas",
     "reorder_answers",
