@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ON_THE_HARNESS = [
     "all_plugins",
     "demo",
+    "module_cache",
     "module_calibration_goal",
     "module_encodings_vllm",
     "module_index",
