@@ -25,6 +25,7 @@ ON_THE_HARNESS = [
     "reorder_chat_orders",
     "reorder_engine",
     "reorder_orders",
+    "reorder_plan_accuracy",
     "reorder_plan_time",
     "reorder_scheduler",
     "reorder_serve",
