@@ -40,6 +40,9 @@ ON_THE_HARNESS = [
     "sparse_real_keys",
 ]
 
+# The modules in benchmarks/ that run nothing themselves: workloads and references benchmarks and tests share.
+SHARED = ["harness", "module_quality_data", "reference_ggr", "reorder_tables", "retrieval_cases", "splice_reference"]
+
 HELP_EACH = """
 import contextlib, io, json, runpy, sys
 out = {}
@@ -69,3 +72,8 @@ def test_every_benchmark_on_the_harness_starts_and_can_update_the_docs_results()
     assert sorted(helps) == sorted(ON_THE_HARNESS)
     for name, (code, text) in helps.items():
         assert code in (0, None) and "--update-results" in text, (name, text[-500:])
+
+
+def test_every_script_in_benchmarks_is_on_the_harness_or_a_shared_module():
+    scripts = sorted(path.stem for path in (ROOT / "benchmarks").glob("*.py"))
+    assert scripts == sorted(ON_THE_HARNESS + SHARED)
