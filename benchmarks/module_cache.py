@@ -18,24 +18,26 @@ time, so TTFT is a request's own prefill, not its wait behind others):
   timed requests (their cost is reported as ``encode_s``).
 
 Runs on the ``large`` local model (8 layers, hidden 1024) so that prefill dominates. Usage:
-``python benchmarks/module_cache.py [--workload spider,pml] [--requests 40] [--model-preset large]``.
+``python benchmarks/module_cache.py [--workload spider,pml] [--requests 40] [--model-preset large]``; prints a table
+per workload and writes ``module_cache_<workload>_<preset>.{json,png}`` under ``build/benchmarks/``
+(``--update-results``: into ``docs/benchmarks/results/``, the figures the docs cite).
 Random weights: the answers are not meaningful; the agreement column says how often an arm's greedy tokens
 equal those of the arms before it.
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from harness import ArmFigures, agreement, report
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, SCRATCH, ArmFigures, agreement, bench_parser, engine, output_dir, report  # noqa: E402
 
-from kvreuse.localmodel import DATASETS, build_model, local_engine_args
+from kvreuse.localmodel import DATASETS, build_model  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 INSTRUCTION = (
     "You are an expert in SQL. Given the tables of a database below, write one SQLite query that "
     "answers the question. Use only the tables and columns given and answer with the query alone."
@@ -145,7 +147,7 @@ def run_arm(
 ) -> tuple[ArmFigures, dict]:
     import os
 
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -158,8 +160,7 @@ def run_arm(
     extra = dict(additional_config=DENSE) if plain_layout else {}
     if connector:
         extra["kv_transfer_config"] = CONNECTOR
-    llm = LLM(**local_engine_args(model, max_model_len=8192, kv_cache_memory_bytes=1 << 30, **extra))
-    try:
+    with engine(model, max_model_len=8192, kv_cache_memory_bytes=1 << 30, **extra) as llm:
         sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         llm.generate([TokensPrompt(prompt_token_ids=requests[0])], sampling, use_tqdm=False)  # warm-up
         out: dict = {}
@@ -182,8 +183,6 @@ def run_arm(
                 modules=after["modules"],
                 module_bytes=after["used_bytes"],
             )
-    finally:
-        llm.llm_engine.engine_core.shutdown()
     prompt_tokens = sum(len(r) for r in requests)
     cached = sum(o.num_cached_tokens or 0 for o in outputs)
     ttfts = [o.metrics.first_token_latency for o in outputs]
@@ -204,7 +203,9 @@ def run_arm(
     return figures, answers
 
 
-def run_workload(name: str, model: Path, requests: list[list[int]], encode) -> list[ArmFigures]:
+def run_workload(
+    name: str, model: Path, requests: list[list[int]], encode, out_dir: Path = SCRATCH
+) -> list[ArmFigures]:
     arms = [
         ("stock", dict(plain_layout=False, connector=False)),
         ("plain-layout", dict(plain_layout=True, connector=False)),
@@ -219,12 +220,12 @@ def run_workload(name: str, model: Path, requests: list[list[int]], encode) -> l
     stock, cached = figures[0], figures[-1]
     cached.extra["ttft_speedup_vs_stock"] = round(stock.ttft_median_s / cached.ttft_median_s, 2)
     cached.extra["ttft_speedup_vs_plain_layout"] = round(figures[1].ttft_median_s / cached.ttft_median_s, 2)
-    report(name, figures)
+    report(name, figures, out_dir)
     return figures
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--workload", default="spider,pml")
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--model-preset", default="large")
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
                 for schema in _schemas.values():
                     encode_database(llm, schema)
 
-            run_workload(f"module_cache_spider_{args.model_preset}", model, requests, encode)
+            run_workload(f"module_cache_spider_{args.model_preset}", model, requests, encode, output_dir(args))
         elif workload == "pml":
             from kvreuse.modules.layout import layout_schema, resolve_prompt
             from kvreuse.modules.linear import prompt_token_ids
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
 
                 encode_schema(llm, _schema)
 
-            run_workload(f"module_cache_pml_{args.model_preset}", model, requests, encode)
+            run_workload(f"module_cache_pml_{args.model_preset}", model, requests, encode, output_dir(args))
         else:
             raise SystemExit(f"unknown workload {workload!r} (spider, pml)")
 

@@ -12,7 +12,9 @@ script writes what the command reads (``modules.json``: the header and the sampl
 in a subprocess (its report printed as is), reads the chosen setting from the report's per-request line, then
 starts one engine with the held-back prompts' modules and measures the chosen setting on them with the same
 comparison (``calibrate_modules(..., firsts=(), settings=[chosen])``): agreement, prompt tokens computed and TTFT
-against full prefill on the same prompts. Writes ``docs/benchmarks/results/module_calibration_goal_<set>.json``::
+against full prefill on the same prompts. Writes ``module_calibration_goal_<set>.json`` under ``build/benchmarks/``
+(``--update-results``: into ``docs/benchmarks/results/``, the figures the docs cite; ``--step check`` reads the
+calibration from the same place)::
 
     python benchmarks/module_calibration_goal.py --set docs-4 --prompts 25 --blends 0.15,0.2,0.3
 """
@@ -29,12 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import RESULTS
-from module_quality_data import HEADER, QA_SETS, make_cases, tokenize_case
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, bench_parser, engine, output_dir, write_results  # noqa: E402
+from module_quality_data import HEADER, QA_SETS, make_cases, tokenize_case  # noqa: E402
 
-from kvreuse.localmodel import local_engine_args
+from kvreuse.localmodel import local_engine_args  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "build" / "models" / "smollm2"
 NORMALISE = ["first-line", "case", "whitespace"]  # the answer as a reader of these prompts reads it
 MODULES = {"gpu_bytes": 0, "cpu_bytes": 4 << 30}
@@ -116,22 +118,17 @@ def chosen_setting(report: str):
 
 
 def check_held_back(modules: dict[str, str], prompts: list[str], setting, args: argparse.Namespace):
-    """The chosen setting on the held-back prompts, in an engine of their own modules."""
-    from vllm import LLM
-
+    """The chosen setting on the held-back prompts, in an engine of their own modules (:func:`engine_args`'s)."""
     from kvreuse.vllm.modules import calibrate_modules, encode_modules
 
     connector = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
-    llm = LLM(model=str(MODEL), kv_transfer_config=connector, **engine_args())
-    try:
+    with engine(MODEL, kv_transfer_config=connector, **engine_args()) as llm:
         encode_modules(llm, modules)
         return calibrate_modules(llm, prompts, args.min_agreement, firsts=(), settings=[setting], normalise=NORMALISE)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--set", default="docs-4", choices=sorted(QA_SETS))
     parser.add_argument("--prompts", type=int, default=25, help="sample size, and as many held back")
     parser.add_argument("--min-agreement", type=float, default=0.9)
@@ -145,8 +142,11 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
-    path = RESULTS / f"module_calibration_goal_{args.set}.json"
-    result = json.loads(path.read_text()) if path.exists() and args.step == "check" else {}
+    name = f"module_calibration_goal_{args.set}"
+    path = output_dir(args) / f"{name}.json"
+    result = {}
+    if path.exists() and args.step == "check":  # the calibration an earlier --step calibrate wrote; its figures only
+        result = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("benchmark", "command", "machine")}
     if args.step in ("both", "calibrate"):
         modules, prompts = prompts_of(args.set, args.sample_seed, args.prompts, tokenizer)
         started = time.perf_counter()
@@ -183,9 +183,7 @@ def main(argv: list[str] | None = None) -> None:
             "check_s": round(time.perf_counter() - started),
             "loadavg": os.getloadavg(),
         }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}")
+    write_results(name, result, output_dir(args))
 
 
 if __name__ == "__main__":

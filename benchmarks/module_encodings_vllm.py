@@ -13,8 +13,9 @@ the header and the tables it references. A request takes the encoding whose cont
 before the module (exact: a full prefill's KV, nothing recomputed), else the one whose context fits the prompt
 best (its start and the tokens right before the module), else the first.
 
-Arms per phase: ``splice`` (nothing recomputed, ``kvreuse_recompute_first`` 0) and ``legolink-16`` (the engine's
-default recovery: each inexact module's first 16 tokens recomputed, an exact module's share going to the others).
+Arms per phase (``module_quality_vllm.CURVE_ARMS``, each case run by ``module_quality_vllm.case_rows``): ``naive``
+(nothing recomputed, ``kvreuse_recompute_first`` 0) and ``first-16`` (the engine's default recovery: each inexact
+module's first 16 tokens recomputed, an exact module's share going to the others).
 Figures per set, phase and arm: outputs with full prefill's tokens, with full prefill's normalised SQL (schema
 sets), right answers (document sets), the share of prompt tokens the engine computed (vLLM's own
 ``num_cached_tokens``) and which encodings were spliced (``kvreuse:module_encodings_taken_total``)::
@@ -34,11 +35,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import REPO, bench_parser, engine, output_dir, write_results  # noqa: E402
-from module_quality import EOS_TEXT, MAX_NEW_TOKENS  # noqa: E402
-from module_quality_data import SCHEMA_SETS, TokenizedCase, is_correct, normalise_sql  # noqa: E402
-from module_quality_vllm import CONNECTOR, SETTINGS, curve_cases, encode_curve_modules  # noqa: E402
+from module_quality import EOS_TEXT  # noqa: E402
+from module_quality_data import TokenizedCase  # noqa: E402
+from module_quality_vllm import CONNECTOR, SETTINGS, case_rows, curve_cases, encode_curve_modules  # noqa: E402
 
-ARMS = {"full": None, "splice": {"kvreuse_recompute_first": 0}, "legolink-16": {"kvreuse_recompute_first": 16}}
+ARMS = ["full", "naive", "first-16"]  # of module_quality_vllm.CURVE_ARMS: full prefill, the plain splice, the default
 
 
 def add_context_encodings(llm, sets: dict[str, list[TokenizedCase]], names: dict[tuple[int, ...], str]) -> int:
@@ -99,37 +100,8 @@ def measure(llm, set_names: list[str], num_cases: int) -> dict:
             print(f"added {added} encodings ({time.perf_counter() - started:.0f} s)", flush=True)
         before = taken(llm)
         for name, tokenized in sets.items():
-            schema = name in SCHEMA_SETS
-            max_tokens = SCHEMA_SETS[name].max_tokens if schema else MAX_NEW_TOKENS
             for tc in tokenized:
-                full_text, full_tokens = "", []
-                for arm, transfer in ARMS.items():
-                    params = SamplingParams(
-                        max_tokens=max_tokens,
-                        temperature=0.0,
-                        stop_token_ids=[eos],
-                        skip_reading_prefix_cache=transfer is None,
-                        extra_args={"kv_transfer_params": transfer} if transfer else None,
-                    )
-                    llm.reset_prefix_cache()
-                    out = llm.generate([TokensPrompt(prompt_token_ids=list(tc.prompt))], params, use_tqdm=False)[0]
-                    tokens = list(out.outputs[0].token_ids)
-                    text = tokenizer.decode(tokens, skip_special_tokens=True)
-                    if transfer is None:
-                        full_text, full_tokens = text, tokens
-                    rows.append(
-                        {
-                            "set": name,
-                            "case": tc.case.key,
-                            "phase": phase,
-                            "arm": arm,
-                            "right": None if schema else is_correct(text, tc.case),
-                            "same_as_full": tokens == full_tokens,
-                            "same_sql_as_full": normalise_sql(text) == normalise_sql(full_text) if schema else None,
-                            "prompt_tokens": len(tc.prompt),
-                            "computed": len(tc.prompt) - (out.num_cached_tokens or 0),
-                        }
-                    )
+                rows += [{**row, "phase": phase} for row in case_rows(llm, tokenizer, eos, name, 0, tc, ARMS)]
             print(f"{phase} {name}: {len(tokenized)} cases, {time.perf_counter() - started:.0f} s", flush=True)
         # vLLM publishes connector stats with its periodic metrics: one more request flushes them
         llm.generate([TokensPrompt(prompt_token_ids=[1, 2])], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -149,7 +121,7 @@ def summarise(rows: list[dict]) -> dict:
         summary.setdefault(key[0], {}).setdefault(key[1], {})[key[2]] = {
             "cases": len(mine),
             "same_as_full": sum(r["same_as_full"] for r in mine),
-            "same_sql_as_full": None if answered else sum(r["same_sql_as_full"] for r in mine),
+            "same_sql_as_full": None if answered else sum(r["same_answer_as_full"] for r in mine),
             "right": sum(r["right"] for r in mine) if answered else None,
             "kept": sum(r["right"] and full[r["case"]]["right"] for r in mine) if answered else None,
             "full_right": sum(r["right"] for r in full.values()) if answered else None,

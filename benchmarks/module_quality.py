@@ -1,4 +1,4 @@
-"""Answers over spliced modules on the real model: every recovery method against the compute it spends (issue 14).
+"""Answers over spliced modules on the real model: every recovery method against the compute it spends.
 
 Offline, in PyTorch, on SmolLM2-135M-Instruct (``build/models/smollm2``, float32), over the QA set of
 ``module_quality_data``: each case's prompt is a shared chat header, 3-8 modules and a question. An arm decides
@@ -22,7 +22,8 @@ pass of the question picks the module tokens it attends to most, which are then 
 (diagnostics that know the answer's module; not deployable).
 
 Per-case results are kept in ``build/module_quality/<set>.jsonl`` so an interrupted run resumes; the summary goes
-to ``docs/benchmarks/results/module_quality_<set>.{json,png}``. Usage::
+to ``module_quality_<set>.{json,png}`` under ``build/benchmarks/`` (``--update-results``: into
+``docs/benchmarks/results/``, the figures the docs cite). Usage::
 
     python benchmarks/module_quality.py --set mixed --cases 300 --arms key   # the README's arms
     python benchmarks/module_quality.py --set mixed --cases 300 --arms all
@@ -32,18 +33,20 @@ to ``docs/benchmarks/results/module_quality_<set>.{json,png}``. Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from harness import RESULTS  # the committed results the docs cite
-from module_quality_data import QA_SETS, TokenizedCase, is_correct, make_cases, tokenize_case
-from splice_reference import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, bench_parser, new_figure, output_dir, write_results  # noqa: E402
+from module_quality_data import QA_SETS, TokenizedCase, is_correct, make_cases, tokenize_case  # noqa: E402
+from splice_reference import (  # noqa: E402
     KV_ONLY_SHARE,
     ApeBias,
     FixedTokens,
@@ -58,8 +61,8 @@ from splice_reference import (
     stack_parallel,
 )
 
-from kvreuse.modules.blend import encode_deviation, ranking, token_scores
-from kvreuse.modules.splice import (
+from kvreuse.modules.blend import encode_deviation, ranking, token_scores  # noqa: E402
+from kvreuse.modules.splice import (  # noqa: E402
     Piece,
     allot_first_tokens,
     budget_positions,
@@ -67,10 +70,9 @@ from kvreuse.modules.splice import (
     chosen_tokens,
     merge_positions,
 )
-from kvreuse.modules.splice import first_tokens as first_tokens_of
-from kvreuse.modules.store import EncodedModule
+from kvreuse.modules.splice import first_tokens as first_tokens_of  # noqa: E402
+from kvreuse.modules.store import EncodedModule  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / "build" / "module_quality"
 MAX_NEW_TOKENS = 16
 RESUME_LAYERS = (15, 20)  # layers the resume arms start at (their hidden states are kept per module)
@@ -672,14 +674,12 @@ def format_table(summaries: Sequence[Summary]) -> str:
     return "\n".join(lines)
 
 
-def report(name: str, summaries: Sequence[Summary], meta: dict) -> None:
+def report(name: str, summaries: Sequence[Summary], meta: dict, out_dir: Path) -> None:
+    """Print the table; write ``NAME.json`` and ``NAME.png`` into ``out_dir`` (``harness.write_results``)."""
     print(f"\n== {name} ==")
     print(format_table(summaries))
-    RESULTS.mkdir(parents=True, exist_ok=True)
     payload = {"meta": meta, "arms": [s.__dict__ for s in summaries]}
-    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
-    plot(name, summaries, RESULTS / f"{name}.png")
-    print(f"wrote {RESULTS / (name + '.json')} and {RESULTS / (name + '.png')}")
+    write_results(name, payload, out_dir, plot(name, summaries))
 
 
 def most_measured(summaries: Sequence[Summary]) -> list[Summary]:
@@ -708,15 +708,12 @@ def frontier(summaries: Sequence[Summary]) -> list[Summary]:
     )
 
 
-def plot(name: str, summaries: Sequence[Summary], path: Path) -> None:
+def plot(name: str, summaries: Sequence[Summary]):
     """Accuracy (as a share of full prefill's) against compute share, one colour per family (oracles hollow, arms
-    run on fewer cases faint); the frontier's arms labelled; the goal's corner shaded."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    run on fewer cases faint); the frontier's arms labelled; the goal's corner shaded. Returns the figure."""
+    fig, ax = new_figure(figsize=(10, 6.5))
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 6.5))
     families = sorted({s.family for s in summaries})
     colours = plt.get_cmap("tab10")
     measured = {s.arm for s in most_measured(summaries)}
@@ -754,12 +751,11 @@ def plot(name: str, summaries: Sequence[Summary], path: Path) -> None:
     ax.set_title(f"{name}: every arm (dashed: the frontier of deployable arms on the most cases, {most}; faint: fewer)")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--set", default="mixed", choices=sorted(QA_SETS))
     parser.add_argument("--cases", type=int, default=None, help="the first N cases (default: all)")
     parser.add_argument("--arms", default="main", choices=("main", "sweep", "all", "key", "blend", "runtime"))
@@ -785,7 +781,7 @@ def main(argv: list[str] | None = None) -> None:
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     suffix = f"_{args.arms}" if args.arms in ("blend", "runtime") else ""  # the README's table is the key arms'
-    report(f"module_quality_{args.set}{suffix}", summaries, meta)
+    report(f"module_quality_{args.set}{suffix}", summaries, meta, output_dir(args))
 
 
 if __name__ == "__main__":

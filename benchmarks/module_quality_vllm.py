@@ -28,7 +28,8 @@ header's, the prompt's shared prefix) with temperature T; ``ape-alone-T0.8`` ove
 Prints, per arm, how many answers are right, how many outputs equal the engine's own full prefill's, the share of
 prompt tokens the engine computed, and, where ``module_quality.py`` measured the same cases and arm, how many give
 the reference's tokens exactly (and, where not, the first output token that differs); writes
-``docs/benchmarks/results/module_quality_vllm_<set>.json``::
+``module_quality_vllm_<set>.json`` (the arms' figures under ``arms``) under ``build/benchmarks/``
+(``--update-results``: into ``docs/benchmarks/results/``, the figures the docs cite; so for every output below)::
 
     python benchmarks/module_quality_vllm.py --set mixed --cases 20
     python benchmarks/module_quality_vllm.py --set long --cases 8 --ttft-only   # the issue's shape: 8 modules x ~256
@@ -47,8 +48,7 @@ prefill's, the same answer (the first line, case and whitespace aside; on a sche
 its tokens through its layers and one more), TTFT full/arm (medians) and where the arm's TTFT went (the module
 loads and the pass, each a median share of its TTFT, from the worker's figures). Rows go to
 ``build/module_quality_vllm/curves-<tag>.jsonl`` as each case finishes; a run stops starting cases after
-``--minutes`` and the next resumes, so a long run goes in pieces; writes
-``docs/benchmarks/results/module_quality_vllm_<tag>.{json,png}``::
+``--minutes`` and the next resumes, so a long run goes in pieces; writes ``module_quality_vllm_<tag>.{json,png}``::
 
     python benchmarks/module_quality_vllm.py --curves --sets docs-4 --cases 60 --tag docs4 \
         --arms naive,first-16,first-64,share-30%,blend-15%,blend-20%,blend-30%
@@ -56,20 +56,22 @@ loads and the pass, each a median share of its TTFT, from the worker's figures).
 
 ``--ttft-only``: TTFT alone (one token per request), the arms interleaved case by case in one engine (``full``,
 ``naive``, ``legolink-*``, ``blend-*``; ``anchored`` computes what ``naive`` does), so that a change in the
-machine's load hits every arm alike; writes ``docs/benchmarks/results/module_quality_vllm_ttft_<set>.json``.
+machine's load hits every arm alike; writes ``module_quality_vllm_ttft_<set>.json`` (the arms under ``arms``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from module_quality import EOS_TEXT, MAX_NEW_TOKENS, RESULTS, RUNS
-from module_quality_data import (
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, bench_parser, engine, new_figure, output_dir, write_results  # noqa: E402
+from module_quality import EOS_TEXT, MAX_NEW_TOKENS, RUNS  # noqa: E402
+from module_quality_data import (  # noqa: E402
     HEADER,
     QA_SETS,
     SCHEMA_SETS,
@@ -82,10 +84,10 @@ from module_quality_data import (
     tokenize_schema_case,
 )
 
-from kvreuse.localmodel import DATASETS, local_engine_args
-from kvreuse.modules.agreement import Normaliser, same_output
+from kvreuse.localmodel import DATASETS  # noqa: E402
+from kvreuse.modules.agreement import Normaliser, same_output  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+MODEL = REPO / "build" / "models" / "smollm2"
 CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 # recompute_first 0 (the setting's default is 16): each arm recomputes only what its name says, the legolink arms
 # per request.
@@ -151,14 +153,16 @@ def _reference(set_name: str) -> dict[tuple[str, str], list[int]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--set", default="mixed", choices=sorted(QA_SETS))
     parser.add_argument("--cases", type=int, default=20)
     parser.add_argument("--ttft-only", action="store_true", help="TTFT per arm, arms interleaved per case")
     parser.add_argument("--curves", action="store_true", help="answers against compute per arm, arms interleaved")
     parser.add_argument("--sets", default=",".join(CURVE_SETS), help="--curves: the sets, comma-separated")
     parser.add_argument(
-        "--arms", default=",".join(DEFAULT_CURVE_ARMS), help=f"--curves: arms of {', '.join(CURVE_ARMS)}"
+        "--arms",
+        default=",".join(DEFAULT_CURVE_ARMS),
+        help="--curves: arms of " + ", ".join(CURVE_ARMS).replace("%", "%%"),  # argparse %-formats its help
     )
     parser.add_argument("--seed", type=int, default=0, help="--curves: the seed the cases are drawn with")
     parser.add_argument("--minutes", type=float, default=20.0, help="--curves: start no case after this long")
@@ -180,15 +184,12 @@ def main(argv: list[str] | None = None) -> None:
         rows = [r for r in _rows(log) if r["set"] in keys and r["case"] in keys[r["set"]] and r["seed"] == args.seed]
         summary = _curve_summary(rows, arms)
         _print_curves(summary)
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        path = RESULTS / f"module_quality_vllm_{args.tag}.json"
         meta = {"cases_per_set": args.cases, "seed": args.seed, "answer": str(ANSWER)}
-        path.write_text(json.dumps({**meta, "summary": summary, "rows": rows}, indent=1))
-        _plot_curves(summary, RESULTS / f"module_quality_vllm_{args.tag}.png")
-        print(f"wrote {path}")
+        payload = {**meta, "summary": summary, "rows": rows}
+        write_results(f"module_quality_vllm_{args.tag}", payload, output_dir(args), _plot_curves(summary))
         return
     if args.ttft_only:
-        _ttft_side_by_side(args.set, args.cases)
+        _ttft_side_by_side(args.set, args.cases, output_dir(args))
         return
     reference = _reference(args.set)
     results: dict[str, dict] = {}
@@ -201,10 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         ttft = figures.get("ttft_median_s")
         figures["ttft_vs_full"] = round(ttft / full_ttft, 4) if ttft and full_ttft else None
         print(f"{arm}: TTFT {ttft * 1e3 if ttft else float('nan'):.1f} ms median, {figures['ttft_vs_full']} of full's")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"module_quality_vllm_{args.set}.json"
-    path.write_text(json.dumps(results, indent=2))
-    print(f"wrote {path}")
+    write_results(f"module_quality_vllm_{args.set}", {"set": args.set, "arms": results}, output_dir(args))
 
 
 def curve_cases(name: str, encode, num_cases: int, seed: int = 0) -> list[TokenizedCase]:
@@ -249,29 +247,22 @@ def _curves(set_names: list[str], num_cases: int, arms: list[str], seed: int, mi
     one engine, the arms taking turns per case, the prefix cache reset before each request. Rows go to
     ``build/module_quality_vllm/curves-<tag>.jsonl`` as each case finishes; a run stops starting cases after
     ``minutes`` and the next one resumes (each piece fits the machine's CPU lock)."""
-    from vllm import LLM
-
     log = RUNS.parent / "module_quality_vllm" / f"curves-{tag}.jsonl"
     log.parent.mkdir(parents=True, exist_ok=True)
     done = {(r["set"], r["case"], r["arm"]) for r in _rows(log)}
-    llm = LLM(
-        **local_engine_args(
-            REPO / "build" / "models" / "smollm2", kv_transfer_config=CONNECTOR, additional_config=SETTINGS
-        )
-    )
-    tokenizer = llm.get_tokenizer()
-    eos = tokenizer.convert_tokens_to_ids(EOS_TEXT)
+    with engine(MODEL, kv_transfer_config=CONNECTOR, additional_config=SETTINGS) as llm:
+        tokenizer = llm.get_tokenizer()
+        eos = tokenizer.convert_tokens_to_ids(EOS_TEXT)
 
-    def encode(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False)
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False)
 
-    sets = {name: curve_cases(name, encode, num_cases, seed) for name in set_names}
-    todo = {
-        name: [tc for tc in tokenized if any((name, tc.case.key, arm) not in done for arm in ["full", *arms])]
-        for name, tokenized in sets.items()
-    }
-    started = time.perf_counter()
-    try:
+        sets = {name: curve_cases(name, encode, num_cases, seed) for name in set_names}
+        todo = {
+            name: [tc for tc in tokenized if any((name, tc.case.key, arm) not in done for arm in ["full", *arms])]
+            for name, tokenized in sets.items()
+        }
+        started = time.perf_counter()
         count = len(encode_curve_modules(llm, {name: tcs for name, tcs in todo.items() if tcs}))
         print(f"encoded {count} modules in {time.perf_counter() - started:.0f} s", flush=True)
         with log.open("a") as out:
@@ -280,17 +271,15 @@ def _curves(set_names: list[str], num_cases: int, arms: list[str], seed: int, mi
                     if time.perf_counter() - started > minutes * 60:
                         print(f"stopped after {minutes} minutes: run again to go on", flush=True)
                         return
-                    rows = _case_rows(llm, tokenizer, eos, name, seed, tc, ["full", *arms])
+                    rows = case_rows(llm, tokenizer, eos, name, seed, tc, ["full", *arms])
                     for row in rows:
                         out.write(json.dumps(row) + "\n")
                     out.flush()
                     elapsed = time.perf_counter() - started
                     print(f"{name} {tc.case.key}: {len(tc.prompt)} tokens, {elapsed:.0f} s", flush=True)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
 
 
-def _case_rows(llm, tokenizer, eos: int, name: str, seed: int, tc, arms: list[str]) -> list[dict]:
+def case_rows(llm, tokenizer, eos: int, name: str, seed: int, tc, arms: list[str]) -> list[dict]:
     """One case under every arm in turn: its figures per arm (full prefill first: the others compare with it)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -417,15 +406,10 @@ def _print_curves(summary: dict[str, dict[str, dict]]) -> None:
             )
 
 
-def _plot_curves(summary: dict[str, dict[str, dict]], path: Path) -> None:
+def _plot_curves(summary: dict[str, dict[str, dict]]):
     """Per set, full prefill's answers kept and outputs the same as full's against the share of prompt tokens
-    computed (with the pass), one point per arm; the goal's corner shaded."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(summary), figsize=(5 * len(summary), 4.4), squeeze=False, sharey=True)
+    computed (with the pass), one point per arm; the goal's corner shaded. Returns the figure."""
+    fig, axes = new_figure(1, len(summary), figsize=(5 * len(summary), 4.4), squeeze=False, sharey=True)
     for ax, (name, arms) in zip(axes[0], summary.items()):
         for arm, r in arms.items():
             x = r["with_pass_share"]
@@ -445,36 +429,30 @@ def _plot_curves(summary: dict[str, dict[str, dict]], path: Path) -> None:
     axes[0][0].set_ylabel("share of cases")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def _ttft_side_by_side(set_name: str, num_cases: int) -> None:
+def _ttft_side_by_side(set_name: str, num_cases: int, out_dir: Path) -> None:
     """TTFT of every arm but ``anchored`` on the same prompts in one engine, the arms taking turns per case."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvreuse.vllm.modules import encode_modules
 
-    llm = LLM(
-        **local_engine_args(
-            REPO / "build" / "models" / "smollm2", kv_transfer_config=CONNECTOR, additional_config=SETTINGS
-        )
-    )
-    tokenizer = llm.get_tokenizer()
+    with engine(MODEL, kv_transfer_config=CONNECTOR, additional_config=SETTINGS) as llm:
+        tokenizer = llm.get_tokenizer()
 
-    def encode(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False)
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False)
 
-    tokenized = [tokenize_case(c, encode) for c in make_cases(QA_SETS[set_name], encode)[:num_cases]]
-    header = encode(HEADER)
-    unique = list(dict.fromkeys(ids for tc in tokenized for ids in tc.modules))
-    arms: dict[str, dict] = {"full": {}, "naive": {}}
-    arms.update({arm: {"kvreuse_recompute_first": k} for arm, k in LEGOLINK.items()})
-    arms.update({arm: {"kvreuse_recompute_share": r} for arm, r in BLEND.items()})
-    ttfts: dict[str, list[float]] = {arm: [] for arm in arms}
-    computed = dict.fromkeys(arms, 0)
-    try:
+        tokenized = [tokenize_case(c, encode) for c in make_cases(QA_SETS[set_name], encode)[:num_cases]]
+        header = encode(HEADER)
+        unique = list(dict.fromkeys(ids for tc in tokenized for ids in tc.modules))
+        arms: dict[str, dict] = {"full": {}, "naive": {}}
+        arms.update({arm: {"kvreuse_recompute_first": k} for arm, k in LEGOLINK.items()})
+        arms.update({arm: {"kvreuse_recompute_share": r} for arm, r in BLEND.items()})
+        ttfts: dict[str, list[float]] = {arm: [] for arm in arms}
+        computed = dict.fromkeys(arms, 0)
         encode_modules(llm, {"header": header})
         encode_modules(llm, {f"module-{i}": list(ids) for i, ids in enumerate(unique)}, probe=header)
         for n, tc in enumerate(tokenized):
@@ -493,8 +471,6 @@ def _ttft_side_by_side(set_name: str, num_cases: int) -> None:
                 ttfts[arm].append(ttft)
                 computed[arm] += len(tc.prompt) - out.num_cached_tokens
             print(f"[{n + 1}/{len(tokenized)}] {len(tc.prompt)} tokens", flush=True)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
     total = sum(len(tc.prompt) for tc in tokenized)
     full = statistics.median(ttfts["full"])
     results = {
@@ -513,37 +489,32 @@ def _ttft_side_by_side(set_name: str, num_cases: int) -> None:
             f"{arm}: {r['computed_share']:.1%} of prompt tokens computed; TTFT {r['ttft_median_s'] * 1e3:.1f} ms "
             f"median, {r['ttft_vs_full']:.3f} of full's ({r['speedup']:.2f}x faster)"
         )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"module_quality_vllm_ttft_{set_name}.json"
-    path.write_text(json.dumps(results, indent=2))
-    print(f"wrote {path}")
+    write_results(f"module_quality_vllm_ttft_{set_name}", {"set": set_name, "arms": results}, out_dir)
 
 
 def _run_engine(
     set_name: str, num_cases: int, arms: tuple[str, ...], reference: dict[tuple[str, str], list[int]]
 ) -> dict[str, dict]:
     """``arms`` in one engine: ``naive`` and ``anchored`` encode the header and the modules first."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvreuse.vllm.modules import encode_modules
 
-    model = REPO / "build" / "models" / "smollm2"
-    llm = LLM(**local_engine_args(model, kv_transfer_config=CONNECTOR, additional_config=SETTINGS))
-    tokenizer = llm.get_tokenizer()
-    eos = tokenizer.convert_tokens_to_ids(EOS_TEXT)
+    with engine(MODEL, kv_transfer_config=CONNECTOR, additional_config=SETTINGS) as llm:
+        tokenizer = llm.get_tokenizer()
+        eos = tokenizer.convert_tokens_to_ids(EOS_TEXT)
 
-    def encode(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False)
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False)
 
-    cases = [c for c in make_cases(QA_SETS[set_name], encode) if not reference or (c.key, "naive") in reference]
-    cases = cases[:num_cases]
-    tokenized = [tokenize_case(c, encode) for c in cases]
-    header = encode(HEADER)
-    unique = list(dict.fromkeys(ids for tc in tokenized for ids in tc.modules))
-    modules = {f"module-{i}": list(ids) for i, ids in enumerate(unique)}
-    results: dict[str, dict] = {}
-    try:
+        cases = [c for c in make_cases(QA_SETS[set_name], encode) if not reference or (c.key, "naive") in reference]
+        cases = cases[:num_cases]
+        tokenized = [tokenize_case(c, encode) for c in cases]
+        header = encode(HEADER)
+        unique = list(dict.fromkeys(ids for tc in tokenized for ids in tc.modules))
+        modules = {f"module-{i}": list(ids) for i, ids in enumerate(unique)}
+        results: dict[str, dict] = {}
         sampling = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, stop_token_ids=[eos])
         full = SamplingParams(
             max_tokens=MAX_NEW_TOKENS, temperature=0.0, stop_token_ids=[eos], skip_reading_prefix_cache=True
@@ -613,8 +584,6 @@ def _run_engine(
                 f"full prefill's; {computed / prompt_tokens:.1%} of prompt tokens computed; {same}/{compared} equal "
                 "the reference's"
             )
-    finally:
-        llm.llm_engine.engine_core.shutdown()
     return results
 
 

@@ -14,13 +14,18 @@ ROOT = Path(__file__).resolve().parents[1]
 ON_THE_HARNESS = [
     "all_plugins",
     "demo",
+    "module_cache",
+    "module_calibration_goal",
     "module_encodings_vllm",
     "module_index",
+    "module_quality",
+    "module_quality_vllm",
     "ray_replicas",
     "reorder_answers",
     "reorder_chat_orders",
     "reorder_engine",
     "reorder_orders",
+    "reorder_plan_accuracy",
     "reorder_plan_time",
     "reorder_scheduler",
     "reorder_serve",
@@ -34,6 +39,9 @@ ON_THE_HARNESS = [
     "sparse_qa",
     "sparse_real_keys",
 ]
+
+# The modules in benchmarks/ that run nothing themselves: workloads and references benchmarks and tests share.
+SHARED = ["harness", "module_quality_data", "reference_ggr", "reorder_tables", "retrieval_cases", "splice_reference"]
 
 HELP_EACH = """
 import contextlib, io, json, runpy, sys
@@ -64,3 +72,8 @@ def test_every_benchmark_on_the_harness_starts_and_can_update_the_docs_results()
     assert sorted(helps) == sorted(ON_THE_HARNESS)
     for name, (code, text) in helps.items():
         assert code in (0, None) and "--update-results" in text, (name, text[-500:])
+
+
+def test_every_script_in_benchmarks_is_on_the_harness_or_a_shared_module():
+    scripts = sorted(path.stem for path in (ROOT / "benchmarks").glob("*.py"))
+    assert scripts == sorted(ON_THE_HARNESS + SHARED)

@@ -13,9 +13,10 @@ floor at that confidence.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
+from typing import Protocol, TypeVar
 
 # recompute_first that recomputes every module token of any prompt vLLM takes (its positions are int32): full
 # prefill's answers, no splice; what calibration gives when no candidate keeps the floor.
@@ -124,10 +125,24 @@ def sample_notes(
     return []
 
 
-def cheapest(measured: Sequence[Measured], min_agreement: float) -> Measured | None:
-    """The measured setting that computes the fewest prompt tokens among those whose sampled agreement is at least
-    ``min_agreement`` (0 to 1); on a tie, the one listed first. ``None`` where none keeps the floor."""
+class _Agreeing(Protocol):
+    @property
+    def agreement(self) -> float: ...
+
+
+_A = TypeVar("_A", bound=_Agreeing)
+
+
+def cheapest_keeping(measured: Sequence[_A], min_agreement: float, cost: Callable[[_A], float]) -> _A | None:
+    """The measured candidate of least ``cost`` among those whose sampled agreement is at least ``min_agreement``
+    (0 to 1); on a tie, the one listed first. ``None`` where none keeps the floor. The one rule every calibration
+    (the module cache's recompute, the sparse backend's page budget) chooses by."""
     if not 0.0 <= min_agreement <= 1.0:
         raise ValueError(f"agreement floor {min_agreement!r} is not between 0 and 1")
     keeping = [m for m in measured if m.agreement >= min_agreement]
-    return min(keeping, key=lambda m: m.computed) if keeping else None
+    return min(keeping, key=cost) if keeping else None
+
+
+def cheapest(measured: Sequence[Measured], min_agreement: float) -> Measured | None:
+    """The measured setting that computes the fewest prompt tokens among those that keep ``min_agreement``."""
+    return cheapest_keeping(measured, min_agreement, lambda m: m.computed)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvreuse.modules.calibrate import agreement_lower_bound
+from kvreuse.modules.calibrate import agreement_lower_bound, cheapest_keeping
 
 EXACT = 0  # top_pages 0: exact DIPR (no budget), what calibration keeps when no budget holds the floor
 CANDIDATES = (4, 8, 16, 32, 64)  # top_pages candidates: 128 to 2K tokens per KV head past the window (32-token blocks)
@@ -39,9 +39,5 @@ class BudgetMeasured:
 
 
 def cheapest_budget(measured: Sequence[BudgetMeasured], min_agreement: float) -> BudgetMeasured | None:
-    """The measured budget that reads the fewest blocks among those whose sampled agreement is at least
-    ``min_agreement`` (0 to 1); on a tie, the one listed first. ``None`` where none keeps the floor."""
-    if not 0.0 <= min_agreement <= 1.0:
-        raise ValueError(f"agreement floor {min_agreement!r} is not between 0 and 1")
-    keeping = [m for m in measured if m.agreement >= min_agreement]
-    return min(keeping, key=lambda m: m.blocks_read) if keeping else None
+    """The measured budget that reads the fewest blocks among those that keep ``min_agreement``."""
+    return cheapest_keeping(measured, min_agreement, lambda m: m.blocks_read)
