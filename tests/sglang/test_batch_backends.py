@@ -166,6 +166,8 @@ def test_the_chat_preamble_is_the_prefix_planning_counts(chat_model):
     [(_, [sent], _)] = engine.calls
     bos = engine.tokenizer_manager.tokenizer.bos_token
     assert backend.cache_model.prefix == f"{bos}<|system|>\nAnswer yes or no.\n<|user|>\n"
+    assert backend.cache_model.suffix == "\n<|assistant|>\n"  # the turn's end and the assistant's header
+    assert list(backend.cache_model.sent_tokens(["Kids?\n\ntitle: Up\n"])[0]) == list(sent)  # planned = sent
     planned = backend.cache_model.tokenize([backend.cache_model.prefix + "Kids?\n\ntitle: Up\n"])[0]
     assert sent[: len(planned)] == list(planned)  # planning tokenizes what the engine is sent, up to the turn's end
 

@@ -65,10 +65,12 @@ class SGLangBackend:
                 return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
             self._render = lambda prompt: render(chat_messages(prompt, self.system))
+            head, tail = template_frame(render, self.system)
             self.cache_model: PrefixCacheModel | None = PrefixCacheModel(
                 lambda texts: tokenizer(list(texts), add_special_tokens=False)["input_ids"],
                 page_size,
-                prefix=template_frame(render, self.system),
+                prefix=head,
+                suffix=tail,
             )
         elif tokenizer is not None:
             self.cache_model = PrefixCacheModel(lambda texts: tokenizer(list(texts))["input_ids"], page_size)
