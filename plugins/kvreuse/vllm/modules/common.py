@@ -110,15 +110,7 @@ def recompute_share(params: object, default: float) -> float:
 
     Raises :class:`RequestParameterError` for a value that is not a number from 0 to 1.
     """
-    if not isinstance(params, Mapping) or RECOMPUTE_SHARE not in params:
-        return default
-    value = params[RECOMPUTE_SHARE]
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-        raise RequestParameterError(
-            f"{FIELD}.{RECOMPUTE_SHARE}",
-            f"{RECOMPUTE_SHARE} must be a number from 0 to 1 (share of each module's tokens), got {_shown(value)}",
-        )
-    return float(value)
+    return _share(params, RECOMPUTE_SHARE, default, "each module's tokens")
 
 
 def ape_setting(params: object, default: tuple[float, float]) -> tuple[float, float]:
@@ -176,16 +168,7 @@ def recompute_budget(params: object, default: float) -> float:
 
     Raises :class:`RequestParameterError` for a value that is not a number from 0 to 1.
     """
-    if not isinstance(params, Mapping) or RECOMPUTE_BUDGET not in params:
-        return default
-    value = params[RECOMPUTE_BUDGET]
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-        raise RequestParameterError(
-            f"{FIELD}.{RECOMPUTE_BUDGET}",
-            f"{RECOMPUTE_BUDGET} must be a number from 0 to 1 (share of the spliced run's module tokens), "
-            f"got {_shown(value)}",
-        )
-    return float(value)
+    return _share(params, RECOMPUTE_BUDGET, default, "the spliced run's module tokens")
 
 
 def recompute_blend(params: object, default: float) -> float:
@@ -195,16 +178,7 @@ def recompute_blend(params: object, default: float) -> float:
 
     Raises :class:`RequestParameterError` for a value that is not a number from 0 to 1.
     """
-    if not isinstance(params, Mapping) or RECOMPUTE_BLEND not in params:
-        return default
-    value = params[RECOMPUTE_BLEND]
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-        raise RequestParameterError(
-            f"{FIELD}.{RECOMPUTE_BLEND}",
-            f"{RECOMPUTE_BLEND} must be a number from 0 to 1 (share of the spliced run's module tokens), "
-            f"got {_shown(value)}",
-        )
-    return float(value)
+    return _share(params, RECOMPUTE_BLEND, default, "the spliced run's module tokens")
 
 
 def blend_layers(params: object, default: int) -> int:
@@ -298,6 +272,19 @@ def transfer_params_refusal(params: object) -> tuple[str, str] | None:
     except RequestParameterError as why:
         return why.field, str(why)
     return None
+
+
+def _share(params: object, key: str, default: float, of: str) -> float:
+    """``params``' share ``key`` (a number from 0 to 1, a share of ``of``), else ``default``; a
+    :class:`RequestParameterError` naming the field otherwise."""
+    if not isinstance(params, Mapping) or key not in params:
+        return default
+    value = params[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise RequestParameterError(
+            f"{FIELD}.{key}", f"{key} must be a number from 0 to 1 (share of {of}), got {_shown(value)}"
+        )
+    return float(value)
 
 
 def _shown(value: object) -> str:
