@@ -375,14 +375,15 @@ def test_the_choice_changes_answers(blend_reference):
     assert any(ref["blend"] != ref["naive"] for ref in blend_reference)
 
 
-def test_recomputing_every_module_token_is_the_full_prefill(llm, probed):
-    """Share 1: every module token is computed (the header, encoded alone at position 0, stays spliced: it is
-    exact), so the output is the full prefill's within rounding."""
+@pytest.mark.parametrize("every", [{"share": 1.0}, {"blend": 1.0}], ids=["recompute_share 1", "recompute_blend 1"])
+def test_recomputing_every_module_token_is_the_full_prefill(llm, probed, every):
+    """Share 1, chosen at encode time or from the request: every module token is computed (the header, encoded
+    alone at position 0, stays spliced: it is exact), so the output is the full prefill's within rounding."""
     tc = probed[0]
     full = generate(llm, tc.prompt, full=True)
-    out = generate(llm, tc.prompt, recompute_first=0, share=1.0)
+    out = generate(llm, tc.prompt, recompute_first=0, **every)
     assert out.num_cached_tokens == len(tc.header)
-    assert_same_greedy_path(full.outputs[0], out.outputs[0], "100% recompute share")
+    assert_same_greedy_path(full.outputs[0], out.outputs[0], f"{every}")
     assert gap(full, out) <= LOGPROB_TOLERANCE
 
 
@@ -455,15 +456,6 @@ def test_the_choice_from_the_request_changes_answers(runtime_reference, blend_re
     """The control: the chosen tokens change the reference's output from the plain splice's, so the test above tells
     the engine's choice from none."""
     assert any(ref[1].tokens != plain["naive"] for ref, plain in zip(runtime_reference, blend_reference))
-
-
-def test_a_blend_of_every_token_is_the_full_prefill(llm, probed):
-    tc = probed[0]
-    full = generate(llm, tc.prompt, full=True)
-    out = generate(llm, tc.prompt, recompute_first=0, blend=1.0)
-    assert out.num_cached_tokens == len(tc.header)
-    assert_same_greedy_path(full.outputs[0], out.outputs[0], "recompute_blend 1")
-    assert gap(full, out) <= LOGPROB_TOLERANCE
 
 
 def test_the_prefix_cache_gives_blended_blocks_to_the_same_request_only(llm, probed):
