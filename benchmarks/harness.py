@@ -140,12 +140,13 @@ def engine(model: str | Path, **engine_args: Any) -> Iterator[Any]:
     from vllm import LLM
 
     from kvreuse.localmodel import local_engine_args
+    from kvreuse.patches import vllm_0_32
 
     llm = LLM(**local_engine_args(model, **engine_args))
     try:
         yield llm
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        vllm_0_32.shutdown_llm(llm)
 
 
 @contextmanager

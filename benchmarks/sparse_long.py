@@ -71,6 +71,7 @@ def run_length(length: int, args: argparse.Namespace, settings: dict, partial: P
     from vllm import LLM, SamplingParams
 
     from kvreuse.localmodel import extended_context, local_engine_args
+    from kvreuse.patches import vllm_0_32
 
     factor = rope_factor(length)
     extra = extended_context(args.model, args.scaling, factor) if factor > 1 else {"max_model_len": TRAINED}
@@ -144,7 +145,7 @@ def run_length(length: int, args: argparse.Namespace, settings: dict, partial: P
             print(f"{length}: question {case.index} {json.dumps({a: e['text'] for a, e in record['arms'].items()})}")
     finally:
         for engine in (stock, sparse):
-            engine.llm_engine.engine_core.shutdown()
+            vllm_0_32.shutdown_llm(engine)
     return {**run, "load": loads, "questions": records}
 
 
