@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         log = RUNS.parent / "module_quality_vllm" / f"curves-{args.tag}.jsonl"
         keys = {name: {f"{name}-{i}" for i in range(args.cases)} for name in sets}  # make_cases' keys: "<set>-<index>"
         rows = [r for r in _rows(log) if r["set"] in keys and r["case"] in keys[r["set"]] and r["seed"] == args.seed]
+        rows.sort(key=lambda r: sets.index(r["set"]))  # the sets in the order asked (the log's is the runs')
         summary = _curve_summary(rows, arms)
         _print_curves(summary)
         meta = {"cases_per_set": args.cases, "seed": args.seed, "answer": str(ANSWER)}
