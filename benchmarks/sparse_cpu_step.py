@@ -7,11 +7,12 @@ every layer writes the token's key and value and attends:
 - ``stock``: vLLM's own CPU ops, as its CPU_ATTN backend calls them (``cpu_attn_reshape_and_cache``, then
   ``cpu_attention_with_kv_cache`` with the step's scheduler metadata built once per step), on vLLM's CPU cache layout
   ``[num_blocks, kv_heads, block_size, head_dim]`` per K and V;
-- ``sparse beta=X``: ``SparseAttention.write`` and ``attend`` on the backend's padded pages (``[num_blocks,
-  block_size + sketch rows, kv_heads, K|V]``, the key sketch in the padding rows), with beta ``X`` in every layer
+- ``sparse beta=X``: ``SparseAttention.write`` and ``attend`` on the backend's layout of the padded pages vLLM
+  allocates (``kvreuse.vllm.sparse.backend.layer_cache`` of vLLM's LBNHC view of ``[num_blocks, block_size + sketch
+  rows, kv_heads, K|V]``: every block's K/V packed, then every block's key sketch), with beta ``X`` in every layer
   but the first (the default policy);
-- ``filter beta=X``: the same on CPU_ATTN's pages (the key sketch in their padding), every exact attention through
-  vLLM's op and DIPR only choosing each KV head's blocks (``sparse.engine_kernel``, the CPU default).
+- ``filter beta=X``: the same on CPU_ATTN's layout (LBHNC), every exact attention through vLLM's op and DIPR only
+  choosing each KV head's blocks (``sparse.engine_kernel``, the CPU default).
 
 The keys are the real ones of ``tests/data/smollm2_keys.pt`` (SmolLM2's layers 4 and 20 on a 1K-token retrieval
 prompt, alternated over the layers and repeated along the context), the query the last decode query of the same
@@ -64,10 +65,10 @@ def real_kv(length: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[t
 
 
 class Sparse:
-    """The sparse backend's side: per layer padded pages, their K/V views and sketch, as the adapter makes them."""
+    """The sparse backend's side: per layer padded pages, their K/V views and sketch, as the adapter lays them out."""
 
     def __init__(self, keys, values, length: int, beta: float):
-        from kvreuse.vllm.sparse.backend import page_sketch
+        from kvreuse.vllm.sparse.backend import layer_cache
 
         self.blocks = -(-(length + 1) // BLOCK) + 1
         self.attention = SparseAttention(
@@ -77,9 +78,8 @@ class Sparse:
         prefill = torch.arange(length, dtype=torch.int64)
         for k, v in zip(keys, values):
             pages = torch.zeros(self.blocks, BLOCK + SKETCH_ROWS, KV_HEADS, 2 * DIM)
-            kv_cache = pages[:, :BLOCK].transpose(1, 2)  # vLLM's [blocks, heads, tokens, K|V] view of LBNHC pages
-            key_cache, value_cache = kv_cache.transpose(1, 2).split(DIM, dim=-1)
-            sketch = page_sketch(kv_cache, DIM)
+            cache = layer_cache(pages[:, :BLOCK].transpose(1, 2))  # vLLM's [blocks, heads, tokens, K|V] view
+            key_cache, value_cache, sketch = cache.key_cache, cache.value_cache, cache.sketch
             self.attention.write(k[:length], v[:length], key_cache, value_cache, sketch, prefill)
             self.layers.append((key_cache, value_cache, sketch))
         self.block_table = torch.arange(self.blocks, dtype=torch.int32)[None]
@@ -105,11 +105,11 @@ class Sparse:
 
 class Filter(Sparse):
     """The sparse backend on vLLM's CPU_ATTN layout (``KVREUSE_SPARSE_CPU_BACKEND=1`` without the module cache):
-    LBHNC pages with the key sketch in their padding, every exact attention through vLLM's op, DIPR choosing each
+    LBHNC, the key sketches after every block's K/V, every exact attention through vLLM's op, DIPR choosing each
     KV head's blocks (``SparseAttention(paged_kernel=CPUAttentionKernel(...))``)."""
 
     def __init__(self, keys, values, length: int, beta: float):
-        from kvreuse.vllm.sparse.backend import page_sketch, sketch_bytes
+        from kvreuse.vllm.sparse.backend import layer_cache, sketch_bytes
         from kvreuse.vllm.sparse.cpu_kernel import CPUAttentionKernel
 
         self.blocks = -(-(length + 1) // BLOCK) + 1
@@ -123,9 +123,8 @@ class Filter(Sparse):
         pad = -(-sketch_bytes(BLOCK, KV_HEADS, DIM) // 4)
         for k, v in zip(keys, values):
             pages = torch.zeros(self.blocks, kv_elements + pad)
-            kv_cache = pages[:, :kv_elements].view(self.blocks, KV_HEADS, BLOCK, 2 * DIM)
-            key_cache, value_cache = kv_cache.view(self.blocks, KV_HEADS, 2 * BLOCK, DIM).chunk(2, dim=2)
-            sketch = page_sketch(kv_cache, DIM)
+            cache = layer_cache(pages[:, :kv_elements].view(self.blocks, KV_HEADS, BLOCK, 2 * DIM))
+            key_cache, value_cache, sketch = cache.key_cache, cache.value_cache, cache.sketch
             self.attention.write(k[:length], v[:length], key_cache, value_cache, sketch, prefill)
             self.layers.append((key_cache, value_cache, sketch))
         self.block_table = torch.arange(self.blocks, dtype=torch.int32)[None]
