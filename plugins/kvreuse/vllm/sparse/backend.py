@@ -102,9 +102,24 @@ def module_cache_on(vllm_config: VllmConfig) -> bool:
     return transfer is not None and transfer.kv_connector == ConnectorName.MODULE_CACHE
 
 
+def check_kv_connector(vllm_config: VllmConfig) -> None:
+    """Refuse a KV connector other than kvreuse's: it would read and write K/V through vLLM's per-layer view, where
+    this backend does not keep them (``layer_cache``), and load blocks without their key sketches. kvreuse's module
+    cache reads through ``kv_view`` and writes through the backend's cache write."""
+    transfer = vllm_config.kv_transfer_config
+    connector = None if transfer is None else transfer.kv_connector
+    if connector is not None and connector not in set(ConnectorName):
+        raise ConfigError(
+            f"the kvreuse sparse attention backend keeps K/V and key sketches in its own layout, which KV connector "
+            f"{connector!r} does not know; use it without the backend (unset {SPARSE_CPU_SWITCH} / --attention-backend "
+            f"CUSTOM), or one of kvreuse's connectors ({', '.join(ConnectorName)})"
+        )
+
+
 def _shared_attention(num_heads: int, num_kv_heads: int, head_size: int, scale: float) -> SparseAttention:
     """The process's ``SparseAttention`` for the engine being built (see ``ProcessRuntime.sparse_attention_for``)."""
     vllm_config = vllm_0_32.current_vllm_config()
+    check_kv_connector(vllm_config)
 
     def build() -> SparseAttention:
         config = SparseConfig.load(
