@@ -107,8 +107,15 @@ def check_kv_connector(vllm_config: VllmConfig) -> None:
     this backend does not keep them (``layer_cache``), and load blocks without their key sketches. kvreuse's module
     cache reads through ``kv_view`` and writes through the backend's cache write."""
     transfer = vllm_config.kv_transfer_config
-    connector = None if transfer is None else transfer.kv_connector
-    if connector is not None and connector not in set(ConnectorName):
+    if transfer is None or transfer.kv_connector is None:
+        return
+    connectors = [transfer.kv_connector]
+    if transfer.kv_connector == "MultiConnector":  # vLLM's: its connectors are listed in its extra config
+        extra = getattr(transfer, "kv_connector_extra_config", None) or {}
+        connectors = [part.get("kv_connector") for part in extra.get("connectors", [])]
+    for connector in connectors:
+        if connector in set(ConnectorName):
+            continue
         raise ConfigError(
             f"the kvreuse sparse attention backend keeps K/V and key sketches in its own layout, which KV connector "
             f"{connector!r} does not know; use it without the backend (unset {SPARSE_CPU_SWITCH} / --attention-backend "
