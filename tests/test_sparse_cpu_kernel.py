@@ -275,7 +275,7 @@ def test_the_op_over_head_tiles_equals_one_call_per_kv_head():
     op = kernel()
     k, v = torch.randn(2, POOL * BLOCK, KV_HEADS, DIM, generator=g)
     op.write(k, v, key_cache, value_cache, torch.arange(POOL * BLOCK), torch.zeros(0, dtype=torch.int64))
-    assert head_tiles(key_cache)[0].shape[1:] == (1, BLOCK, DIM)
+    assert head_tiles(key_cache).shape == (POOL * KV_HEADS, 1, BLOCK, DIM)
     n, width = 2, 20
     read = torch.rand(n, KV_HEADS, width, generator=g) < 0.5
     read[..., -1] = True
