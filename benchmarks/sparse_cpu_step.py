@@ -109,7 +109,7 @@ class Filter(Sparse):
     KV head's blocks (``SparseAttention(paged_kernel=CPUAttentionKernel(...))``)."""
 
     def __init__(self, keys, values, length: int, beta: float):
-        from kvreuse.vllm.sparse.backend import layer_cache, sketch_bytes
+        from kvreuse.vllm.sparse.backend import layer_cache
         from kvreuse.vllm.sparse.cpu_kernel import CPUAttentionKernel
 
         self.blocks = -(-(length + 1) // BLOCK) + 1
@@ -120,7 +120,7 @@ class Filter(Sparse):
         self.layers = []
         prefill = torch.arange(length, dtype=torch.int64)
         kv_elements = KV_HEADS * BLOCK * 2 * DIM
-        pad = -(-sketch_bytes(BLOCK, KV_HEADS, DIM) // 4)
+        pad = SKETCH_ROWS * KV_HEADS * 2 * DIM  # vLLM's padded page (customize_spec)
         for k, v in zip(keys, values):
             pages = torch.zeros(self.blocks, kv_elements + pad)
             cache = layer_cache(pages[:, :kv_elements].view(self.blocks, KV_HEADS, BLOCK, 2 * DIM))

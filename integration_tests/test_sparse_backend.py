@@ -90,18 +90,19 @@ def _kv_layout(worker):
     written = (sketch.scales > 0).all(-1).all(-1)  # blocks whose every slot holds a sketched key
     first = int(written.nonzero()[0])
     codes, scales = sketch_reference(keys[first])
-    base = kv_cache.untyped_storage().data_ptr()
+    layer_start = kv_cache.data_ptr()  # the layer's first page (vLLM keeps every layer's pages in one allocation)
     return {
         "num_blocks": kv_cache.shape[0],
         "block_stride_bytes": kv_cache.stride(0) * kv_cache.element_size(),
         "page_bytes": kv_cache[0].numel() * kv_cache.element_size(),
-        "layer_bytes": kv_cache.untyped_storage().nbytes(),
+        "layer_start": layer_start - kv_cache.untyped_storage().data_ptr(),
+        "storage_bytes": kv_cache.untyped_storage().nbytes(),
         "kv_block_stride_bytes": kv_view(kv_cache).stride(0) * kv_cache.element_size(),
-        "kv_at": kv_view(kv_cache).data_ptr() - base,
+        "kv_at": kv_view(kv_cache).data_ptr() - layer_start,
         "key_cache_is_kv": key_cache.data_ptr() == kv_view(kv_cache).data_ptr(),
-        "codes_at": sketch.codes.data_ptr() - base,
-        "scales_at": sketch.scales.data_ptr() - base,
-        "same_memory": sketch.codes.untyped_storage().data_ptr() == base,
+        "codes_at": sketch.codes.data_ptr() - layer_start,
+        "scales_at": sketch.scales.data_ptr() - layer_start,
+        "same_memory": sketch.codes.untyped_storage().data_ptr() == kv_cache.untyped_storage().data_ptr(),
         "written_blocks": int(written.sum()),
         "sketch_is_the_keys_sketch": bool(torch.equal(sketch.codes[first], codes))
         and bool(torch.equal(sketch.scales[first], scales)),
@@ -213,12 +214,15 @@ def test_the_key_sketches_follow_every_blocks_kv_in_each_layers_pages_inside_the
     assert layout["page_bytes"] == page and layout["block_stride_bytes"] == padded  # vLLM's view: padded pages
     budget = local_engine_args("model")["kv_cache_memory_bytes"]
     blocks = layout["num_blocks"]
-    assert blocks == budget // (2 * padded) == 3542 and layout["layer_bytes"] == blocks * padded
+    assert blocks == budget // (2 * padded) == 3542
+    # the layer's pages are one stretch of vLLM's allocation (layer-major layouts: layer by layer)
+    assert layout["layer_start"] % (blocks * padded) == 0
+    assert layout["layer_start"] + blocks * padded <= layout["storage_bytes"]
     # the backend's: every block's K/V packed from the layer's first byte, then every block's codes, then scales,
     # all inside the layer's padded pages
     assert layout["kv_at"] == 0 and layout["kv_block_stride_bytes"] == page and layout["key_cache_is_kv"]
     assert layout["codes_at"] == blocks * page and layout["scales_at"] == blocks * (page + sketch_codes)
-    assert layout["scales_at"] + blocks * 32 * 2 * 4 <= layout["layer_bytes"]
+    assert layout["scales_at"] + blocks * 32 * 2 * 4 <= blocks * padded
     assert layout["same_memory"]
     assert layout["written_blocks"] >= 1600 // 32 and layout["sketch_is_the_keys_sketch"]
 

@@ -27,8 +27,9 @@ SCALE = DIM**-0.5
 def stock_caches(fill: float = 0.0):
     """Key and value caches and key sketch as the backend lays out the padded pages vLLM allocates for a layer
     (``layer_cache`` of CPU_ATTN's per-layer view of them), every byte ``fill`` at first."""
-    kv_elements = KV_HEADS * BLOCK * 2 * DIM
-    pad = -(-sketch_bytes(BLOCK, KV_HEADS, DIM) // 4)
+    row = KV_HEADS * 2 * DIM  # a token row's elements; vLLM pads a page by the sketch's rows (customize_spec)
+    kv_elements = BLOCK * row
+    pad = -(-sketch_bytes(BLOCK, KV_HEADS, DIM) // (4 * row)) * row
     pages = torch.full((POOL, kv_elements + pad), fill)
     cache = layer_cache(pages[:, :kv_elements].view(POOL, KV_HEADS, BLOCK, 2 * DIM))
     return cache.key_cache, cache.value_cache, cache.sketch

@@ -102,7 +102,8 @@ def test_a_write_puts_each_key_and_its_sketch_where_the_views_read_them():
     assert torch.equal(cache.sketch.scales[blocks, offsets], scales)
 
 
-def test_layer_cache_refuses_pages_without_room_for_the_sketch():
-    _, view = vllm_layer_view("LBNHC", pad_rows=1)
-    with pytest.raises(ConfigError, match="has no room for them"):
+@pytest.mark.parametrize("pad_rows", [1, SKETCH_ROWS + 1], ids=["no room", "pages of another size"])
+def test_layer_cache_refuses_pages_other_than_the_backends(pad_rows):
+    _, view = vllm_layer_view("LBNHC", pad_rows=pad_rows)
+    with pytest.raises(ConfigError, match="not laid out in pages of the backend's size"):
         layer_cache(view)

@@ -253,6 +253,9 @@ class LayerCache:
       num_kv_heads, head_size]`` and ``scales [num_blocks, block_size, num_kv_heads]``.
 
     Both regions together take ``num_blocks * (kv_span + sketch)`` bytes, within the ``num_blocks`` padded pages.
+    vLLM itself never reads or writes K/V through its view of them: it zeroes new blocks through it only for caches
+    with Mamba layers or mixed precisions (``KVCacheConfig.needs_kv_cache_zeroing``), whose page sizes it unifies,
+    which ``layer_cache`` refuses (pages of another size than the backend's).
     """
 
     kv: torch.Tensor
@@ -273,6 +276,8 @@ def layer_cache(kv_cache: torch.Tensor) -> LayerCache:
     kv_span = block_size * num_kv_heads * width  # elements of a block's K and V
     head_major = (head_stride, token_stride) == (block_size * width, width)  # LBHNC
     token_major = (head_stride, token_stride) == (width, num_kv_heads * width)  # LBNHC
+    row = num_kv_heads * width * element  # bytes of a token row
+    padded = kv_span * element + -(-sketch_bytes(block_size, num_kv_heads, head_size) // row) * row
     start = kv_cache.storage_offset() * element  # bytes
     codes_at = start + num_blocks * kv_span * element
     codes_bytes = num_blocks * block_size * num_kv_heads * head_size
@@ -283,14 +288,16 @@ def layer_cache(kv_cache: torch.Tensor) -> LayerCache:
         or channel_stride != 1
         or not (head_major or token_major)
         or start % 4
-        or end > start + num_blocks * page * element
-        or end > kv_cache.untyped_storage().nbytes()
+        or page * element != padded
+        or end > start + num_blocks * padded
+        or start + num_blocks * padded > kv_cache.untyped_storage().nbytes()
     ):
         raise ConfigError(
             f"the kvreuse sparse attention backend keeps every block's K/V and then every block's key sketch in the "
             f"pages vLLM allocates for a layer, but this KV cache view (shape {list(kv_cache.shape)}, strides "
-            f"{list(kv_cache.stride())}) has no room for them: vLLM did not use the backend's page size (a hybrid "
-            f"model, or another layout than LBNHC/LBHNC)"
+            f"{list(kv_cache.stride())}) is not laid out in pages of the backend's size ({padded} bytes): vLLM did "
+            f"not use the backend's page size (a hybrid model, whose pages vLLM unifies and zeroes through its own "
+            f"view) or its layout (LBNHC/LBHNC)"
         )
     kv = kv_cache.as_strided(kv_cache.shape, (kv_span, head_stride, token_stride, 1), kv_cache.storage_offset())
     if head_major:  # CPU_ATTN's view: per block and KV head a key tile then a value tile, [tokens, head_size] each
