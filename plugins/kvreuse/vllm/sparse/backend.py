@@ -253,9 +253,12 @@ class LayerCache:
       num_kv_heads, head_size]`` and ``scales [num_blocks, block_size, num_kv_heads]``.
 
     Both regions together take ``num_blocks * (kv_span + sketch)`` bytes, within the ``num_blocks`` padded pages.
-    vLLM itself never reads or writes K/V through its view of them: it zeroes new blocks through it only for caches
-    with Mamba layers or mixed precisions (``KVCacheConfig.needs_kv_cache_zeroing``), whose page sizes it unifies,
-    which ``layer_cache`` refuses (pages of another size than the backend's).
+    vLLM itself never reads or writes K/V through its view of them (vLLM 0.32): it zeroes new blocks through it only
+    for caches with Mamba layers or mixed precisions (``KVCacheConfig.needs_kv_cache_zeroing``), whose page sizes it
+    unifies, which ``layer_cache`` refuses (pages of another size than the backend's); and it copies a block through
+    it only for copy-on-write of a block a prefix-cache hit ends inside, which needs prefix hashes finer than a block,
+    so several KV cache groups (``resolve_kv_cache_block_sizes``), never the one group of full-attention layers this
+    backend serves (it refuses sliding windows and KV sharing between layers).
     """
 
     kv: torch.Tensor
