@@ -17,6 +17,12 @@ against full prefill on the same prompts. Writes ``module_calibration_goal_<set>
 calibration from the same place)::
 
     python benchmarks/module_calibration_goal.py --set docs-4 --prompts 25 --blends 0.15,0.2,0.3
+
+A schema set (``--set schema-4``: Spider schemas, one module per table encoded after the tables it references, as
+``module_quality_vllm.py --curves`` encodes them) goes through the API instead, as the command's modules file holds
+no contexts: ``calibrate_modules(llm, prompts, ..., normalise=["sql"])`` in one engine for the sample, and the chosen
+setting in another for the held-back prompts; outputs agree where their first SQL statements are the same, keyword
+case and layout aside.
 """
 
 from __future__ import annotations
@@ -33,12 +39,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import REPO, bench_parser, engine, output_dir, write_results  # noqa: E402
-from module_quality_data import HEADER, QA_SETS, make_cases, tokenize_case  # noqa: E402
+from module_quality_data import HEADER, QA_SETS, SCHEMA_SETS, make_cases, tokenize_case  # noqa: E402
 
 from kvreuse.localmodel import local_engine_args  # noqa: E402
 
 MODEL = REPO / "build" / "models" / "smollm2"
 NORMALISE = ["first-line", "case", "whitespace"]  # the answer as a reader of these prompts reads it
+SQL = ["sql"]  # a schema set's answers: the first SQL statement, keyword case and layout aside
+CONNECTOR = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 MODULES = {"gpu_bytes": 0, "cpu_bytes": 4 << 30}
 CPU_ENGINE = {"kvreuse": {"sparse": {"beta": float("inf")}, "modules": MODULES}}
 
@@ -121,15 +129,39 @@ def check_held_back(modules: dict[str, str], prompts: list[str], setting, args: 
     """The chosen setting on the held-back prompts, in an engine of their own modules (:func:`engine_args`'s)."""
     from kvreuse.vllm.modules import calibrate_modules, encode_modules
 
-    connector = {"kv_connector": "KVReuseModuleCache", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
-    with engine(MODEL, kv_transfer_config=connector, **engine_args()) as llm:
+    with engine(MODEL, kv_transfer_config=CONNECTOR, **engine_args()) as llm:
         encode_modules(llm, modules)
         return calibrate_modules(llm, prompts, args.min_agreement, firsts=(), settings=[setting], normalise=NORMALISE)
 
 
+def calibrate_schema(set_name: str, seed: int, args: argparse.Namespace, settings=None):
+    """A schema set through the API: its first ``args.prompts`` cases drawn with ``seed``, their tables encoded
+    after the tables they reference, then ``calibrate_modules`` over the blends of ``args`` (or only ``settings``,
+    the held-back check) with the ``sql`` normaliser."""
+    from module_quality_vllm import curve_cases, encode_curve_modules
+
+    from kvreuse.vllm.modules import calibrate_modules
+
+    with engine(MODEL, kv_transfer_config=CONNECTOR, **engine_args()) as llm:
+        tokenizer = llm.get_tokenizer()
+        cases = curve_cases(set_name, lambda text: tokenizer.encode(text, add_special_tokens=False), args.prompts, seed)
+        encode_curve_modules(llm, {set_name: cases})
+        prompts = [list(tc.prompt) for tc in cases]
+        floor, tokens = args.min_agreement, SCHEMA_SETS[set_name].max_tokens
+        if settings is not None:
+            return calibrate_modules(
+                llm, prompts, floor, firsts=(), settings=settings, normalise=SQL, max_tokens=tokens
+            )
+        blends = [float(b) for b in args.blends.split(",") if b]
+        layers = [int(n) for n in args.blend_layers.split(",")]
+        return calibrate_modules(
+            llm, prompts, floor, blends=blends, blend_layers=layers, normalise=SQL, max_tokens=tokens
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = bench_parser(__doc__)
-    parser.add_argument("--set", default="docs-4", choices=sorted(QA_SETS))
+    parser.add_argument("--set", default="docs-4", choices=sorted([*QA_SETS, *SCHEMA_SETS]))
     parser.add_argument("--prompts", type=int, default=25, help="sample size, and as many held back")
     parser.add_argument("--min-agreement", type=float, default=0.9)
     parser.add_argument("--blends", default="0.15,0.2,0.3", help="--blends of the command ('' for none)")
@@ -147,18 +179,22 @@ def main(argv: list[str] | None = None) -> None:
     result = {}
     if path.exists() and args.step == "check":  # the calibration an earlier --step calibrate wrote; its figures only
         result = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("benchmark", "command", "machine")}
+    schema = args.set in SCHEMA_SETS
     if args.step in ("both", "calibrate"):
-        modules, prompts = prompts_of(args.set, args.sample_seed, args.prompts, tokenizer)
         started = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="kvreuse-goal-") as folder:
-            report = calibrate_command(modules, prompts, args, Path(folder))
+        if schema:
+            report = calibrate_schema(args.set, args.sample_seed, args).report()
+        else:
+            modules, prompts = prompts_of(args.set, args.sample_seed, args.prompts, tokenizer)
+            with tempfile.TemporaryDirectory(prefix="kvreuse-goal-") as folder:
+                report = calibrate_command(modules, prompts, args, Path(folder))
         print(report, flush=True)
         result = {
             "set": args.set,
             "prompts": args.prompts,
             "sample_seed": args.sample_seed,
             "min_agreement": args.min_agreement,
-            "normalise": NORMALISE,
+            "normalise": SQL if schema else NORMALISE,
             "report": report,
             "chosen": chosen_setting(report).transfer_params(),
             "calibrate_s": round(time.perf_counter() - started),
@@ -168,9 +204,12 @@ def main(argv: list[str] | None = None) -> None:
         from kvreuse.modules.calibrate import Setting
 
         setting = Setting(**{key.removeprefix("kvreuse_"): value for key, value in result["chosen"].items()})
-        modules, prompts = prompts_of(args.set, args.held_back_seed, args.prompts, tokenizer)
         started = time.perf_counter()
-        check = check_held_back(modules, prompts, setting, args)
+        if schema:
+            check = calibrate_schema(args.set, args.held_back_seed, args, settings=[setting])
+        else:
+            modules, prompts = prompts_of(args.set, args.held_back_seed, args.prompts, tokenizer)
+            check = check_held_back(modules, prompts, setting, args)
         print(check.report(), flush=True)
         (measured,) = check.curve
         result["held_back"] = {

@@ -600,23 +600,9 @@ def tokenize_schema_case(case: SchemaCase, tokenize: Tokenize) -> TokenizedCase:
     )
 
 
-_SQL_TOKEN = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|\s+|[^\s'\"]")
-
-
 def normalise_sql(output: str) -> str:
-    """The query an output gives (after the prompt's ``SELECT``), as two queries are compared: its first statement
-    (up to ``;``, a code fence, a blank line or the end), everything outside quotes lowercased, whitespace runs as
-    one space and none next to ``( ) , = < >``. ``"Name ,  COUNT(*)\\nFROM t;"`` and ``"name, count(*) from t"``
-    compare equal."""
-    text = f"{SQL_OPENING} {output}"
-    for end in (";", "```", "\n\n"):
-        text = text.split(end, 1)[0]
-    pieces = []
-    for piece in _SQL_TOKEN.findall(text.strip()):
-        if piece.isspace():
-            pieces.append(" ")
-        elif piece[0] in "'\"":
-            pieces.append(piece)
-        else:
-            pieces.append(piece.lower())
-    return re.sub(r" ?([(),=<>]) ?", r"\1", "".join(pieces)).strip()
+    """The query an output gives (after the prompt's ``SELECT``), as two queries are compared: the module cache's
+    ``sql`` normaliser step (``kvreuse.modules.agreement.sql_statement``) over the opening and the output."""
+    from kvreuse.modules.agreement import sql_statement
+
+    return sql_statement(f"{SQL_OPENING} {output}")

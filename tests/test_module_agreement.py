@@ -41,6 +41,19 @@ def test_a_json_step_takes_a_fields_value_or_leaves_a_text_without_it():
     assert field('{"other": 1}') == '{"other": 1}'
 
 
+def test_an_sql_step_compares_the_first_statement_apart_from_keyword_case_and_layout():
+    query = Normaliser.parse("sql")
+    assert (
+        query("SELECT Name ,  COUNT(*)\nFROM t;")
+        == query("select name, count(*) from t")
+        == "select name,count(*)from t"
+    )
+    assert query("SELECT x FROM t```\nmore text") == query("select x from t")  # the first statement only
+    assert query("SELECT x FROM t\n\nExplanation: it counts.") == "select x from t"
+    assert query("SELECT x FROM t WHERE y = 'Ab  c'") != query("select x from t where y = 'ab c'")  # literals kept
+    assert query("SELECT a FROM t") != query("SELECT b FROM t")
+
+
 @pytest.mark.parametrize(
     ("steps", "problem"),
     [

@@ -382,7 +382,8 @@ def _add_calibrate_modules(commands: argparse._SubParsersAction) -> None:
         action="append",
         metavar="STEP",
         help="compare outputs after this step (repeat for several, applied in order): first-line, case, whitespace, "
-        "regex:PATTERN (its first group), json:FIELD (default: the same tokens)",
+        "regex:PATTERN (its first group), json:FIELD, sql (the first statement, keyword case and layout aside) "
+        "(default: the same tokens)",
     )
     calibrate.add_argument("--probe", help="text the modules are probed after (needed for --shares; used by --budgets)")
     calibrate.add_argument("--engine-args", type=_engine_args, default={}, help="JSON object of vLLM engine arguments")

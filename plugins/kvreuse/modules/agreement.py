@@ -13,7 +13,10 @@ short list of steps from a closed set, applied in order to the decoded text of b
   where they are otherwise the same);
 * ``json:FIELD``: the field's value (``FIELD`` a key, or dotted keys into nested objects) of the JSON object the
   text holds (from its first ``{`` to its last ``}``), as compact JSON; where the text holds no such object or field,
-  the text is left as it is.
+  the text is left as it is;
+* ``sql``: the first SQL statement the text holds (up to ``;``, a code fence, a blank line or the end), everything
+  outside quotes lowercased, whitespace runs one space and none next to ``( ) , = < >``: two queries that differ only
+  in keyword case, layout or a trailing explanation compare equal, a changed literal or column does not.
 
 Steps are parsed once (:meth:`Normaliser.parse`), bounded and checked there: at most :data:`MAX_STEPS` steps, a
 pattern of at most :data:`MAX_PATTERN` characters that compiles, a field of at most :data:`MAX_FIELD_PARTS` keys of
@@ -33,7 +36,7 @@ MAX_STEPS = 8
 MAX_PATTERN = 256  # characters of a regex step's pattern
 MAX_FIELD_PARTS = 8  # keys of a json step's dotted field
 MAX_KEY = 64  # characters of each key
-STEPS = ("first-line", "case", "whitespace", "regex:PATTERN", "json:FIELD")
+STEPS = ("first-line", "case", "whitespace", "regex:PATTERN", "json:FIELD", "sql")
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ def _step(step: object) -> Callable[[str], str]:
         return str.casefold
     if step == "whitespace":
         return lambda text: " ".join(text.split())
+    if step == "sql":
+        return sql_statement
     if kind == "regex" and argument:
         return _regex(argument)
     if kind == "json" and argument:
@@ -127,6 +132,27 @@ def _json_field(field: str) -> Callable[[str], str]:
         return json.dumps(found, separators=(",", ":"), sort_keys=True)
 
     return value
+
+
+_SQL_PIECE = re.compile(
+    r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|\s+|[^\s'\"]"
+)  # a quoted literal, a space run, a character
+
+
+def sql_statement(text: str) -> str:
+    """The ``sql`` step: the text's first statement with keyword case and layout taken out, quoted literals kept.
+    ``"SELECT Name ,  COUNT(*)\\nFROM t;"`` and ``"select name, count(*) from t"`` compare equal."""
+    for end in (";", "```", "\n\n"):
+        text = text.split(end, 1)[0]
+    pieces = []
+    for piece in _SQL_PIECE.findall(text.strip()):
+        if piece.isspace():
+            pieces.append(" ")
+        elif piece[0] in "'\"":
+            pieces.append(piece)
+        else:
+            pieces.append(piece.lower())
+    return re.sub(r" ?([(),=<>]) ?", r"\1", "".join(pieces)).strip()
 
 
 def same_output(

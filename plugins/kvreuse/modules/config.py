@@ -175,7 +175,7 @@ class ModulesConfig:
     shadow_normalise: str = config.setting(
         "",
         "engine: compare a shadow pair's outputs as texts after these normaliser steps, a JSON list of first-line, "
-        'case, whitespace, regex:PATTERN, json:FIELD (e.g. ["first-line", "case"]; kvreuse.modules.agreement); '
+        'case, whitespace, regex:PATTERN, json:FIELD, sql (e.g. ["first-line", "case"]; kvreuse.modules.agreement); '
         "empty = the same tokens",
     )
 
