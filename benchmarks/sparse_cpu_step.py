@@ -7,11 +7,12 @@ every layer writes the token's key and value and attends:
 - ``stock``: vLLM's own CPU ops, as its CPU_ATTN backend calls them (``cpu_attn_reshape_and_cache``, then
   ``cpu_attention_with_kv_cache`` with the step's scheduler metadata built once per step), on vLLM's CPU cache layout
   ``[num_blocks, kv_heads, block_size, head_dim]`` per K and V;
-- ``sparse beta=X``: ``SparseAttention.write`` and ``attend`` on the backend's padded pages (``[num_blocks,
-  block_size + sketch rows, kv_heads, K|V]``, the key sketch in the padding rows), with beta ``X`` in every layer
+- ``sparse beta=X``: ``SparseAttention.write`` and ``attend`` on the backend's layout of the padded pages vLLM
+  allocates (``kvreuse.vllm.sparse.backend.layer_cache`` of vLLM's LBNHC view of ``[num_blocks, block_size + sketch
+  rows, kv_heads, K|V]``: every block's K/V packed, then every block's key sketch), with beta ``X`` in every layer
   but the first (the default policy);
-- ``filter beta=X``: the same on CPU_ATTN's pages (the key sketch in their padding), every exact attention through
-  vLLM's op and DIPR only choosing each KV head's blocks (``sparse.engine_kernel``, the CPU default).
+- ``filter beta=X``: the same on CPU_ATTN's layout (LBHNC), every exact attention through vLLM's op and DIPR only
+  choosing each KV head's blocks (``sparse.engine_kernel``, the CPU default).
 
 The keys are the real ones of ``tests/data/smollm2_keys.pt`` (SmolLM2's layers 4 and 20 on a 1K-token retrieval
 prompt, alternated over the layers and repeated along the context), the query the last decode query of the same
@@ -64,10 +65,10 @@ def real_kv(length: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[t
 
 
 class Sparse:
-    """The sparse backend's side: per layer padded pages, their K/V views and sketch, as the adapter makes them."""
+    """The sparse backend's side: per layer padded pages, their K/V views and sketch, as the adapter lays them out."""
 
     def __init__(self, keys, values, length: int, beta: float):
-        from kvreuse.vllm.sparse.backend import page_sketch
+        from kvreuse.vllm.sparse.backend import layer_cache
 
         self.blocks = -(-(length + 1) // BLOCK) + 1
         self.attention = SparseAttention(
@@ -77,9 +78,8 @@ class Sparse:
         prefill = torch.arange(length, dtype=torch.int64)
         for k, v in zip(keys, values):
             pages = torch.zeros(self.blocks, BLOCK + SKETCH_ROWS, KV_HEADS, 2 * DIM)
-            kv_cache = pages[:, :BLOCK].transpose(1, 2)  # vLLM's [blocks, heads, tokens, K|V] view of LBNHC pages
-            key_cache, value_cache = kv_cache.transpose(1, 2).split(DIM, dim=-1)
-            sketch = page_sketch(kv_cache, DIM)
+            cache = layer_cache(pages[:, :BLOCK].transpose(1, 2))  # vLLM's [blocks, heads, tokens, K|V] view
+            key_cache, value_cache, sketch = cache.key_cache, cache.value_cache, cache.sketch
             self.attention.write(k[:length], v[:length], key_cache, value_cache, sketch, prefill)
             self.layers.append((key_cache, value_cache, sketch))
         self.block_table = torch.arange(self.blocks, dtype=torch.int32)[None]
@@ -105,11 +105,11 @@ class Sparse:
 
 class Filter(Sparse):
     """The sparse backend on vLLM's CPU_ATTN layout (``KVREUSE_SPARSE_CPU_BACKEND=1`` without the module cache):
-    LBHNC pages with the key sketch in their padding, every exact attention through vLLM's op, DIPR choosing each
+    LBHNC, the key sketches after every block's K/V, every exact attention through vLLM's op, DIPR choosing each
     KV head's blocks (``SparseAttention(paged_kernel=CPUAttentionKernel(...))``)."""
 
     def __init__(self, keys, values, length: int, beta: float):
-        from kvreuse.vllm.sparse.backend import page_sketch, sketch_bytes
+        from kvreuse.vllm.sparse.backend import layer_cache
         from kvreuse.vllm.sparse.cpu_kernel import CPUAttentionKernel
 
         self.blocks = -(-(length + 1) // BLOCK) + 1
@@ -120,12 +120,11 @@ class Filter(Sparse):
         self.layers = []
         prefill = torch.arange(length, dtype=torch.int64)
         kv_elements = KV_HEADS * BLOCK * 2 * DIM
-        pad = -(-sketch_bytes(BLOCK, KV_HEADS, DIM) // 4)
+        pad = SKETCH_ROWS * KV_HEADS * 2 * DIM  # vLLM's padded page (customize_spec)
         for k, v in zip(keys, values):
             pages = torch.zeros(self.blocks, kv_elements + pad)
-            kv_cache = pages[:, :kv_elements].view(self.blocks, KV_HEADS, BLOCK, 2 * DIM)
-            key_cache, value_cache = kv_cache.view(self.blocks, KV_HEADS, 2 * BLOCK, DIM).chunk(2, dim=2)
-            sketch = page_sketch(kv_cache, DIM)
+            cache = layer_cache(pages[:, :kv_elements].view(self.blocks, KV_HEADS, BLOCK, 2 * DIM))
+            key_cache, value_cache, sketch = cache.key_cache, cache.value_cache, cache.sketch
             self.attention.write(k[:length], v[:length], key_cache, value_cache, sketch, prefill)
             self.layers.append((key_cache, value_cache, sketch))
         self.block_table = torch.arange(self.blocks, dtype=torch.int32)[None]
@@ -171,7 +170,9 @@ class Stock:
 def breakdown(filter_side: Filter, stock: Stock, length: int, queries, repeats: int = 5) -> dict:
     """Per DIPR layer (1-29), milliseconds of each piece of a filtered decode at its beta, beside stock's op over
     the same context: the decision (``prune_by_sketch``, one compiled call), the op over the pruned tables, and
-    stock's dense call; medians over ``repeats``, summed over the layers."""
+    stock's dense call; medians over ``repeats``, summed over the layers. ``decision_hot_ms``: the decision called
+    ``repeats`` times back to back, its sketch then in the CPU's caches (what it costs where memory is no limit),
+    beside ``decision_ms`` with the sketch read from memory (each call after the attentions, as in a step)."""
     from kvreuse.sparse.sketch_scan import prune_by_sketch
 
     attention = filter_side.attention
@@ -183,18 +184,22 @@ def breakdown(filter_side: Filter, stock: Stock, length: int, queries, repeats: 
     metadata = stock.ops.cpu_attn_get_scheduler_metadata(
         1, Q_HEADS, KV_HEADS, DIM, lens, torch.float32, starts, True, -1, stock.isa, True
     )
-    sums = {"decision_ms": 0.0, "pruned_attention_ms": 0.0, "stock_attention_ms": 0.0}
+    sums = {"decision_ms": 0.0, "decision_hot_ms": 0.0, "pruned_attention_ms": 0.0, "stock_attention_ms": 0.0}
     for layer in range(1, LAYERS):
         key_cache, value_cache, sketch = filter_side.layers[layer]
         q = queries[layer][None]
         scaled = q.view(1, KV_HEADS, Q_HEADS // KV_HEADS, DIM) * DIM**-0.5
         times: dict[str, list[float]] = {name: [] for name in sums}
         out = torch.empty(1, Q_HEADS, DIM)
-        for _ in range(repeats):
-            started = time.perf_counter()
-            tables = prune_by_sketch(
+
+        def decide(scaled=scaled, sketch=sketch):
+            return prune_by_sketch(
                 scaled, sketch, filter_side.block_table, lens, config.beta, config.sink, config.local, config.top_pages
             )
+
+        for _ in range(repeats):
+            started = time.perf_counter()
+            tables = decide()
             times["decision_ms"].append(time.perf_counter() - started)
             started = time.perf_counter()
             kernel.attend_pruned(q, key_cache, value_cache, out, tables)
@@ -206,6 +211,10 @@ def breakdown(filter_side: Filter, stock: Stock, length: int, queries, repeats: 
                 metadata, None,
             )  # fmt: skip
             times["stock_attention_ms"].append(time.perf_counter() - started)
+        for _ in range(repeats):
+            started = time.perf_counter()
+            decide()
+            times["decision_hot_ms"].append(time.perf_counter() - started)
         for name, values in times.items():
             sums[name] += 1e3 * statistics.median(values)
     return sums

@@ -96,7 +96,8 @@ def _spliced_and_encoded_keys(worker, reference_name, spliced_name, length, laye
     module = worker.store.get(reference)
     out = []
     for layer in layers:
-        cache = worker.vllm_config.compilation_config.static_forward_context[worker.layers[layer]].kv_cache
+        name = worker.layers[layer]
+        cache = worker.kv_of(name, worker.vllm_config.compilation_config.static_forward_context[name].kv_cache)
         slot = torch.tensor(slots)
         head_dim = cache.shape[-1] // 2
         spliced = cache[slot // cache.shape[2], :, slot % cache.shape[2], :head_dim]

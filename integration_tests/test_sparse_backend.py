@@ -72,10 +72,12 @@ def _sparse_counters(llm) -> dict[tuple[str, int], float]:
 
 
 def _kv_layout(worker):
-    """Layer 0's KV cache and key sketch as the worker holds them: sizes, and whether the sketch shares its memory."""
+    """Layer 0's KV cache and key sketch as the worker holds them: sizes, where K/V and the sketch lie in the layer's
+    memory, and whether the sketch is that of the keys stored."""
     import torch
 
     from kvreuse.kernels.key_sketch import sketch_reference
+    from kvreuse.vllm.sparse.backend import kv_view
 
     layer = next(
         module
@@ -88,10 +90,18 @@ def _kv_layout(worker):
     written = (sketch.scales > 0).all(-1).all(-1)  # blocks whose every slot holds a sketched key
     first = int(written.nonzero()[0])
     codes, scales = sketch_reference(keys[first])
+    layer_start = kv_cache.data_ptr()  # the layer's first page (vLLM keeps every layer's pages in one allocation)
     return {
         "num_blocks": kv_cache.shape[0],
         "block_stride_bytes": kv_cache.stride(0) * kv_cache.element_size(),
         "page_bytes": kv_cache[0].numel() * kv_cache.element_size(),
+        "layer_start": layer_start - kv_cache.untyped_storage().data_ptr(),
+        "storage_bytes": kv_cache.untyped_storage().nbytes(),
+        "kv_block_stride_bytes": kv_view(kv_cache).stride(0) * kv_cache.element_size(),
+        "kv_at": kv_view(kv_cache).data_ptr() - layer_start,
+        "key_cache_is_kv": key_cache.data_ptr() == kv_view(kv_cache).data_ptr(),
+        "codes_at": sketch.codes.data_ptr() - layer_start,
+        "scales_at": sketch.scales.data_ptr() - layer_start,
         "same_memory": sketch.codes.untyped_storage().data_ptr() == kv_cache.untyped_storage().data_ptr(),
         "written_blocks": int(written.sum()),
         "sketch_is_the_keys_sketch": bool(torch.equal(sketch.codes[first], codes))
@@ -191,7 +201,7 @@ def test_finite_beta_runs_and_reports_what_each_layer_attended(sparse_llm):
         assert row["samples"] > 0 and 0.0 < row["recovery_min"] <= row["recovery_mean"] <= 1.0
 
 
-def test_the_key_sketch_is_in_padding_rows_of_each_kv_page_inside_the_cache_budget(sparse_llm):
+def test_the_key_sketches_follow_every_blocks_kv_in_each_layers_pages_inside_the_cache_budget(sparse_llm):
     from kvreuse.localmodel import local_engine_args
 
     sparse_llm.collective_rpc(_configure(EXACT))
@@ -200,10 +210,19 @@ def test_the_key_sketch_is_in_padding_rows_of_each_kv_page_inside_the_cache_budg
     # Small model: 2 layers, 2 KV heads x head_dim 64, fp32, 32-token blocks: a page is 32 x 2 x 128 x 4 = 32 KiB
     # and its sketch 32 x 2 x (64 + 4) bytes = 5 token rows of 1 KiB more; 256 MiB of cache then holds 3,542 blocks
     # (4,096 without the sketch).
-    assert layout["page_bytes"] == 32 * 2 * 128 * 4
-    assert layout["block_stride_bytes"] == 37 * 2 * 128 * 4
+    page, padded, sketch_codes = 32 * 2 * 128 * 4, 37 * 2 * 128 * 4, 32 * 2 * 64
+    assert layout["page_bytes"] == page and layout["block_stride_bytes"] == padded  # vLLM's view: padded pages
     budget = local_engine_args("model")["kv_cache_memory_bytes"]
-    assert layout["num_blocks"] == budget // (2 * 37 * 2 * 128 * 4) == 3542
+    blocks = layout["num_blocks"]
+    assert blocks == budget // (2 * padded) == 3542
+    # the layer's pages are one stretch of vLLM's allocation (layer-major layouts: layer by layer)
+    assert layout["layer_start"] % (blocks * padded) == 0
+    assert layout["layer_start"] + blocks * padded <= layout["storage_bytes"]
+    # the backend's: every block's K/V packed from the layer's first byte, then every block's codes, then scales,
+    # all inside the layer's padded pages
+    assert layout["kv_at"] == 0 and layout["kv_block_stride_bytes"] == page and layout["key_cache_is_kv"]
+    assert layout["codes_at"] == blocks * page and layout["scales_at"] == blocks * (page + sketch_codes)
+    assert layout["scales_at"] + blocks * 32 * 2 * 4 <= blocks * padded
     assert layout["same_memory"]
     assert layout["written_blocks"] >= 1600 // 32 and layout["sketch_is_the_keys_sketch"]
 
@@ -237,7 +256,9 @@ def _poison_kv_cache(worker):
     for module in worker.model_runner.compilation_config.static_forward_context.values():
         kv_cache = getattr(module, "kv_cache", None)
         if isinstance(kv_cache, torch.Tensor) and kv_cache.is_floating_point():
-            kv_cache.fill_(float("nan"))
+            # the layer's whole memory, whatever the backend keeps where in it
+            whole = kv_cache.untyped_storage().nbytes() // kv_cache.element_size()
+            torch.empty(0, dtype=kv_cache.dtype).set_(kv_cache.untyped_storage()).view(whole).fill_(float("nan"))
 
 
 @pytest.mark.parametrize("flags", [EXACT, {**EXACT, "beta": 2.0}], ids=["beta-inf", "beta-2"])

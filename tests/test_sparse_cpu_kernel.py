@@ -1,7 +1,7 @@
 """DIPR as a filter in front of vLLM's own CPU attention ops (``kvreuse.vllm.sparse.cpu_kernel``), without an engine.
 
-The caches are CPU_ATTN's (LBHNC pages: per block and KV head a packed key tile, then a value tile) with the key
-sketch in each page's padding, as the backend lays them out on vLLM's CPU build; the kernel is vLLM's C++ op.
+The caches are CPU_ATTN's (LBHNC: per block and KV head a packed key tile, then a value tile) with the key sketches
+after every block's K/V, as the backend lays them out on vLLM's CPU build; the kernel is vLLM's C++ op.
 Shapes: head_dim 64, 6 query heads on 3 KV heads, block size 32 (CPU_ATTN's "vec" variant on this machine).
 """
 
@@ -16,7 +16,7 @@ from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.cpu_attention import dipr_read_blocks
 from kvreuse.sparse.paged import PagedBatch, SparseAttention
 from kvreuse.sparse.pruned import prune_block_table
-from kvreuse.vllm.sparse.backend import page_sketch, sketch_bytes
+from kvreuse.vllm.sparse.backend import layer_cache, sketch_bytes
 from kvreuse.vllm.sparse.cpu_kernel import CPUAttentionKernel
 
 BLOCK, KV_HEADS, Q_HEADS, DIM, POOL = 32, 3, 6, 64, 48
@@ -25,13 +25,14 @@ SCALE = DIM**-0.5
 
 
 def stock_caches(fill: float = 0.0):
-    """CPU_ATTN's per-layer view of padded pages, its key and value caches and the sketch in the padding."""
-    kv_elements = KV_HEADS * BLOCK * 2 * DIM
-    pad = -(-sketch_bytes(BLOCK, KV_HEADS, DIM) // 4)
+    """Key and value caches and key sketch as the backend lays out the padded pages vLLM allocates for a layer
+    (``layer_cache`` of CPU_ATTN's per-layer view of them), every byte ``fill`` at first."""
+    row = KV_HEADS * 2 * DIM  # a token row's elements; vLLM pads a page by the sketch's rows (customize_spec)
+    kv_elements = BLOCK * row
+    pad = -(-sketch_bytes(BLOCK, KV_HEADS, DIM) // (4 * row)) * row
     pages = torch.full((POOL, kv_elements + pad), fill)
-    kv_cache = pages[:, :kv_elements].view(POOL, KV_HEADS, BLOCK, 2 * DIM)
-    key_cache, value_cache = kv_cache.view(POOL, KV_HEADS, 2 * BLOCK, DIM).chunk(2, dim=2)
-    return key_cache, value_cache, page_sketch(kv_cache, DIM)
+    cache = layer_cache(pages[:, :kv_elements].view(POOL, KV_HEADS, BLOCK, 2 * DIM))
+    return cache.key_cache, cache.value_cache, cache.sketch
 
 
 def kernel() -> CPUAttentionKernel:
@@ -267,7 +268,7 @@ def test_a_write_zeroes_the_blocks_it_is_told_to_clear_before_storing():
 
 def test_the_op_over_head_tiles_equals_one_call_per_kv_head():
     """``attend_pruned``'s single call (every (KV head, sequence) pair over ``head_tiles``) gives what one call per
-    KV head on ``key_cache[:, h : h + 1]`` gives, bit for bit, on random pruned tables of padded pages."""
+    KV head on ``key_cache[:, h : h + 1]`` gives, bit for bit, on random pruned tables of the backend's layout."""
     from kvreuse.vllm.sparse.cpu_kernel import head_tiles
 
     key_cache, value_cache, _ = stock_caches()
@@ -275,7 +276,7 @@ def test_the_op_over_head_tiles_equals_one_call_per_kv_head():
     op = kernel()
     k, v = torch.randn(2, POOL * BLOCK, KV_HEADS, DIM, generator=g)
     op.write(k, v, key_cache, value_cache, torch.arange(POOL * BLOCK), torch.zeros(0, dtype=torch.int64))
-    assert head_tiles(key_cache)[0].shape[1:] == (1, BLOCK, DIM)
+    assert head_tiles(key_cache).shape == (POOL * KV_HEADS, 1, BLOCK, DIM)
     n, width = 2, 20
     read = torch.rand(n, KV_HEADS, width, generator=g) < 0.5
     read[..., -1] = True

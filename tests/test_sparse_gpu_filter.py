@@ -143,13 +143,13 @@ def test_the_tables_list_each_sequence_and_kv_heads_read_blocks_in_order_as_bloc
     assert mixed == (beta < float("inf"))  # a finite beta prunes some rows' blocks, not all: the lists are tested
 
 
-def test_the_one_head_view_addresses_vllms_gpu_layout_with_padded_pages():
-    # vLLM's per-layer [blocks, kv_heads, block_size, 2 * head_dim] view of an LBNHC cache whose pages carry the
-    # sketch's padding rows (5 here), as the backend's _caches splits it into key and value caches.
-    blocks, rows = 6, BLOCK + 5
+@pytest.mark.parametrize("rows", [BLOCK, BLOCK + 5], ids=["packed", "padded"])
+def test_the_one_head_view_addresses_vllms_gpu_layout(rows):
+    # An LBNHC cache [blocks, block_size, kv_heads, K|V] split into key and value caches as the backend's
+    # layer_cache does: its blocks packed (``rows`` = block_size, the backend's layout) or a page of 5 more rows apart.
+    blocks = 6
     pages = torch.randn(blocks, rows, KV_HEADS, 2 * DIM)
-    kv_cache = pages[:, :BLOCK].transpose(1, 2)  # [blocks, kv_heads, block_size, 2 * head_dim], padded strides
-    key_cache, value_cache = kv_cache.transpose(1, 2).split(DIM, dim=-1)
+    key_cache, value_cache = pages[:, :BLOCK].split(DIM, dim=-1)
     for cache, half in ((key_cache, slice(0, DIM)), (value_cache, slice(DIM, 2 * DIM))):
         view, per_block = one_head_view(cache)
         assert per_block == rows * KV_HEADS and view.stride() == (2 * DIM, KV_HEADS * 2 * DIM, DIM, 1)

@@ -79,3 +79,30 @@ def test_the_backend_runs_the_engines_own_kernel_on_each_device_unless_told_or_t
     config = SparseConfig(engine_kernel=engine_kernel)
     cpu_ops, flash = runs_engine_kernel(vllm_config, config), runs_flash_attention(vllm_config, config)
     assert {(True, False): "cpu ops", (False, True): "flash", (False, False): "own"}[(cpu_ops, flash)] == expected
+
+
+@pytest.mark.parametrize(
+    ("connector", "parts", "refused"),
+    [
+        (None, [], None),
+        ("KVReuseSparseFigures", [], None),
+        ("KVReuseModuleCache", [], None),
+        ("MultiConnector", ["KVReuseModuleCache", "KVReuseSparseFigures"], None),  # the figures' connector says more
+        ("OffloadingConnector", [], "OffloadingConnector"),
+        ("MultiConnector", ["KVReuseModuleCache", "OffloadingConnector"], "OffloadingConnector"),
+    ],
+)
+def test_the_backend_refuses_a_kv_connector_that_would_read_kv_through_vllms_page_view(connector, parts, refused):
+    from types import SimpleNamespace
+
+    from kvreuse.errors import ConfigError
+    from kvreuse.vllm.sparse.backend import check_kv_connector
+
+    extra = {"connectors": [{"kv_connector": part, "kv_role": "kv_both"} for part in parts]}
+    transfer = SimpleNamespace(kv_connector=connector, kv_connector_extra_config=extra)
+    vllm_config = SimpleNamespace(kv_transfer_config=None if connector is None else transfer)
+    if refused:
+        with pytest.raises(ConfigError, match=f"KV connector '{refused}' does not know"):
+            check_kv_connector(vllm_config)
+    else:
+        check_kv_connector(vllm_config)  # kvreuse's own connectors, or none

@@ -29,10 +29,10 @@ from kvreuse.errors import ConfigError
 CPU_MIN_CONTEXT = 8192
 """``min_context``'s default on a CPU engine (a setting given by flag or variable wins). Measured on vLLM's CPU
 engine with SmolLM2 (docs: the sparse benchmarks): the CPU op is compute-bound and DIPR's decision (the sketch scan,
-since its integer form 44-48% of the dense attention it prunes at 8K-32K, before 55-58%) is paid at every length,
-so beta = 4 decoded slower than stock at 1K and 4K, at 0.92x stock's time per token at 8K (11% of the blocks read,
-with the fp32 scan), 0.74x at 16K and the default beta = 8 at 0.90x there (32% read; RoPE extended). 8K is the
-first length measured where a finite beta is not slower; shorter contexts stay dense on a CPU by default (stock's
+with its sketches stored together 39-48% of the dense attention it prunes at 8K-32K, before 44-53%) is paid at every
+length, so beta = 4 decoded slower than stock at 1K and 4K, at 0.82x stock's time per token at 8K (11% of the blocks
+read), 0.71x at 16K and the default beta = 8 at 0.88x there (32% read; RoPE extended). 8K is the first length
+measured where a finite beta is not slower; shorter contexts stay dense on a CPU by default (stock's
 speed and answers). A GPU, where the scan saves HBM bytes, keeps the general default."""
 
 

@@ -14,14 +14,14 @@ these functions to them), but are written for a CPU:
   them (evaluating the reference's bounds for the few they leave open), and computes exact logits and values only
   for the blocks it reads.
 
-Reading the paged cache: ``key_cache[num_blocks, block_size, kv_heads, head_dim]`` is a strided view (in vLLM one
-page holds K and V of every token, then the key sketch), and PyTorch's gathers and matrix products on such views
-fall back to slow element-wise copies. So ``gather_blocks``/``gather_kv`` copy whole pages (one contiguous
-``index_select``, K and V together) or, for consecutive blocks, take the view as it is; and the matrix products run
-as one batched product over (token slot, KV head) (``head_logits``), whose operands are plain strided matrices of
-the page view that BLAS takes without a copy. The number of PyTorch calls per layer does not grow with the context:
-on a CPU shared by several processes each call that spawns threads may wait for a core, so fewer calls matter as
-much as fewer bytes.
+Reading the paged cache: ``key_cache[num_blocks, block_size, kv_heads, head_dim]`` is a strided view (in the vLLM
+backend's layout a block holds K and V of every token; the key sketches lie apart), and PyTorch's gathers and
+matrix products on such views fall back to slow element-wise copies. So ``gather_blocks``/``gather_kv`` copy whole
+pages (one contiguous ``index_select``, K and V together) or, for consecutive blocks, take the view as it is; and the
+matrix products run as one batched product over (token slot, KV head) (``head_logits``), whose operands are plain
+strided matrices of the page view that BLAS takes without a copy. The number of PyTorch calls per layer does not
+grow with the context: on a CPU shared by several processes each call that spawns threads may wait for a core, so
+fewer calls matter as much as fewer bytes.
 """
 
 from __future__ import annotations

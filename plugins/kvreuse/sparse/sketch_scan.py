@@ -29,9 +29,11 @@ on SmolLM2's queries, 0.4% more blocks read at beta = 4. ``tau_g = max_j L_gj - 
 if it holds a window token or a key whose ``U_gj`` reaches ``tau_g`` for one of its query heads: no key within beta
 of the largest logit is dropped, and every block the reference reads is read (the tests check both on real keys).
 
-The scan walks the blocks once, all KV heads of a block together (a block's sketch is one stretch of its page) and
-fetches the codes two blocks ahead (``llvm.prefetch``): the pages lie apart (a page holds the block's keys and
-values too), which the hardware prefetcher does not follow.
+The scan walks the blocks once, all KV heads of a block together, in the order the vLLM backend stores a block's
+sketch (KV head by KV head, token by token: ``kvreuse.vllm.sparse.backend.layer_cache``, which keeps every block's
+sketch in one region apart from the keys and values, so that a sequence's sketches are read as a stream), and
+fetches the codes two blocks ahead (``llvm.prefetch``): a block table may list its blocks in any order, which the
+hardware prefetcher does not follow.
 
 Arrays are numpy views of the tensors' memory (no copy); the sketch is addressed through flat views of its storage
 and its strides, so the innermost loop over a key's channels is contiguous for the compiler.
@@ -184,7 +186,7 @@ def _prune(
                 tau[h, g] = -np.inf
         # every key's bounds, block by block and, in a block, KV head by head (the sketch's order in memory): the
         # exact integer dot products q16 . u, then the largest lower bound per query head and the block's largest
-        # upper bound; the next blocks' codes are fetched meanwhile (blocks lie apart in the cache's pages)
+        # upper bound; the next blocks' codes are fetched meanwhile (the block table may jump)
         for b in range(n_blocks):
             block = block_table[i, b]
             tokens = min(n - b * block_size, block_size)

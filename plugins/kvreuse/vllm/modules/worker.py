@@ -44,6 +44,7 @@ from kvreuse.vllm.modules.metrics import module_counter_values
 from kvreuse.vllm.names import SPARSE_CPU_SWITCH, ConnectorName
 from kvreuse.vllm.runtime import runtime
 from kvreuse.vllm.settings import kvreuse_flags
+from kvreuse.vllm.sparse import backend as sparse_backend
 from kvreuse.vllm.sparse.metrics import sparse_increments
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ class ModuleWorker:
         # spliced run needs; where not, such a load fails over to vLLM's recompute of the whole run.
         self.masks_by_position = False
         self.layers: list[str] = []
+        self._sparse_layers: set[str] = set()  # the layers kvreuse's attention backend serves
         self._copies: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._errors: set[int] = set()
         self._report = ModuleCacheWorkerMeta()
@@ -135,7 +137,10 @@ class ModuleWorker:
                     f"2 * head_dim]; layer {name} ({backend}) has {tuple(kv_caches[name].shape)}"
                 )
         # kvreuse's backend names itself CUSTOM (SparseAttentionBackend.get_name), also where it replaces CPU_ATTN.
-        self.masks_by_position = all(backends[name] == "CUSTOM" for name in self.layers)
+        # It keeps K/V apart from vLLM's page strides (kvreuse.vllm.sparse.backend.layer_cache): its layers' K/V
+        # are read through its view (kv_of).
+        self._sparse_layers = {name for name in self.layers if backends[name] == "CUSTOM"}
+        self.masks_by_position = len(self._sparse_layers) == len(self.layers)
         if not self.masks_by_position and (
             self.config.recompute_first
             or self.config.recompute_share
@@ -228,7 +233,7 @@ class ModuleWorker:
             return tuple(p for p in spec.blend.candidates if p not in taken)[: spec.blend.count]
         started = time.perf_counter()
         layers = vllm_0_32.static_attention_layers(self.vllm_config, self.layers)
-        caches = [vllm_0_32.layer_kv_cache(layer) for layer in layers]
+        caches = [self.kv_of(name, vllm_0_32.layer_kv_cache(layer)) for name, layer in zip(self.layers, layers)]
 
         def write(layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
             vllm_0_32.write_kv(layers[layer], keys, values, slots)
@@ -301,11 +306,18 @@ class ModuleWorker:
         errors, self._errors = self._errors, set()
         return errors
 
+    def kv_of(self, layer_name: str, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer_name``'s K|V in the plain ``[blocks, kv_heads, block_size, 2 * head_dim]`` shape, from
+        vLLM's per-layer view ``kv_cache``: through kvreuse's backend's view where it serves the layer (it keeps K/V
+        packed apart from its key sketches, not at vLLM's page strides), else vLLM's view itself."""
+        return sparse_backend.kv_view(kv_cache) if layer_name in self._sparse_layers else kv_cache
+
     # -- saves --------------------------------------------------------------------------------------------------
     def copy_layer(self, meta: ModuleCacheMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
         """Copy this layer's KV of every module being encoded this step (called after the layer's attention)."""
         if not meta.saves:
             return
+        kv_layer = self.kv_of(layer_name, kv_layer)
         head_dim = kv_layer.shape[-1] // 2
         block_size = kv_layer.shape[2]
         for save in meta.saves:

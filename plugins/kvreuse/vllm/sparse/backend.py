@@ -13,9 +13,13 @@ the worker process with ``kvreuse.vllm.runtime.sparse_figures()`` (e.g. through 
 
 The key sketch (``kvreuse.kernels.key_sketch``: an int8 code per key channel and an fp32 scale per token and KV
 head) is inside vLLM's KV cache budget: ``customize_spec`` pads each block's page by the token rows the block's
-sketch needs (``sketch_rows``), so vLLM sizes the cache, and so the number of blocks, with the sketch counted, and
-``page_sketch`` views those rows as the kernels' codes and scales. A block's sketch thus lives and dies with the
-block (and is kept with it by the prefix cache).
+sketch needs (``sketch_rows``), so vLLM sizes the cache, and so the number of blocks, with the sketch counted. The
+backend does not keep the sketch in those rows, though: ``layer_cache`` lays the memory vLLM allocates for a layer
+out as every block's K and V packed together, then every block's sketch together, so that DIPR's decision streams
+the sketches instead of reading a short stretch at the end of every page. A block's sketch is addressed by its block
+id, so it lives and dies with the block (and is kept with it by the prefix cache). Whatever reads or writes a
+layer's K/V other than the backend goes through ``kv_view`` (the module cache's worker), never vLLM's per-layer view,
+whose pages no longer hold K/V where vLLM's strides say.
 """
 
 from __future__ import annotations
@@ -98,9 +102,31 @@ def module_cache_on(vllm_config: VllmConfig) -> bool:
     return transfer is not None and transfer.kv_connector == ConnectorName.MODULE_CACHE
 
 
+def check_kv_connector(vllm_config: VllmConfig) -> None:
+    """Refuse a KV connector other than kvreuse's: it would read and write K/V through vLLM's per-layer view, where
+    this backend does not keep them (``layer_cache``), and load blocks without their key sketches. kvreuse's module
+    cache reads through ``kv_view`` and writes through the backend's cache write."""
+    transfer = vllm_config.kv_transfer_config
+    if transfer is None or transfer.kv_connector is None:
+        return
+    connectors = [transfer.kv_connector]
+    if transfer.kv_connector == "MultiConnector":  # vLLM's: its connectors are listed in its extra config
+        extra = getattr(transfer, "kv_connector_extra_config", None) or {}
+        connectors = [part.get("kv_connector") for part in extra.get("connectors", [])]
+    for connector in connectors:
+        if connector in set(ConnectorName):
+            continue
+        raise ConfigError(
+            f"the kvreuse sparse attention backend keeps K/V and key sketches in its own layout, which KV connector "
+            f"{connector!r} does not know; use it without the backend (unset {SPARSE_CPU_SWITCH} / --attention-backend "
+            f"CUSTOM), or one of kvreuse's connectors ({', '.join(ConnectorName)})"
+        )
+
+
 def _shared_attention(num_heads: int, num_kv_heads: int, head_size: int, scale: float) -> SparseAttention:
     """The process's ``SparseAttention`` for the engine being built (see ``ProcessRuntime.sparse_attention_for``)."""
     vllm_config = vllm_0_32.current_vllm_config()
+    check_kv_connector(vllm_config)
 
     def build() -> SparseAttention:
         config = SparseConfig.load(
@@ -166,8 +192,9 @@ class SparseAttentionBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """Pad each page by the token rows of the block's key sketch (see ``page_sketch``), so that vLLM counts it
-        in the KV cache budget. A page someone already padded enough is kept as it is."""
+        """Pad each page by the token rows of the block's key sketch, so that vLLM counts it in the KV cache budget
+        (and so sizes the number of blocks with it; ``layer_cache`` says where the sketch is kept). A page someone
+        already padded enough is kept as it is."""
         unpadded, padded = vllm_0_32.page_sizes(spec)
         needed = unpadded + sketch_rows(spec) * row_bytes(spec)
         if padded is None:
@@ -207,47 +234,100 @@ def sketch_rows(spec: AttentionSpec) -> int:
     return -(-sketch_bytes(spec.block_size, spec.num_kv_heads, spec.head_size) // row_bytes(spec))
 
 
-def page_sketch(kv_cache: torch.Tensor, head_size: int) -> KeySketch:
-    """The key sketch kept in the padding rows after each block's tokens: codes ``[num_blocks, block_size,
-    num_kv_heads, head_size]`` int8, then scales ``[num_blocks, block_size, num_kv_heads]`` fp32.
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's cache as the backend lays it out in the memory vLLM allocates for the layer.
 
-    ``kv_cache`` is vLLM's per-layer ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` view of a cache
-    whose pages ``customize_spec`` padded, in either layout the backend uses: LBNHC (token rows of every head's
-    K|V) or CPU_ATTN's LBHNC (per KV head a key tile then a value tile). Either way a block's K and V are its page's
-    first ``block_size * num_kv_heads * 2 * head_size`` elements, and the padding starts after them. The views
-    reinterpret those bytes (no copy).
+    vLLM allocates ``num_blocks`` pages of ``customize_spec``'s padded size and hands the backend a per-layer view
+    ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` whose blocks are a page apart. The backend reads that
+    memory as two regions instead (``layer_cache``):
+
+    - K/V, from the view's first element: block ``b``'s K and V at ``b * kv_span`` elements (``kv_span = block_size *
+      num_kv_heads * 2 * head_size``), inside a block in the view's own order (LBNHC or CPU_ATTN's LBHNC). ``kv`` is
+      vLLM's view's shape and inner strides with blocks ``kv_span`` apart; ``key_cache``/``value_cache`` the kernels'
+      views of it (``[blocks, tokens, heads, head_size]`` on LBNHC, CPU_ATTN's ``[blocks, heads, tokens,
+      head_size]`` tiles on LBHNC).
+    - the key sketch, right after the last block's K/V: every block's int8 codes, then every block's fp32 scales,
+      each block's KV head by KV head (the order DIPR's scan walks them, ``kvreuse.sparse.sketch_scan``), so the
+      scan reads one contiguous stretch per region. ``sketch`` views them as ``codes [num_blocks, block_size,
+      num_kv_heads, head_size]`` and ``scales [num_blocks, block_size, num_kv_heads]``.
+
+    Both regions together take ``num_blocks * (kv_span + sketch)`` bytes, within the ``num_blocks`` padded pages.
+    vLLM itself never reads or writes K/V through its view of them (vLLM 0.32): it zeroes new blocks through it only
+    for caches with Mamba layers or mixed precisions (``KVCacheConfig.needs_kv_cache_zeroing``), whose page sizes it
+    unifies, which ``layer_cache`` refuses (pages of another size than the backend's); and it copies a block through
+    it only for copy-on-write of a block a prefix-cache hit ends inside, which needs prefix hashes finer than a block,
+    so several KV cache groups (``resolve_kv_cache_block_sizes``), never the one group of full-attention layers this
+    backend serves (it refuses sliding windows and KV sharing between layers).
     """
+
+    kv: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    sketch: KeySketch
+
+
+def layer_cache(kv_cache: torch.Tensor) -> LayerCache:
+    """The backend's views of a layer's memory (see ``LayerCache``), from vLLM's per-layer view ``kv_cache`` of
+    pages ``customize_spec`` padded, in either layout the backend asks for (``supported_kv_cache_layouts``: LBNHC,
+    or CPU_ATTN's LBHNC); both are layer-major, so the layer's pages are one stretch of memory of ``num_blocks``
+    pages from the view's first element. The views reinterpret that memory (no copy)."""
     num_blocks, num_kv_heads, block_size, width = kv_cache.shape
-    block_stride, head_stride, token_stride, channel_stride = kv_cache.stride()
+    page, head_stride, token_stride, channel_stride = kv_cache.stride()
+    head_size = width // 2
     element = kv_cache.element_size()
-    codes_bytes = block_size * num_kv_heads * head_size
     kv_span = block_size * num_kv_heads * width  # elements of a block's K and V
+    head_major = (head_stride, token_stride) == (block_size * width, width)  # LBHNC
+    token_major = (head_stride, token_stride) == (width, num_kv_heads * width)  # LBNHC
+    row = num_kv_heads * width * element  # bytes of a token row
+    padded = kv_span * element + -(-sketch_bytes(block_size, num_kv_heads, head_size) // row) * row
+    start = kv_cache.storage_offset() * element  # bytes
+    codes_at = start + num_blocks * kv_span * element
+    codes_bytes = num_blocks * block_size * num_kv_heads * head_size
+    scales_at = codes_at + -(-codes_bytes // 4) * 4
+    end = scales_at + num_blocks * block_size * num_kv_heads * 4
     if (
-        width != 2 * head_size
+        width % 2
         or channel_stride != 1
-        or (head_stride, token_stride) not in ((width, num_kv_heads * width), (block_size * width, width))
-        or block_stride * element < kv_span * element + sketch_bytes(block_size, num_kv_heads, head_size)
-        or (block_stride * element) % 4
-        or (kv_cache.storage_offset() + kv_span) * element % 4
+        or not (head_major or token_major)
+        or start % 4
+        or page * element != padded
+        or end > start + num_blocks * padded
+        or start + num_blocks * padded > kv_cache.untyped_storage().nbytes()
     ):
         raise ConfigError(
-            f"the kvreuse sparse attention backend keeps its key sketch in padding rows after each KV page, but "
-            f"this KV cache view (shape {list(kv_cache.shape)}, strides {list(kv_cache.stride())}) has no such "
-            f"rows: vLLM did not use the backend's page size (a hybrid model, or another layout than LBNHC/LBHNC)"
+            f"the kvreuse sparse attention backend keeps every block's K/V and then every block's key sketch in the "
+            f"pages vLLM allocates for a layer, but this KV cache view (shape {list(kv_cache.shape)}, strides "
+            f"{list(kv_cache.stride())}) is not laid out in pages of the backend's size ({padded} bytes): vLLM did "
+            f"not use the backend's page size (a hybrid model, whose pages vLLM unifies and zeroes through its own "
+            f"view) or its layout (LBNHC/LBHNC)"
         )
-    start = (kv_cache.storage_offset() + kv_span) * element  # bytes
-    page = block_stride * element
+    kv = kv_cache.as_strided(kv_cache.shape, (kv_span, head_stride, token_stride, 1), kv_cache.storage_offset())
+    if head_major:  # CPU_ATTN's view: per block and KV head a key tile then a value tile, [tokens, head_size] each
+        key_cache, value_cache = kv.view(num_blocks, num_kv_heads, 2 * block_size, head_size).chunk(2, dim=2)
+    else:
+        key_cache, value_cache = kv.transpose(1, 2).split(head_size, dim=-1)
     storage = kv_cache.untyped_storage()
     codes = torch.empty(0, dtype=torch.int8, device=kv_cache.device).set_(storage)
     scales = torch.empty(0, dtype=torch.float32, device=kv_cache.device).set_(storage)
-    return KeySketch(
+    per_block = block_size * num_kv_heads
+    sketch = KeySketch(
         codes.as_strided(
-            (num_blocks, block_size, num_kv_heads, head_size), (page, num_kv_heads * head_size, head_size, 1), start
+            (num_blocks, block_size, num_kv_heads, head_size),
+            (per_block * head_size, head_size, block_size * head_size, 1),
+            codes_at,
         ),
-        scales.as_strided(
-            (num_blocks, block_size, num_kv_heads), (page // 4, num_kv_heads, 1), (start + codes_bytes) // 4
-        ),
+        scales.as_strided((num_blocks, block_size, num_kv_heads), (per_block, 1, block_size), scales_at // 4),
     )
+    return LayerCache(kv, key_cache, value_cache, sketch)
+
+
+def kv_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """K and V of a layer this backend serves, in the shape of vLLM's per-layer view ``kv_cache`` (``[num_blocks,
+    num_kv_heads, block_size, K|V]``) and where the backend keeps them (``LayerCache.kv``): what a reader of K/V
+    other than the backend (the module cache's worker) reads instead of vLLM's view, whose block stride is the
+    padded page's."""
+    return layer_cache(kv_cache).kv
 
 
 @dataclass
@@ -347,25 +427,21 @@ class SparseAttentionImpl(AttentionImpl[SparseAttentionMetadata]):
         self._steps = 0
 
     def _caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, KeySketch]:
-        """Key and value caches ``[blocks, tokens, heads, head_size]`` and the key sketch of ``kv_cache`` (vLLM's
-        ``[blocks, heads, tokens, K|V]`` view of an LBNHC cache). Made once per cache memory; every write sketches
-        the keys it stores, so the sketch needs no setting up."""
+        """Key and value caches and the key sketch in the memory under ``kv_cache`` (vLLM's per-layer view; see
+        ``layer_cache``). Made once per cache memory; every write sketches the keys it stores, so the sketch needs
+        no setting up."""
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride())
         if self._views is None or self._views[0] != key:
-            num_blocks, num_kv_heads, block_size, width = kv_cache.shape
-            if self.attention.paged_kernel is not None:
-                if kv_cache.stride(1) != block_size * width:
-                    raise ConfigError(
-                        f"the kvreuse sparse attention backend runs vLLM's CPU attention ops, which need the LBHNC "
-                        f"KV cache layout, but vLLM gave this layer strides {list(kv_cache.stride())} (another "
-                        f"layout was requested, e.g. VLLM_KV_CACHE_LAYOUT)"
-                    )
-                # CPU_ATTN's view: per block and KV head a key tile then a value tile, [heads, tokens] each
-                key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-            else:
-                key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+            _, _, block_size, width = kv_cache.shape
+            if self.attention.paged_kernel is not None and kv_cache.stride(1) != block_size * width:
+                raise ConfigError(
+                    f"the kvreuse sparse attention backend runs vLLM's CPU attention ops, which need the LBHNC "
+                    f"KV cache layout, but vLLM gave this layer strides {list(kv_cache.stride())} (another "
+                    f"layout was requested, e.g. VLLM_KV_CACHE_LAYOUT)"
+                )
+            cache = layer_cache(kv_cache)
             self.attention.block_size = block_size  # the kernel block size vLLM chose (a multiple of 16)
-            self._views = (key, (key_cache, value_cache, page_sketch(kv_cache, self.head_size)))
+            self._views = (key, (cache.key_cache, cache.value_cache, cache.sketch))
         return self._views[1]
 
     def _layer_index(self, layer: Any) -> int:

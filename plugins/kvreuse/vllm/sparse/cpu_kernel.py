@@ -11,8 +11,6 @@ decodes run it once, every (KV head, sequence) pair a sequence of its own on a o
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from kvreuse.errors import ConfigError
@@ -86,10 +84,9 @@ class CPUAttentionKernel:
         (0.86-0.94x the time of those on SmolLM2's shape at 2K-8K tokens, one thread, cold caches)."""
         kv, n, width = tables.block_table.shape
         group = query.shape[1] // kv
-        keys, per_block, per_head = head_tiles(key_cache)
-        values = head_tiles(value_cache)[0]
-        heads = torch.arange(kv, dtype=torch.int64)[:, None, None] * per_head
-        table = (tables.block_table.long() * per_block + heads).to(torch.int32).view(kv * n, width)
+        keys, values = head_tiles(key_cache), head_tiles(value_cache)
+        heads = torch.arange(kv, dtype=torch.int64)[:, None, None]
+        table = (tables.block_table.long() * kv + heads).to(torch.int32).view(kv * n, width)
         seq_lens = tables.seq_lens.view(kv * n)
         by_head = query.view(n, kv, group, -1).transpose(0, 1).reshape(kv * n, group, query.shape[-1])
         result = torch.empty_like(by_head)
@@ -114,22 +111,25 @@ class CPUAttentionKernel:
         )
 
 
-def head_tiles(cache: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """``cache[num_blocks, kv_heads, block_size, head_dim]`` (CPU_ATTN's: each (block, head) tile contiguous, pages
-    possibly padded) as a one-head cache ``[tiles, 1, block_size, head_dim]`` whose tile ``b * per_block + h *
-    per_head`` is block ``b``'s head ``h``: ``(view, per_block, per_head)``. The view's tiles start every ``gcd`` of
-    the block and head strides, so they overlap (a table lists only real ones) and span the same memory: no copy."""
+def head_tiles(cache: torch.Tensor) -> torch.Tensor:
+    """``cache[num_blocks, kv_heads, block_size, head_dim]`` (CPU_ATTN's tiles: each (block, KV head) tile contiguous,
+    a block's tiles one after another, blocks packed as the backend lays them out, ``layer_cache``) as a one-head
+    cache ``[num_blocks * kv_heads, 1, block_size, head_dim]`` whose tile ``b * kv_heads + h`` is block ``b``'s head
+    ``h`` (no copy)."""
     num_blocks, kv_heads, block_size, head_dim = cache.shape
-    unit = math.gcd(cache.stride(0), cache.stride(1))
-    per_block, per_head = cache.stride(0) // unit, cache.stride(1) // unit
-    tiles = (num_blocks - 1) * per_block + (kv_heads - 1) * per_head + 1
-    if tiles > 2**31:
+    tile = cache.stride(1)
+    if cache.stride(0) != kv_heads * tile:
+        raise ConfigError(
+            f"the KV cache's blocks are not packed tile after tile (strides {list(cache.stride())}): the sparse "
+            f"backend's layout of CPU_ATTN's cache was not used"
+        )
+    if num_blocks * kv_heads > 2**31:
         raise ConfigError(
             f"the KV cache's {num_blocks} blocks of {kv_heads} KV heads are too many for vLLM's CPU attention's int32 "
             f"block tables once each (block, KV head) tile is a block of its own: set sparse.engine_kernel false or "
             f"give the cache fewer blocks"
         )
-    view = cache.as_strided(
-        (tiles, 1, block_size, head_dim), (unit, unit, cache.stride(2), cache.stride(3)), cache.storage_offset()
-    )
-    return view, per_block, per_head
+    return cache.as_strided(
+        (num_blocks * kv_heads, 1, block_size, head_dim), (tile, tile, cache.stride(2), cache.stride(3)),
+        cache.storage_offset(),
+    )  # fmt: skip
