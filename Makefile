@@ -43,8 +43,12 @@ models: setup
 	$(PY) -P -m kvreuse.localmodel --preset small
 	$(PY) -P -m kvreuse.localmodel --preset smollm2
 
+# The unit tests are engine-free and independent, so they run in one pytest worker per core (pytest-xdist; a file's
+# tests stay together, so its module fixtures are built once); the engine tests run one after another, each module's
+# engine alone on the machine.
 test: setup models
-	$(PYTEST) tests integration_tests
+	$(PYTEST) -n auto --dist loadfile tests
+	$(PYTEST) integration_tests
 
 # ruff's rule set and line length live in pyproject.toml ([tool.ruff]); CI fails on any finding or unformatted file.
 LINTED := plugins triton_kernels patches tests integration_tests benchmarks docs
@@ -62,7 +66,7 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 unit: setup models
-	$(PYTEST) tests
+	$(PYTEST) -n auto --dist loadfile tests
 
 integration: setup models
 	$(PYTEST) integration_tests
