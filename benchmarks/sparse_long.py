@@ -228,6 +228,7 @@ def main() -> None:
         partial = out / f"{args.name}.tmp"  # the questions so far, for a run cut short (--combine reads it)
         runs = [run_length(int(n), args, settings, partial) for n in args.lengths.split(",")]
         write_results(args.name, {"rows": summarise(runs), "runs": runs}, out)
+        partial.unlink(missing_ok=True)  # the run finished: its questions are in the results
         print(f"in {time.time() - started:.0f} s")
     print(format_table(summarise(runs)))
 
