@@ -147,15 +147,13 @@ def calibrate_schema(set_name: str, seed: int, args: argparse.Namespace, setting
         cases = curve_cases(set_name, lambda text: tokenizer.encode(text, add_special_tokens=False), args.prompts, seed)
         encode_curve_modules(llm, {set_name: cases})
         prompts = [list(tc.prompt) for tc in cases]
-        floor, tokens = args.min_agreement, SCHEMA_SETS[set_name].max_tokens
-        if settings is not None:
-            return calibrate_modules(
-                llm, prompts, floor, firsts=(), settings=settings, normalise=SQL, max_tokens=tokens
-            )
-        blends = [float(b) for b in args.blends.split(",") if b]
-        layers = [int(n) for n in args.blend_layers.split(",")]
+        if settings is None:  # the sample: the command's candidates and the blends of args
+            blends = [float(b) for b in args.blends.split(",") if b]
+            candidates = {"blends": blends, "blend_layers": [int(n) for n in args.blend_layers.split(",")]}
+        else:  # the held-back check: the chosen setting alone
+            candidates = {"firsts": (), "settings": settings}
         return calibrate_modules(
-            llm, prompts, floor, blends=blends, blend_layers=layers, normalise=SQL, max_tokens=tokens
+            llm, prompts, args.min_agreement, normalise=SQL, max_tokens=SCHEMA_SETS[set_name].max_tokens, **candidates
         )
 
 
