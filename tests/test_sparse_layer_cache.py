@@ -78,9 +78,10 @@ def test_the_views_tile_the_layers_pages_kv_then_codes_then_scales_without_overl
     end = kv_bytes + BLOCKS * CODES + BLOCKS * BLOCK * KV_HEADS * 4
     assert torch.equal(scales.sort().values, torch.arange(kv_bytes + BLOCKS * CODES, end))
     assert end <= buffer.numel() * 4 == BLOCKS * (PAGE + SKETCH_ROWS * ROW)
-    # block b's sketch is one stretch, KV head by KV head, token by token: the order the scan walks it
+    # block b's sketch is one stretch, KV head by KV head, channel by channel with a channel's tokens side by side:
+    # the order the CPU scan walks it (a CPU's layout, kvreuse.kernels.key_sketch.sketch_strides)
     for b in range(BLOCKS):
-        block = byte_addresses(cache.sketch.codes[b].transpose(0, 1))  # [heads, tokens, head_dim]
+        block = byte_addresses(cache.sketch.codes[b].permute(1, 2, 0))  # [heads, head_dim, tokens]
         assert torch.equal(block, torch.arange(kv_bytes + b * CODES, kv_bytes + (b + 1) * CODES))
         first = kv_bytes + BLOCKS * CODES + b * BLOCK * KV_HEADS * 4
         assert torch.equal(byte_addresses(cache.sketch.scales[b].T), torch.arange(first, first + BLOCK * KV_HEADS * 4))

@@ -27,14 +27,17 @@ BLOCK, KV_HEADS, GROUP, DIM = 32, 3, 3, 64
 
 def reference_tables(q, sketch, table, lens, beta, sink, local) -> PrunedTables:
     """``prune_block_table`` of ``dipr_read_blocks``, sequence by sequence."""
+    block_size = sketch.codes.shape[1]
     read = torch.zeros(len(lens), q.shape[1], table.shape[1], dtype=torch.bool)
     for i, n in enumerate(lens.tolist()):
-        blocks = -(-n // BLOCK)
+        blocks = -(-n // block_size)
         read[i, :, :blocks] = dipr_read_blocks(q[i], sketch, table[i, :blocks].long(), n, beta, sink, local)[0]
-    return prune_block_table(read, table, lens, BLOCK)
+    return prune_block_table(read, table, lens, block_size)
 
 
-def assert_reads_the_references_blocks(got: PrunedTables, want: PrunedTables, lens, extra: float) -> None:
+def assert_reads_the_references_blocks(
+    got: PrunedTables, want: PrunedTables, lens, extra: float, block_size: int = BLOCK
+) -> None:
     """``got`` reads every block ``want`` reads (the query's int16 rounding only widens the bounds) and at most a
     block and a share ``extra`` of a sequence's blocks more, per KV head and sequence."""
     for h in range(got.kept.shape[0]):
@@ -42,7 +45,7 @@ def assert_reads_the_references_blocks(got: PrunedTables, want: PrunedTables, le
             mine = set(got.block_table[h, i, : int(got.kept[h, i])].tolist())
             theirs = set(want.block_table[h, i, : int(want.kept[h, i])].tolist())
             assert theirs <= mine, (h, i, sorted(theirs - mine))
-            assert len(mine) - len(theirs) <= 1 + extra * -(-n // BLOCK), (h, i, len(mine), len(theirs))
+            assert len(mine) - len(theirs) <= 1 + extra * -(-n // block_size), (h, i, len(mine), len(theirs))
 
 
 def assert_same_tables(got: PrunedTables, want: PrunedTables) -> None:
@@ -61,8 +64,8 @@ def test_write_sketch_stores_the_references_codes_and_scales_bit_for_bit():
     sketch = KeySketch.allocate(pool, BLOCK, KV_HEADS, DIM, "cpu")
     write_sketch(keys, sketch, slots, BLOCK)
     codes, scales = sketch_reference(keys)
-    assert torch.equal(sketch.codes.view(-1, KV_HEADS, DIM)[slots], codes)
-    assert torch.equal(sketch.scales.view(-1, KV_HEADS)[slots], scales)
+    assert torch.equal(sketch.codes.reshape(-1, KV_HEADS, DIM)[slots], codes)
+    assert torch.equal(sketch.scales.reshape(-1, KV_HEADS)[slots], scales)
 
 
 def test_write_sketch_skips_padding_slots():
@@ -222,6 +225,50 @@ def test_top_pages_keeps_the_window_and_the_blocks_whose_bounds_reach_furthest_a
             assert len(outside) > top_pages  # the budget binds: exact DIPR reads more
             assert read == window | set(outside[:top_pages]), (real["layers"][layer_index], h)
             assert read <= read_exact and int(got.kept[h, 0]) == len(read)
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "block", "dim"),
+    [(1, 1, 16, 32), (2, 2, 48, 64), (1, 5, 16, 128), (2, 8, 64, 64), (1, 4, 24, 256)],
+    ids=["mha", "gqa2-block48", "group5-dim128", "group8-block64", "group4-block24-dim256"],
+)
+def test_prune_by_sketch_reads_the_references_blocks_for_other_shapes(kv_heads, group, block, dim):
+    """Groups of 1 to 8 query heads (the scan takes at most 4 per pass), blocks of 16 to 64 tokens (24: rows padded
+    to 32 in the CPU layout), head_dim 32 to 256, sequences ending mid-block and mid-row of 16 tokens."""
+    g = torch.Generator().manual_seed(kv_heads * 1000 + group * 100 + block + dim)
+    pool, width = 120, 60
+    keys = torch.randn(pool * block, kv_heads, dim, generator=g) * torch.rand(pool * block, kv_heads, 1, generator=g)
+    keys[torch.randint(0, pool * block, (20,), generator=g)] *= 6
+    sketch = KeySketch.allocate(pool, block, kv_heads, dim, "cpu")
+    write_sketch(keys, sketch, torch.arange(pool * block), block)
+    table = torch.stack([torch.randperm(pool, generator=g)[:width] for _ in range(3)]).to(torch.int32)
+    lens = torch.tensor([width * block, 7 * block + 5, 3 * block + 17], dtype=torch.int32)
+    q = 0.4 * torch.randn(3, kv_heads, group, dim, generator=g) * dim**-0.5 * 8
+    for beta in (1.0, 4.0):
+        got = prune_by_sketch(q, sketch, table, lens, beta, 4, 16)
+        want = reference_tables(q, sketch, table, lens, beta, 4, 16)
+        assert_reads_the_references_blocks(got, want, lens, 0.03, block)
+    assert 0 < int(got.kept.sum()) < kv_heads * int(((lens + block - 1) // block).sum())  # it prunes, not all
+
+
+def test_prune_by_sketch_refuses_a_sketch_in_another_layout():
+    """The compiled scan reads 16 tokens of a channel at once, so it takes only the CPU layout (the engine's and
+    ``KeySketch.allocate``'s on a CPU); a sketch laid out as a GPU's, or contiguous, is refused, not misread."""
+    keys = torch.randn(4 * BLOCK, KV_HEADS, DIM)
+    q = torch.randn(1, KV_HEADS, GROUP, DIM)
+    table, lens = torch.arange(4, dtype=torch.int32)[None], torch.tensor([4 * BLOCK], dtype=torch.int32)
+    contiguous = KeySketch(*sketch_reference(keys.view(4, BLOCK, KV_HEADS, DIM)))
+    with pytest.raises(KernelArgumentError, match="CPU sketch layout"):
+        prune_by_sketch(q, contiguous, table, lens, 4.0, 16, 64)
+
+
+def test_prune_by_sketch_refuses_an_odd_head_dim():
+    sketch = KeySketch.allocate(1, BLOCK, 1, 63, "cpu")
+    with pytest.raises(KernelArgumentError, match="head_dim 63 is odd"):
+        prune_by_sketch(
+            torch.zeros(1, 1, 1, 63), sketch, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+            4.0, 0, 1,
+        )  # fmt: skip
 
 
 def test_top_pages_at_least_the_blocks_dipr_reads_changes_nothing(real):

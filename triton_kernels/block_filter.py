@@ -222,7 +222,7 @@ class DIPRBlockFilter:
                 self.upper.shape[2],
                 query.stride(0),
                 query.stride(1),
-                *sketch.codes.stride()[:3],
+                *sketch.codes.stride(),
                 *sketch.scales.stride(),
                 block_table.stride(0),
                 GROUP=self.group,

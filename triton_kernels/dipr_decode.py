@@ -79,6 +79,7 @@ def _sketch_scan_kernel(
     stride_cb,
     stride_ct,
     stride_ch,
+    stride_cd,
     stride_sb,
     stride_st,
     stride_sh,
@@ -118,7 +119,11 @@ def _sketch_scan_kernel(
         valid = (t < BLOCK_SIZE) & (b < last) & (pos < seq_len)
         block = tl.load(block_table_ptr + seq * stride_bt + b, mask=b < last, other=0).to(tl.int64)
         codes = tl.load(
-            codes_ptr + block[:, None] * stride_cb + t[:, None] * stride_ct + kv_head * stride_ch + d[None, :],
+            codes_ptr
+            + block[:, None] * stride_cb
+            + t[:, None] * stride_ct
+            + kv_head * stride_ch
+            + d[None, :] * stride_cd,
             mask=valid[:, None] & (d < HEAD_DIM)[None, :],
             other=0,
         ).to(tl.float32)
@@ -560,7 +565,7 @@ class DIPRDecode:
                 max_blocks,
                 query.stride(0),
                 query.stride(1),
-                *sketch.codes.stride()[:3],
+                *sketch.codes.stride(),
                 *sketch.scales.stride(),
                 block_table.stride(0),
                 BLOCK_SIZE=self.block_size,

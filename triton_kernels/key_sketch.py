@@ -9,9 +9,13 @@ them. An 8-bit code per token bounds each logit within ~0.1-0.5 nats and reads w
 an oracle would read.
 
 Layout (indexed like the key cache, see ``paged_layout.py``): ``codes[num_blocks, block_size, num_kv_heads,
-head_dim]`` int8 and ``scales[num_blocks, block_size, num_kv_heads]`` fp32 (any strides, ``codes`` contiguous in
-its last dimension). For a stored key ``k`` (one KV head): ``s = max_c |k_c| / 127`` and ``u = floor(k / s + 1/2)``
-(``u = 0`` where ``s = 0``), so ``|k_c - s u_c| <= s / 2``. For a query ``q`` (the softmax scale folded in):
+head_dim]`` int8 and ``scales[num_blocks, block_size, num_kv_heads]`` fp32, any strides. In memory
+(``sketch_strides``, what ``KeySketch.allocate`` and the vLLM backend's pages use) each block keeps its sketch KV
+head by KV head; on a GPU a key's codes are contiguous (a kernel reads a token's row), on a CPU a channel's codes
+are, for ``TOKEN_ROW``-token rows of the block (the compiled scan, ``kvreuse.sparse.lane_bounds``, bounds that many
+tokens side by side, one per vector lane). For a stored key ``k`` (one KV head): ``s = max_c |k_c| / 127`` and
+``u = floor(k / s + 1/2)`` (``u = 0`` where ``s = 0``), so ``|k_c - s u_c| <= s / 2``. For a query ``q`` (the
+softmax scale folded in):
 
     s (q . u) - s ||q||_1 (1/2 + CODE_SLACK)  <=  q . k  <=  s (q . u) + s ||q||_1 (1/2 + CODE_SLACK)
 
@@ -36,6 +40,37 @@ CODE_MAX = 127  # int8 codes in [-127, 127]
 # Slack on the half-step, in units of s ||q||_1: rounding of k / s (~2**-24 of a code, <= 127) and of the fp32 dot
 # product q . u over head_dim <= 256 terms of size <= 127 |q_c| (256 * 127 * 2**-24 < 2e-3).
 CODE_SLACK = 4e-3
+TOKEN_ROW = 16  # a CPU layout's rows hold a multiple of this many tokens (kvreuse.sparse.lane_bounds.TOKEN_LANES)
+
+
+@dataclass(frozen=True)
+class SketchStrides:
+    """Where a block's sketch lies (in elements of its own dtype): ``codes``' and ``scales``' strides, and the
+    codes and scales one block takes (``block_codes``, ``block_scales``: their block strides)."""
+
+    codes: tuple[int, int, int, int]
+    scales: tuple[int, int, int]
+
+    @property
+    def block_codes(self) -> int:
+        return self.codes[0]
+
+    @property
+    def block_scales(self) -> int:
+        return self.scales[0]
+
+
+def sketch_strides(block_size: int, num_kv_heads: int, head_dim: int, device: torch.device | str) -> SketchStrides:
+    """The sketch's layout for a cache on ``device``: per block, KV head by KV head; in a KV head, token by token
+    with each key's codes contiguous on a GPU, channel by channel with each channel's tokens contiguous (in a row
+    of ``block_size`` rounded up to ``TOKEN_ROW``) on a CPU, as the compiled CPU scan reads them."""
+    if torch.device(device).type == "cpu":
+        row = -(-block_size // TOKEN_ROW) * TOKEN_ROW
+        return SketchStrides((num_kv_heads * head_dim * row, 1, head_dim * row, row), (num_kv_heads * row, 1, row))
+    return SketchStrides(
+        (num_kv_heads * block_size * head_dim, head_dim, block_size * head_dim, 1),
+        (num_kv_heads * block_size, 1, block_size),
+    )
 
 
 @dataclass(frozen=True)
@@ -49,10 +84,14 @@ class KeySketch:
     def allocate(
         num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, device: torch.device | str
     ) -> KeySketch:
-        """A zero sketch (every code 0, every scale 0: the bounds of an unwritten slot are 0)."""
+        """A zero sketch (every code 0, every scale 0: the bounds of an unwritten slot are 0), laid out as
+        ``sketch_strides`` says for ``device``."""
+        strides = sketch_strides(block_size, num_kv_heads, head_dim, device)
+        codes = torch.zeros(num_blocks * strides.block_codes, dtype=torch.int8, device=device)
+        scales = torch.zeros(num_blocks * strides.block_scales, dtype=torch.float32, device=device)
         return KeySketch(
-            torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.int8, device=device),
-            torch.zeros(num_blocks, block_size, num_kv_heads, dtype=torch.float32, device=device),
+            codes.as_strided((num_blocks, block_size, num_kv_heads, head_dim), strides.codes),
+            scales.as_strided((num_blocks, block_size, num_kv_heads), strides.scales),
         )
 
     def check(self, key_cache: torch.Tensor) -> None:
@@ -71,7 +110,6 @@ class KeySketch:
             self.codes.device == key_cache.device and self.scales.device == key_cache.device,
             f"the sketch is on {self.codes.device}/{self.scales.device} but key_cache on {key_cache.device}",
         )
-        _check(self.codes.stride(-1) == 1, "sketch codes must be contiguous in their last (head_dim) dimension")
 
 
 @triton.jit
@@ -86,6 +124,7 @@ def _sketch_written_keys_kernel(
     stride_cb,
     stride_ct,
     stride_ch,
+    stride_cd,
     stride_sb,
     stride_st,
     stride_sh,
@@ -110,7 +149,7 @@ def _sketch_written_keys_kernel(
         codes = tl.where(scale > 0, tl.floor(tl.div_rn(k, tl.where(scale > 0, scale, 1.0)) + 0.5), 0.0)
         codes = tl.minimum(tl.maximum(codes, -127.0), 127.0)
         tl.store(
-            codes_ptr + block * stride_cb + offset * stride_ct + head * stride_ch + d,
+            codes_ptr + block * stride_cb + offset * stride_ct + head * stride_ch + d * stride_cd,
             codes.to(tl.int8),
             mask=d < HEAD_DIM,
         )
@@ -192,7 +231,7 @@ class KeySketchWrite:
             sketch.scales,
             slot_mapping,
             *key_cache.stride()[:3],
-            *sketch.codes.stride()[:3],
+            *sketch.codes.stride(),
             *sketch.scales.stride(),
             BLOCK_SIZE=self.block_size,
             HEAD_DIM=self.head_dim,

@@ -42,7 +42,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvreuse.errors import ConfigError
-from kvreuse.kernels.key_sketch import KeySketch
+from kvreuse.kernels.key_sketch import KeySketch, sketch_strides
 from kvreuse.patches import vllm_0_32
 from kvreuse.sparse import sketch_scan
 from kvreuse.sparse.ape import ApeSpans
@@ -248,9 +248,11 @@ class LayerCache:
       views of it (``[blocks, tokens, heads, head_size]`` on LBNHC, CPU_ATTN's ``[blocks, heads, tokens,
       head_size]`` tiles on LBHNC).
     - the key sketch, right after the last block's K/V: every block's int8 codes, then every block's fp32 scales,
-      each block's KV head by KV head (the order DIPR's scan walks them, ``kvreuse.sparse.sketch_scan``), so the
-      scan reads one contiguous stretch per region. ``sketch`` views them as ``codes [num_blocks, block_size,
-      num_kv_heads, head_size]`` and ``scales [num_blocks, block_size, num_kv_heads]``.
+      each block's KV head by KV head (the order DIPR's scan walks them, ``kvreuse.sparse.sketch_scan``; inside a
+      KV head as ``kvreuse.kernels.key_sketch.sketch_strides`` lays it out for the device: on a CPU channel by
+      channel, a channel's tokens side by side), so the scan reads one contiguous stretch per region. ``sketch``
+      views them as ``codes [num_blocks, block_size, num_kv_heads, head_size]`` and ``scales [num_blocks,
+      block_size, num_kv_heads]``.
 
     Both regions together take ``num_blocks * (kv_span + sketch)`` bytes, within the ``num_blocks`` padded pages.
     vLLM itself never reads or writes K/V through its view of them (vLLM 0.32): it zeroes new blocks through it only
@@ -283,9 +285,10 @@ def layer_cache(kv_cache: torch.Tensor) -> LayerCache:
     padded = kv_span * element + -(-sketch_bytes(block_size, num_kv_heads, head_size) // row) * row
     start = kv_cache.storage_offset() * element  # bytes
     codes_at = start + num_blocks * kv_span * element
-    codes_bytes = num_blocks * block_size * num_kv_heads * head_size
+    strides = sketch_strides(block_size, num_kv_heads, head_size, kv_cache.device)
+    codes_bytes = num_blocks * strides.block_codes
     scales_at = codes_at + -(-codes_bytes // 4) * 4
-    end = scales_at + num_blocks * block_size * num_kv_heads * 4
+    end = scales_at + num_blocks * strides.block_scales * 4
     if (
         width % 2
         or channel_stride != 1
@@ -310,14 +313,9 @@ def layer_cache(kv_cache: torch.Tensor) -> LayerCache:
     storage = kv_cache.untyped_storage()
     codes = torch.empty(0, dtype=torch.int8, device=kv_cache.device).set_(storage)
     scales = torch.empty(0, dtype=torch.float32, device=kv_cache.device).set_(storage)
-    per_block = block_size * num_kv_heads
     sketch = KeySketch(
-        codes.as_strided(
-            (num_blocks, block_size, num_kv_heads, head_size),
-            (per_block * head_size, head_size, block_size * head_size, 1),
-            codes_at,
-        ),
-        scales.as_strided((num_blocks, block_size, num_kv_heads), (per_block, 1, block_size), scales_at // 4),
+        codes.as_strided((num_blocks, block_size, num_kv_heads, head_size), strides.codes, codes_at),
+        scales.as_strided((num_blocks, block_size, num_kv_heads), strides.scales, scales_at // 4),
     )
     return LayerCache(kv, key_cache, value_cache, sketch)
 
