@@ -40,14 +40,14 @@ def test_bounds_equal_numpys_bit_for_bit(heads, dim):
     q16[0, :2] = 32767  # the extremes: +-32767 * +-127 pairwise
     codes[: 2 * stride : stride] = -127
     pairs = np.stack([q16[:, 0::2], q16[:, 1::2]], axis=-1).transpose(1, 0, 2).reshape(-1).copy()  # [pair, head, 2]
-    sigma = rng.random(heads).astype(np.float32) * 1e-3
-    slack = rng.random(heads).astype(np.float32) * 10
+    sigma = rng.random(heads + 1).astype(np.float32) * 1e-3  # the call's heads from the second on (heads_at 1)
+    slack = rng.random(heads + 1).astype(np.float32) * 10
     scales = rng.random(stride).astype(np.float32)
     lower, upper = np.empty(heads, np.float32), np.empty(heads, np.float32)
     for first in (0, 16, 32):
         for tokens in (0, 1, 9, 16):
-            args = (codes, first, stride, pairs, 0, dim // 2, sigma, slack, scales, first, tokens, lower, upper)
+            args = (codes, first, stride, pairs, 0, dim // 2, sigma, slack, 1, scales, first, tokens, lower, upper)
             token_bounds(heads, *args)
             row_scales = scales[first : first + TOKEN_LANES]
-            want_lower, want_upper = expected(q16, codes, first, stride, dim, sigma, slack, row_scales, tokens)
+            want_lower, want_upper = expected(q16, codes, first, stride, dim, sigma[1:], slack[1:], row_scales, tokens)
             assert np.array_equal(lower, want_lower) and np.array_equal(upper, want_upper), (first, tokens)

@@ -55,17 +55,17 @@ def _token_bounds_of(heads: int) -> Any:
 
     @intrinsic
     def _token_bounds(
-        typingctx, codes, base, channel_stride, pairs, pairs_at, n_pairs, sigma, slack, scales, scales_at, tokens,
-        lower, upper,
+        typingctx, codes, base, channel_stride, pairs, pairs_at, n_pairs, sigma, slack, heads_at, scales, scales_at,
+        tokens, lower, upper,
     ):  # fmt: skip
         signature = numba.types.void(
-            codes, base, channel_stride, pairs, pairs_at, n_pairs, sigma, slack, scales, scales_at, tokens, lower, upper
-        )
+            codes, base, channel_stride, pairs, pairs_at, n_pairs, sigma, slack, heads_at, scales, scales_at, tokens,
+            lower, upper,
+        )  # fmt: skip
 
         def codegen(context, builder, sig, args):
-            (codes_a, base_v, stride_v, pairs_a, pairs_at_v, n_v, sigma_a, slack_a, scales_a, scales_at_v, tokens_v,
-             lower_a, upper_a) = args  # fmt: skip
-            data = [context.make_array(sig.args[i])(context, builder, args[i]).data for i in (0, 3, 6, 7, 8, 11, 12)]
+            _, base_v, stride_v, _, pairs_at_v, n_v, _, _, heads_at_v, _, scales_at_v, tokens_v, _, _ = args
+            data = [context.make_array(sig.args[i])(context, builder, args[i]).data for i in (0, 3, 6, 7, 9, 12, 13)]
             codes_p, pairs_p, sigma_p, slack_p, scales_p, lower_p, upper_p = data
             i64 = base_v.type
             acc_type = ir.VectorType(_I32, _LANES)
@@ -125,8 +125,9 @@ def _token_bounds_of(heads: int) -> Any:
             )
             floor = ir.Constant(scale_type, [float("-inf")] * _LANES)
             for j, dot in enumerate(dots):
-                sigma_j = _splat(builder, builder.load(builder.gep(sigma_p, [ir.Constant(i64, j)])), _LANES)
-                slack_j = _splat(builder, builder.load(builder.gep(slack_p, [ir.Constant(i64, j)])), _LANES)
+                head = builder.add(heads_at_v, ir.Constant(i64, j))
+                sigma_j = _splat(builder, builder.load(builder.gep(sigma_p, [head])), _LANES)
+                slack_j = _splat(builder, builder.load(builder.gep(slack_p, [head])), _LANES)
                 # float32(dot) * sigma * s and slack * s, in that order (the roundings sketch_scan's proof bounds)
                 a = builder.fmul(builder.fmul(builder.sitofp(dot, scale_type), sigma_j), s)
                 w = builder.fmul(slack_j, s)
@@ -143,29 +144,30 @@ def _token_bounds_of(heads: int) -> Any:
 _BOUNDS_1, _BOUNDS_2, _BOUNDS_3, _BOUNDS_4 = (_token_bounds_of(heads) for heads in range(1, MAX_HEADS + 1))
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(nogil=True, inline="always")
 def token_bounds(
-    heads, codes, base, channel_stride, pairs, pairs_at, n_pairs, sigma, slack, scales, scales_at, tokens, lower,
-    upper,
+    heads, codes, base, channel_stride, pairs, pairs_at, n_pairs, sigma, slack, heads_at, scales, scales_at, tokens,
+    lower, upper,
 ):  # fmt: skip
     """For the ``TOKEN_LANES`` tokens whose channel ``c`` codes are at ``codes[base + c * channel_stride :][:16]``
     (int8) and whose scales are ``scales[scales_at:][:16]`` (float32), and ``heads`` (1 to ``MAX_HEADS``) query
     heads, head ``j``'s int16 codes of channels ``2p`` and ``2p + 1`` at ``pairs[pairs_at + 2 (p * heads + j) :][:2]``
-    (``p < n_pairs``), its scale ``sigma[j]`` and half-width ``slack[j]``: set ``lower[j]`` and ``upper[j]``
-    (float32) to the largest ``dot * sigma * s - slack * s`` and ``dot * sigma * s + slack * s`` over the first
-    ``tokens`` tokens (``-inf`` when ``tokens`` is 0)."""
+    (``p < n_pairs``), its scale ``sigma[heads_at + j]`` and half-width ``slack[heads_at + j]``: set ``lower[j]``
+    and ``upper[j]`` (float32) to the largest ``dot * sigma * s - slack * s`` and ``dot * sigma * s + slack * s``
+    over the first ``tokens`` tokens (``-inf`` when ``tokens`` is 0). Inlined into its caller (no call, no array
+    references counted per 16 tokens)."""
     if heads == 4:
-        _BOUNDS_4(codes, base, channel_stride, pairs, pairs_at, n_pairs, sigma, slack, scales, scales_at, tokens,
-                  lower, upper)  # fmt: skip
+        _BOUNDS_4(codes, base, channel_stride, pairs, pairs_at, n_pairs, sigma, slack, heads_at, scales, scales_at,
+                  tokens, lower, upper)  # fmt: skip
     elif heads == 3:
-        _BOUNDS_3(codes, base, channel_stride, pairs, pairs_at, n_pairs, sigma, slack, scales, scales_at, tokens,
-                  lower, upper)  # fmt: skip
+        _BOUNDS_3(codes, base, channel_stride, pairs, pairs_at, n_pairs, sigma, slack, heads_at, scales, scales_at,
+                  tokens, lower, upper)  # fmt: skip
     elif heads == 2:
-        _BOUNDS_2(codes, base, channel_stride, pairs, pairs_at, n_pairs, sigma, slack, scales, scales_at, tokens,
-                  lower, upper)  # fmt: skip
+        _BOUNDS_2(codes, base, channel_stride, pairs, pairs_at, n_pairs, sigma, slack, heads_at, scales, scales_at,
+                  tokens, lower, upper)  # fmt: skip
     else:
-        _BOUNDS_1(codes, base, channel_stride, pairs, pairs_at, n_pairs, sigma, slack, scales, scales_at, tokens,
-                  lower, upper)  # fmt: skip
+        _BOUNDS_1(codes, base, channel_stride, pairs, pairs_at, n_pairs, sigma, slack, heads_at, scales, scales_at,
+                  tokens, lower, upper)  # fmt: skip
 
 
 def _max_lanes(builder: ir.IRBuilder, vector: ir.Value) -> ir.Value:

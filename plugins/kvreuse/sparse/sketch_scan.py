@@ -33,8 +33,9 @@ The scan walks the blocks once, all KV heads of a block together, in the order a
 (``kvreuse.kernels.key_sketch.sketch_strides``: per block KV head by KV head, channel by channel with the channel's
 tokens side by side; ``kvreuse.vllm.sparse.backend.layer_cache`` keeps every block's sketch in one region apart
 from the keys and values, so that a sequence's sketches are read as a stream), 16 tokens and up to 4 query heads per
-vector call (``lane_bounds.token_bounds``: one token per lane, so no dot product is summed across lanes; this made
-the decision 2.7x faster than summing each token's dot product along its channels). Where the block table jumps, it
+vector call (``lane_bounds.token_bounds``: one token per lane, so no dot product is summed across lanes; about 3x
+faster than summing each token's dot product along its channels, 0.76 -> 0.24 ms per layer over 16K tokens of 3 KV
+heads of 64 channels with the sketch in the CPU's caches). Where the block table jumps, it
 fetches the block after next ahead (``llvm.prefetch``), KV head by KV head; blocks that follow each other in memory
 are left to the hardware prefetcher (fetching them too made a sequential scan slower).
 
@@ -177,12 +178,13 @@ def _prune(
     margin = np.empty(width, np.float32)  # per block, how far its bound reaches above tau (for top_pages)
     tau = np.empty((kv, group), np.float32)
     q16 = np.empty((kv, group, dim), np.int16)
-    pairs = np.empty((kv, pieces * MAX_HEADS * dim), np.int16)  # per KV head and piece: [pair, head, 2]
+    pairs = np.empty(kv * pieces * MAX_HEADS * dim, np.int16)  # per KV head and piece: [pair, head, 2]
     sigma = np.empty((kv, group), np.float32)
     slack = np.empty((kv, group), np.float32)
     lower = np.empty(MAX_HEADS, np.float32)
     upper = np.empty(MAX_HEADS, np.float32)
     read = np.empty(width, np.bool_)
+    sigma_flat, slack_flat = sigma.reshape(kv * group), slack.reshape(kv * group)
     block_codes, block_scales = code_at[1], scale_at[1]
     for i in range(m):
         n = seq_lens[i]
@@ -194,9 +196,9 @@ def _prune(
                 piece, j = g // MAX_HEADS, g % MAX_HEADS
                 heads = min(group - piece * MAX_HEADS, MAX_HEADS)
                 for p in range(n_pairs):
-                    at = piece * MAX_HEADS * dim + 2 * (p * heads + j)
-                    pairs[h, at] = q16[h, g, 2 * p]
-                    pairs[h, at + 1] = q16[h, g, 2 * p + 1]
+                    at = (h * pieces + piece) * MAX_HEADS * dim + 2 * (p * heads + j)
+                    pairs[at] = q16[h, g, 2 * p]
+                    pairs[at + 1] = q16[h, g, 2 * p + 1]
         # every key's bounds, block by block, KV head by KV head, TOKEN_LANES tokens at a time (the sketch's order in
         # memory): the largest lower bound per query head and each block's largest upper bound; the next blocks'
         # sketches are fetched meanwhile (the block table may jump)
@@ -223,8 +225,9 @@ def _prune(
                         g0 = piece * MAX_HEADS
                         heads = min(group - g0, MAX_HEADS)
                         token_bounds(
-                            heads, codes, base, code_at[4], pairs[h], g0 * dim, n_pairs, sigma[h, g0:], slack[h, g0:],
-                            scales, scales_at, min(tokens - first, TOKEN_LANES), lower, upper,
+                            heads, codes, base, code_at[4], pairs, (h * pieces + piece) * MAX_HEADS * dim, n_pairs,
+                            sigma_flat, slack_flat, h * group + g0, scales, scales_at, min(tokens - first, TOKEN_LANES),
+                            lower, upper,
                         )  # fmt: skip
                         for j in range(heads):
                             tau[h, g0 + j] = max(tau[h, g0 + j], lower[j])
