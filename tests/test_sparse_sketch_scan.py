@@ -86,17 +86,23 @@ def test_write_sketch_names_the_blocks_it_starts_without_filling():
     assert write_sketch(torch.randn(2, KV_HEADS, DIM), sketch, torch.tensor([-1, -1]), block).tolist() == []
 
 
+def random_pool(g, pool, width, sequences, block, kv_heads, dim, strong) -> tuple[KeySketch, torch.Tensor]:
+    """A sketch of ``pool`` blocks of random keys of mixed magnitudes, ``strong`` of them 6x stronger, and a table
+    of ``sequences`` rows of ``width`` shuffled blocks."""
+    keys = torch.randn(pool * block, kv_heads, dim, generator=g) * torch.rand(pool * block, kv_heads, 1, generator=g)
+    keys[torch.randint(0, pool * block, (strong,), generator=g)] *= 6
+    sketch = KeySketch.allocate(pool, block, kv_heads, dim, "cpu")
+    write_sketch(keys, sketch, torch.arange(pool * block), block)
+    table = torch.stack([torch.randperm(pool, generator=g)[:width] for _ in range(sequences)]).to(torch.int32)
+    return sketch, table
+
+
 @pytest.mark.parametrize("beta", [0.5, 2.0, 4.0, 8.0])
 def test_prune_by_sketch_reads_the_pytorch_references_blocks_on_random_keys(beta):
     """Four sequences over a shuffled pool (one shorter than the window, one ending mid-block), keys of mixed
     magnitudes and a few strong ones, so every beta keeps a different share of the blocks."""
     g = torch.Generator().manual_seed(1)
-    pool, width = 300, 100
-    keys = torch.randn(pool * BLOCK, KV_HEADS, DIM, generator=g) * torch.rand(pool * BLOCK, KV_HEADS, 1, generator=g)
-    keys[torch.randint(0, pool * BLOCK, (40,), generator=g)] *= 6
-    sketch = KeySketch.allocate(pool, BLOCK, KV_HEADS, DIM, "cpu")
-    write_sketch(keys, sketch, torch.arange(pool * BLOCK), BLOCK)
-    table = torch.stack([torch.randperm(pool, generator=g)[:width] for _ in range(4)]).to(torch.int32)
+    sketch, table = random_pool(g, 300, 100, 4, BLOCK, KV_HEADS, DIM, strong=40)
     lens = torch.tensor([3000, 1000, 40, 2999], dtype=torch.int32)
     q = 0.3 * torch.randn(4, KV_HEADS, GROUP, DIM, generator=g)
     got = prune_by_sketch(q, sketch, table, lens, beta, 4, 16)
@@ -236,12 +242,8 @@ def test_prune_by_sketch_reads_the_references_blocks_for_other_shapes(kv_heads, 
     """Groups of 1 to 8 query heads (the scan takes at most 4 per pass), blocks of 16 to 64 tokens (24: rows padded
     to 32 in the CPU layout), head_dim 32 to 256, sequences ending mid-block and mid-row of 16 tokens."""
     g = torch.Generator().manual_seed(kv_heads * 1000 + group * 100 + block + dim)
-    pool, width = 120, 60
-    keys = torch.randn(pool * block, kv_heads, dim, generator=g) * torch.rand(pool * block, kv_heads, 1, generator=g)
-    keys[torch.randint(0, pool * block, (20,), generator=g)] *= 6
-    sketch = KeySketch.allocate(pool, block, kv_heads, dim, "cpu")
-    write_sketch(keys, sketch, torch.arange(pool * block), block)
-    table = torch.stack([torch.randperm(pool, generator=g)[:width] for _ in range(3)]).to(torch.int32)
+    width = 60
+    sketch, table = random_pool(g, 120, width, 3, block, kv_heads, dim, strong=20)
     lens = torch.tensor([width * block, 7 * block + 5, 3 * block + 17], dtype=torch.int32)
     q = 0.4 * torch.randn(3, kv_heads, group, dim, generator=g) * dim**-0.5 * 8
     for beta in (1.0, 4.0):
