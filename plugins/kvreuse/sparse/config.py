@@ -28,12 +28,12 @@ from kvreuse.errors import ConfigError
 
 CPU_MIN_CONTEXT = 8192
 """``min_context``'s default on a CPU engine (a setting given by flag or variable wins). Measured on vLLM's CPU
-engine with SmolLM2 (docs: the sparse benchmarks): the CPU op is compute-bound and DIPR's decision (the sketch scan,
-with its sketches stored together 39-48% of the dense attention it prunes at 8K-32K, before 44-53%) is paid at every
-length, so beta = 4 decoded slower than stock at 1K and 4K, at 0.82x stock's time per token at 8K (11% of the blocks
-read), 0.71x at 16K and the default beta = 8 at 0.88x there (32% read; RoPE extended). 8K is the first length
-measured where a finite beta is not slower; shorter contexts stay dense on a CPU by default (stock's
-speed and answers). A GPU, where the scan saves HBM bytes, keeps the general default."""
+engine with SmolLM2 (docs: the sparse benchmarks, "Shorter contexts and min_context"): vLLM's CPU op is
+compute-bound and DIPR's decision (the sketch scan, 14-20% of the dense attention it prunes) is paid at every length,
+so the default beta = 8 decoded slower than stock at 2K and 4K (1.18x and 1.03x stock's time per token, reading 75%
+and 62% of the blocks) and faster from 8K on (0.87x at 8K, 0.76x at 16K with RoPE extended); beta = 4 was faster
+from 4K (0.89x; 1.07x at 2K). So contexts under 8K stay dense on a CPU by default (stock's speed and answers); set
+``min_context`` to 4096 with beta = 4. A GPU, where the scan saves HBM bytes, keeps the general default."""
 
 
 def parse_layer_betas(text: str) -> dict[int, float]:
