@@ -46,7 +46,8 @@ def test_bounds_equal_numpys_bit_for_bit(heads, dim):
     lower, upper = np.empty(heads, np.float32), np.empty(heads, np.float32)
     for first in (0, 16, 32):
         for tokens in (0, 1, 9, 16):
-            args = (codes, first, stride, pairs, 0, dim // 2, sigma, slack, 1, scales, first, tokens, lower, upper)
+            offsets = (np.int32(first), np.int64(stride)) if tokens % 2 else (first, stride)  # any integer type
+            args = (codes, *offsets, pairs, 0, dim // 2, sigma, slack, 1, scales, first, tokens, lower, upper)
             token_bounds(heads, *args)
             row_scales = scales[first : first + TOKEN_LANES]
             want_lower, want_upper = expected(q16, codes, first, stride, dim, sigma[1:], slack[1:], row_scales, tokens)

@@ -64,10 +64,13 @@ def _token_bounds_of(heads: int) -> Any:
         )  # fmt: skip
 
         def codegen(context, builder, sig, args):
-            _, base_v, stride_v, _, pairs_at_v, n_v, _, _, heads_at_v, _, scales_at_v, tokens_v, _, _ = args
             data = [context.make_array(sig.args[i])(context, builder, args[i]).data for i in (0, 3, 6, 7, 9, 12, 13)]
             codes_p, pairs_p, sigma_p, slack_p, scales_p, lower_p, upper_p = data
-            i64 = base_v.type
+            # every count and offset as a 64-bit integer, whatever integer type the caller passed
+            base_v, stride_v, pairs_at_v, n_v, heads_at_v, scales_at_v, tokens_v = (
+                context.cast(builder, args[i], sig.args[i], numba.types.int64) for i in (1, 2, 4, 5, 8, 10, 11)
+            )
+            i64 = ir.IntType(64)
             acc_type = ir.VectorType(_I32, _LANES)
             wide = ir.VectorType(_I32, 2 * _LANES)
             interleave = _lanes([i // 2 + (_LANES if i % 2 else 0) for i in range(2 * _LANES)])
@@ -97,7 +100,7 @@ def _token_bounds_of(heads: int) -> Any:
             for j, acc in enumerate(accs):
                 at = builder.mul(builder.add(builder.mul(p, ir.Constant(i64, heads)), ir.Constant(i64, j)), two)
                 pair = builder.load(_pointer(builder, pairs_p, builder.add(pairs_at_v, at), pair_type), align=2)
-                halves = builder.shuffle_vector(pair, pair, _lanes([0, 1] * _LANES))  # the pair in every token's
+                halves = builder.shuffle_vector(pair, pair, _lanes([0, 1] * _LANES))  # the pair beside every token's
                 products = builder.mul(both, builder.sext(halves, wide))
                 summed = builder.add(
                     builder.shuffle_vector(products, products, even), builder.shuffle_vector(products, products, odd)
