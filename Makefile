@@ -45,10 +45,19 @@ models: setup
 
 # The unit tests are engine-free and independent, so they run in one pytest worker per core (pytest-xdist; a file's
 # tests stay together, so its module fixtures are built once); the engine tests run one after another, each module's
-# engine alone on the machine.
+# engine alone on the machine, in three pytest processes: the batch front ends, the compatibility matrix, the rest.
+# In one process for all, the compatibility modules' in-process engines ran ~2x slower after the batch modules and
+# the module-splice tests' offline references ~4x slower after both (engine tests 27.7 min; split, 22.5 min). No
+# single module brought it on in shorter runs, and its cause is not found yet (docs/development/tests.md).
+define run_engine_tests
+	$(PYTEST) integration_tests/test_batch_*.py
+	$(PYTEST) integration_tests/test_compatibility_*.py
+	$(PYTEST) integration_tests --ignore-glob='*/test_batch_*.py' --ignore-glob='*/test_compatibility_*.py'
+endef
+
 test: setup models
 	$(PYTEST) -n auto --dist loadfile tests
-	$(PYTEST) integration_tests
+	$(run_engine_tests)
 
 # ruff's rule set and line length live in pyproject.toml ([tool.ruff]); CI fails on any finding or unformatted file.
 LINTED := plugins triton_kernels patches tests integration_tests benchmarks docs
@@ -69,7 +78,7 @@ unit: setup models
 	$(PYTEST) -n auto --dist loadfile tests
 
 integration: setup models
-	$(PYTEST) integration_tests
+	$(run_engine_tests)
 
 # Everything built or written by a run (benchmark runs write under build/benchmarks); the committed results the docs
 # cite (docs/benchmarks/results) stay.
