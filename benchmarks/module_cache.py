@@ -12,8 +12,9 @@ Arms, prefix caching on in all (each arm's prefix cache is reset before its requ
 time, so TTFT is a request's own prefill, not its wait behind others):
 
 * ``stock``: vLLM as installed (CPU_ATTN);
-* ``plain-layout``: kvreuse's attention backend over vLLM's plain layout (``beta = inf``, dense), no connector:
-  the backend the module cache needs on CPU, measured alone;
+* ``plain-layout``: kvreuse's attention backend (``beta = inf``, dense), no connector: the backend the module
+  cache needs on CPU, measured alone (named for the plain layout and PyTorch attention it had when the documented
+  figures were taken; it now keeps CPU_ATTN's layout and op, with the connector too);
 * ``module-cache``: the same backend with the ``KVReuseModuleCache`` connector; modules are encoded before the
   timed requests (their cost is reported as ``encode_s``).
 

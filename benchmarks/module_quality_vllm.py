@@ -2,7 +2,7 @@
 
 ``module_quality.py`` measures every arm with ``splice_reference`` (PyTorch, float32). This script checks that its
 ``full``, ``naive`` and ``anchored`` arms are what vLLM serves: the engine on SmolLM2 with the
-``KVReuseModuleCache`` connector (kvreuse's attention backend over the plain layout on CPU, dense), the header
+``KVReuseModuleCache`` connector (kvreuse's attention backend on CPU, dense), the header
 and each module encoded through encode requests (alone; after the header for ``anchored``, in an engine of its
 own), each prompt sent after a prefix-cache reset so that its modules come from the connector. Greedy, 16 tokens,
 stopping at ``<|im_end|>``; ``full`` is the same engine with ``skip_reading_prefix_cache`` (the connector and the

@@ -1,8 +1,9 @@
 """The module cache's KV connector (``KVReuseModuleCache``) in the real CPU engine, on the small model.
 
 One engine for the module: the connector on as a plain splice (``modules.recompute_first`` 0), kvreuse's attention
-backend over vLLM's plain layout in place of CPU_ATTN (``KVREUSE_SPARSE_CPU_BACKEND=1``, ``beta = inf``: dense
-attention, equal to the stock engine's, see ``test_sparse_backend.py``), float32. "Connector off" for a request is
+backend in place of CPU_ATTN (``KVREUSE_SPARSE_CPU_BACKEND=1``, ``beta = inf``: dense attention by CPU_ATTN's own
+op on its own layout, equal to the stock engine's, see ``test_sparse_backend.py``; the connector reads the op's
+tiles through the backend's plain views), float32. "Connector off" for a request is
 vLLM's own ``skip_reading_prefix_cache``, which makes the scheduler ignore the connector and compute the whole
 prompt. The prefix cache is reset before a prompt whose modules must come from the connector rather than from
 vLLM's own prefix hits.
@@ -97,10 +98,9 @@ def _spliced_and_encoded_keys(worker, reference_name, spliced_name, length, laye
     out = []
     for layer in layers:
         name = worker.layers[layer]
-        cache = worker.kv_of(name, worker.vllm_config.compilation_config.static_forward_context[name].kv_cache)
+        keys, _ = worker.kv_of(name, worker.vllm_config.compilation_config.static_forward_context[name].kv_cache)
         slot = torch.tensor(slots)
-        head_dim = cache.shape[-1] // 2
-        spliced = cache[slot // cache.shape[2], :, slot % cache.shape[2], :head_dim]
+        spliced = keys[slot // keys.shape[1], slot % keys.shape[1]]
         out.append((spliced.tolist(), module.keys(layer)[:length].tolist(), piece.prompt_start, module.start))
     return out  # lists: collective_rpc returns plain values
 

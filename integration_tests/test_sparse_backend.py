@@ -77,7 +77,7 @@ def _kv_layout(worker):
     import torch
 
     from kvreuse.kernels.key_sketch import sketch_reference
-    from kvreuse.vllm.sparse.backend import kv_view
+    from kvreuse.vllm.sparse.backend import plain_kv
 
     layer = next(
         module
@@ -97,9 +97,9 @@ def _kv_layout(worker):
         "page_bytes": kv_cache[0].numel() * kv_cache.element_size(),
         "layer_start": layer_start - kv_cache.untyped_storage().data_ptr(),
         "storage_bytes": kv_cache.untyped_storage().nbytes(),
-        "kv_block_stride_bytes": kv_view(kv_cache).stride(0) * kv_cache.element_size(),
-        "kv_at": kv_view(kv_cache).data_ptr() - layer_start,
-        "key_cache_is_kv": key_cache.data_ptr() == kv_view(kv_cache).data_ptr(),
+        "kv_block_stride_bytes": plain_kv(kv_cache)[0].stride(0) * kv_cache.element_size(),
+        "kv_at": plain_kv(kv_cache)[0].data_ptr() - layer_start,
+        "key_cache_is_kv": key_cache.data_ptr() == plain_kv(kv_cache)[0].data_ptr(),
         "codes_at": sketch.codes.data_ptr() - layer_start,
         "scales_at": sketch.scales.data_ptr() - layer_start,
         "same_memory": sketch.codes.untyped_storage().data_ptr() == kv_cache.untyped_storage().data_ptr(),

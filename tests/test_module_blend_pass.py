@@ -97,7 +97,7 @@ class FakeLayers:
 
 
 def test_the_pass_writes_exact_kv_of_its_layers_and_adds_the_most_deviating_open_candidates():
-    from kvreuse.vllm.modules.blend import choose
+    from kvreuse.vllm.modules.blend import choose, split_kv
 
     # Prompt positions 0-1 came from vLLM's prefix cache (slots 40, 41), the piece holds 2-7 (slots 12-17); the
     # module at 2 is exact, so the candidates are 3-7; 5 is recomputed already; 2 more to choose, after 1 layer.
@@ -124,7 +124,7 @@ def test_the_pass_writes_exact_kv_of_its_layers_and_adds_the_most_deviating_open
             caches[layer][slot // 4, 0, slot % 4] = torch.cat([k[0], v[0]])
 
     model = FakeLayers()
-    chosen = choose(spec, [30, 40, 50, 60, 70], model, caches, write)
+    chosen = choose(spec, [30, 40, 50, 60, 70], model, [split_kv(cache) for cache in caches], write)
     assert chosen == (4, 6)  # the farthest from their spliced layer-1 KV (by 55 and 86.7) besides 5 (fixed)
     assert writes == [(0, [13, 14, 15, 16, 17]), (1, [13, 14, 15, 16, 17])]  # fresh KV before each attention
     assert model.seen == [(0, [3, 4, 5, 6, 7]), (1, [3, 4, 5, 6, 7])]

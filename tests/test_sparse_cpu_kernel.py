@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from kvreuse.errors import ConfigError
 from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.cpu_attention import dipr_read_blocks
 from kvreuse.sparse.paged import PagedBatch, SparseAttention
@@ -24,14 +25,19 @@ GROUP = Q_HEADS // KV_HEADS
 SCALE = DIM**-0.5
 
 
-def stock_caches(fill: float = 0.0):
-    """Key and value caches and key sketch as the backend lays out the padded pages vLLM allocates for a layer
-    (``layer_cache`` of CPU_ATTN's per-layer view of them), every byte ``fill`` at first."""
+def vllm_view(fill: float = 0.0) -> torch.Tensor:
+    """CPU_ATTN's per-layer view of the padded pages vLLM allocates for a layer, every byte ``fill`` at first."""
     row = KV_HEADS * 2 * DIM  # a token row's elements; vLLM pads a page by the sketch's rows (customize_spec)
     kv_elements = BLOCK * row
     pad = -(-sketch_bytes(BLOCK, KV_HEADS, DIM) // (4 * row)) * row
     pages = torch.full((POOL, kv_elements + pad), fill)
-    cache = layer_cache(pages[:, :kv_elements].view(POOL, KV_HEADS, BLOCK, 2 * DIM))
+    return pages[:, :kv_elements].view(POOL, KV_HEADS, BLOCK, 2 * DIM)
+
+
+def stock_caches(fill: float = 0.0):
+    """Key and value caches and key sketch as the backend lays out the padded pages vLLM allocates for a layer
+    (``layer_cache`` of ``vllm_view``)."""
+    cache = layer_cache(vllm_view(fill))
     return cache.key_cache, cache.value_cache, cache.sketch
 
 
@@ -264,6 +270,85 @@ def test_a_write_zeroes_the_blocks_it_is_told_to_clear_before_storing():
     assert float(value_cache[3, :, 0].sum()) == KV_HEADS * DIM and float(value_cache[3, :, 1:].abs().sum()) == 0
     assert float(key_cache[3].sum()) == KV_HEADS * DIM
     assert bool(value_cache[4].isnan().all())
+
+
+def test_a_write_keeps_the_finite_kv_of_a_block_it_starts_and_zeroes_the_rest():
+    """The module cache writes a block's slots out of order: a spliced module's K/V first, then the tokens it
+    recomputes, from the block's slot 0. The write that starts the block must keep the module's K/V (finite) while
+    it still zeroes what another request's overflow left (NaN, inf)."""
+    key_cache, value_cache, _ = stock_caches(fill=float("nan"))
+    op = kernel()
+    g = torch.Generator().manual_seed(5)
+    module_k, module_v = torch.randn(2, BLOCK - 8, KV_HEADS, DIM, generator=g)
+    module_slots = 3 * BLOCK + 8 + torch.arange(BLOCK - 8)  # slots 8.. of block 3: the module (its 8 first recomputed)
+    op.write(module_k, module_v, key_cache, value_cache, module_slots, torch.zeros(0, dtype=torch.int64))
+    k, v = torch.randn(2, 4, KV_HEADS, DIM, generator=g)
+    op.write(k, v, key_cache, value_cache, 3 * BLOCK + torch.arange(4), torch.tensor([3]))  # slots 0-3 of 8 recomputed
+    keys, values = op.plain_keys(key_cache), op.plain_values(value_cache)
+    assert torch.equal(keys[3, 8:], module_k) and torch.equal(values[3, 8:], module_v)
+    assert torch.equal(keys[3, :4], k) and torch.equal(values[3, :4], v)
+    assert float(keys[3, 4:8].abs().sum()) == 0 and float(values[3, 4:8].abs().sum()) == 0  # NaN, zeroed
+    assert bool(values[4].isnan().all())  # a block the write did not start keeps what it holds
+
+
+@pytest.mark.parametrize("garbage", [3e38, -3e38])
+def test_finite_stale_slots_past_a_sequence_leave_the_op_bit_for_bit_unchanged(garbage):
+    """Why zeroing what is not finite suffices: the op masks keys past a sequence and weighs their values by zero,
+    so finite K/V there (even near the float's limit) change nothing."""
+    g = torch.Generator().manual_seed(6)
+    n = 45
+    k, v = torch.randn(2, n, KV_HEADS, DIM, generator=g)
+    q = torch.randn(1, Q_HEADS, DIM, generator=g)
+    starts, lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([n], dtype=torch.int32)
+    table = torch.tensor([[7, 8]], dtype=torch.int32)
+    op = kernel()
+    outs = []
+    for fill in (0.0, garbage):
+        key_cache, value_cache, _ = stock_caches(fill=fill)
+        op.write(k, v, key_cache, value_cache, torch.arange(n) + 7 * BLOCK, torch.zeros(0, dtype=torch.int64))
+        out = torch.empty_like(q)
+        op.attend(q, key_cache, value_cache, out, starts, lens, table, op.schedule(starts, lens, Q_HEADS, KV_HEADS))
+        outs.append(out)
+    assert bool(outs[0].isfinite().all()) and torch.equal(outs[0], outs[1])
+
+
+def test_a_step_that_attends_by_position_reads_the_ops_tiles_through_plain_views():
+    """The module cache's recompute step (tokens at their own positions, which the op cannot mask by): kvreuse's
+    PyTorch attention over the op's cache, each query over the keys at or before its position."""
+    engine = Engine(sparse(4.0), [300])
+    engine.step([300])
+    keys, values = engine.tokens(0)
+    g = torch.Generator().manual_seed(7)
+    positions = torch.tensor([10, 150, 299])
+    query = torch.randn(3, Q_HEADS, DIM, generator=g)
+    starts, lens = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([300], dtype=torch.int32)
+    batch = PagedBatch(
+        starts, starts, lens, lens, engine.table.clone(), torch.full((3,), -1), 3, 300, query_positions=positions
+    )  # fmt: skip
+    out = engine.attend(1, query, batch)
+    for i, p in enumerate(positions.tolist()):
+        q = query[i].double().view(KV_HEADS, GROUP, DIM) * SCALE
+        weights = torch.softmax(torch.einsum("hgd,nhd->hgn", q, keys[: p + 1]), -1)
+        expected = torch.einsum("hgn,nhd->hgd", weights, values[: p + 1]).reshape(Q_HEADS, DIM)
+        torch.testing.assert_close(out[i].double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_the_module_cache_reads_every_key_and_value_the_op_stored_through_plain_kv(monkeypatch):
+    from kvreuse.vllm.sparse import backend
+
+    view = vllm_view()
+    cache = layer_cache(view)
+    attention = SparseAttention(Q_HEADS, KV_HEADS, DIM, BLOCK, SCALE, sparse(4.0), paged_kernel=kernel())
+    monkeypatch.setattr(backend, "sparse_attention", lambda: attention)
+    g = torch.Generator().manual_seed(8)
+    slots = torch.randperm(POOL * BLOCK, generator=g)[:100]
+    k, v = torch.randn(2, 100, KV_HEADS, DIM, generator=g)
+    attention.write(k, v, cache.key_cache, cache.value_cache, cache.sketch, slots)
+    keys, values = backend.plain_kv(view)
+    assert torch.equal(keys[slots // BLOCK, slots % BLOCK], k) and torch.equal(values[slots // BLOCK, slots % BLOCK], v)
+    monkeypatch.setattr(backend, "sparse_attention", lambda: None)
+    with pytest.raises(ConfigError, match="CPU_ATTN's tiles"):
+        backend.plain_kv(view)
 
 
 def test_the_op_over_head_tiles_equals_one_call_per_kv_head():

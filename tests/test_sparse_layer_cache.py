@@ -16,7 +16,7 @@ from kvreuse.errors import ConfigError
 from kvreuse.kernels.key_sketch import sketch_reference
 from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.paged import SparseAttention
-from kvreuse.vllm.sparse.backend import SparseAttentionBackend, kv_view, layer_cache, sketch_rows
+from kvreuse.vllm.sparse.backend import SparseAttentionBackend, layer_cache, plain_kv, sketch_rows
 
 BLOCK, KV_HEADS, DIM, BLOCKS = 32, 2, 64, 5
 PAGE = BLOCK * KV_HEADS * 2 * DIM * 4
@@ -70,9 +70,8 @@ def test_the_views_tile_the_layers_pages_kv_then_codes_then_scales_without_overl
     keys, values = byte_addresses(cache.key_cache), byte_addresses(cache.value_cache)
     codes, scales = byte_addresses(cache.sketch.codes), byte_addresses(cache.sketch.scales)
     kv_bytes = BLOCKS * KV_SPAN * 4
-    # K and V: exactly the first BLOCKS * kv_span elements, each byte once, and kv (vLLM's shape) the same bytes
+    # K and V: exactly the first BLOCKS * kv_span elements, each byte once
     assert torch.equal(torch.cat([keys, values]).sort().values, torch.arange(kv_bytes))
-    assert torch.equal(byte_addresses(cache.kv).sort().values, torch.arange(kv_bytes))
     # then every block's codes, then every block's scales: one stretch each, nothing past the layer's pages
     assert torch.equal(codes.sort().values, torch.arange(kv_bytes, kv_bytes + BLOCKS * CODES))
     end = kv_bytes + BLOCKS * CODES + BLOCKS * BLOCK * KV_HEADS * 4
@@ -85,7 +84,7 @@ def test_the_views_tile_the_layers_pages_kv_then_codes_then_scales_without_overl
         assert torch.equal(block, torch.arange(kv_bytes + b * CODES, kv_bytes + (b + 1) * CODES))
         first = kv_bytes + BLOCKS * CODES + b * BLOCK * KV_HEADS * 4
         assert torch.equal(byte_addresses(cache.sketch.scales[b].T), torch.arange(first, first + BLOCK * KV_HEADS * 4))
-    assert torch.equal(kv_view(view), cache.kv) and kv_view(view).stride() == cache.kv.stride()
+    assert cache.tiles == (layout == "LBHNC")
 
 
 def test_a_write_puts_each_key_and_its_sketch_where_the_views_read_them():
@@ -97,7 +96,8 @@ def test_a_write_puts_each_key_and_its_sketch_where_the_views_read_them():
     k, v = torch.randn(2, 100, KV_HEADS, DIM, generator=g)
     attention.write(k, v, cache.key_cache, cache.value_cache, cache.sketch, slots)
     blocks, offsets = slots // BLOCK, slots % BLOCK
-    assert torch.equal(cache.kv[blocks, :, offsets, :DIM], k) and torch.equal(cache.kv[blocks, :, offsets, DIM:], v)
+    keys, values = plain_kv(view)  # what the module cache reads (CPU_ATTN's tiles: test_sparse_cpu_kernel.py)
+    assert torch.equal(keys[blocks, offsets], k) and torch.equal(values[blocks, offsets], v)
     codes, scales = sketch_reference(k)
     assert torch.equal(cache.sketch.codes[blocks, offsets], codes)
     assert torch.equal(cache.sketch.scales[blocks, offsets], scales)

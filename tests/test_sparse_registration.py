@@ -54,18 +54,21 @@ def test_nothing_is_said_with_the_switch_or_without_sparse_variables(monkeypatch
 
 
 @pytest.mark.parametrize(
-    ("device", "engine_kernel", "connector", "expected"),
+    ("device", "engine_kernel", "connector", "expected", "knows_key_tiles"),
     [
-        ("cpu", True, None, "cpu ops"),
-        ("cuda", True, None, "flash"),
-        ("cuda", True, "KVReuseSparseFigures", "flash"),
-        ("cuda", False, None, "own"),
-        ("cuda", True, "KVReuseModuleCache", "own"),  # its recompute and APE need kvreuse's own attention
-        ("cpu", True, "KVReuseModuleCache", "own"),
+        ("cpu", True, None, "cpu ops", True),
+        ("cuda", True, None, "flash", True),
+        ("cuda", True, "KVReuseSparseFigures", "flash", True),
+        ("cuda", False, None, "own", True),
+        ("cuda", True, "KVReuseModuleCache", "own", True),  # not yet run together on a GPU
+        ("cpu", True, "KVReuseModuleCache", "cpu ops", True),  # the module cache reads the op's key tiles
+        ("cpu", True, "KVReuseModuleCache", "own", False),  # ... where kvreuse knows how the op packs them
+        ("cpu", True, None, "cpu ops", False),  # without the module cache nothing else reads them
+        ("cpu", False, "KVReuseModuleCache", "own", True),
     ],
 )
 def test_the_backend_runs_the_engines_own_kernel_on_each_device_unless_told_or_the_module_cache_needs_its_own(
-    device, engine_kernel, connector, expected
+    device, engine_kernel, connector, expected, knows_key_tiles
 ):
     from types import SimpleNamespace
 
@@ -77,7 +80,8 @@ def test_the_backend_runs_the_engines_own_kernel_on_each_device_unless_told_or_t
         kv_transfer_config=None if connector is None else SimpleNamespace(kv_connector=connector),
     )
     config = SparseConfig(engine_kernel=engine_kernel)
-    cpu_ops, flash = runs_engine_kernel(vllm_config, config), runs_flash_attention(vllm_config, config)
+    cpu_ops = runs_engine_kernel(vllm_config, config, knows_key_tiles)
+    flash = runs_flash_attention(vllm_config, config)
     assert {(True, False): "cpu ops", (False, True): "flash", (False, False): "own"}[(cpu_ops, flash)] == expected
 
 

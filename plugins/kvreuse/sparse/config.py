@@ -117,7 +117,7 @@ class SparseConfig:
         "exact attention by the engine's own kernel, DIPR choosing the blocks each KV head reads: vLLM's CPU "
         "attention ops on CPU_ATTN's KV layout (CPU build), vLLM's FlashAttention over pruned block tables (GPU) "
         "(false: kvreuse's own attention, PyTorch on CPU, Triton on GPU; read at start; with the module cache's "
-        "connector always false)",
+        "connector false on a GPU, and on a CPU whose CPU_ATTN key tiles kvreuse does not read)",
     )
 
     def __post_init__(self) -> None:

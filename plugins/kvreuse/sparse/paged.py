@@ -27,7 +27,8 @@ kernels' references, attention by ``kvreuse.sparse.cpu_attention`` (PyTorch's fu
 paged cache read in place for decode, DIPR computing logits only for the blocks it reads), which attends the same
 tokens as the kernels (``kernels=True`` runs the Triton path anyway, e.g. in Triton's interpreter for tests).
 An engine's own kernel may take the exact attention instead, DIPR then only choosing the blocks: vLLM's CPU
-attention ops (``paged_kernel``), or on a GPU its FlashAttention (``decode_kernel``, through
+attention ops (``paged_kernel``; a step with positions or APE still runs the PyTorch path, over the op's cache read
+through plain views), or on a GPU its FlashAttention (``decode_kernel``, through
 ``kvreuse.sparse.filtered_decode``).
 
 Every DIPR decode adds the blocks and tokens it attended to ``figures`` (``AttendedFractions``); dense decodes of
@@ -110,7 +111,11 @@ class PagedKernel(Protocol):
         each KV head's query heads over that head's pruned ``tables`` (``[kv, n, ...]``) alone."""
 
     def plain_keys(self, key_cache: torch.Tensor) -> torch.Tensor:
-        """``key_cache`` as a ``[num_blocks, block_size, kv_heads, head_dim]`` view (for sampled recovery)."""
+        """``key_cache`` as a ``[num_blocks, block_size, kv_heads, head_dim]`` view (for sampled recovery and the
+        steps that attend by position or with APE)."""
+
+    def plain_values(self, value_cache: torch.Tensor) -> torch.Tensor:
+        """``value_cache`` as a ``[num_blocks, block_size, kv_heads, head_dim]`` view."""
 
 
 @dataclass(frozen=True)
@@ -235,7 +240,8 @@ class SparseAttention:
     ``configure`` swaps the settings between steps (e.g. to sweep beta on one engine); ``figures`` accumulates the
     attended fractions per layer. ``kernels``: run the Triton kernels (``None``: on CUDA tensors only).
     ``paged_kernel``: the engine's own kernel and cache write, which then do all exact attention over the engine's
-    cache layout, DIPR being a filter in front (``_attend_engine``); ``kernels`` is then not used.
+    cache layout, DIPR being a filter in front (``_attend_engine``), but for the module cache's steps that attend by
+    position or with APE (PyTorch over the kernel's plain views of its cache); ``kernels`` is then not used.
     ``decode_kernel``: a GPU engine's FlashAttention (``kvreuse.sparse.filtered_decode.PagedDecodeKernel``), which
     then computes, with the Triton kernels on, every step without DIPR decodes and, behind the filter, every DIPR
     decode (``_attend_engine``); ``max_seqs`` and ``max_context`` size the filter's buffers.
@@ -288,7 +294,7 @@ class SparseAttention:
         if config.top_pages and self.paged_kernel is None:
             raise ConfigError(
                 f"sparse.top_pages ({config.top_pages}) ranks pages in the compiled CPU decision only: it needs vLLM's "
-                f"CPU engine with sparse.engine_kernel true and without the module cache (set sparse.top_pages 0)"
+                f"CPU engine with sparse.engine_kernel true (set sparse.top_pages 0)"
             )
         self.config = config
         self.policy = RuleBasedPolicy(config)
@@ -348,7 +354,12 @@ class SparseAttention:
         out: torch.Tensor,
     ) -> torch.Tensor:
         """Attention of every real token of ``batch`` in ``layer``, written into ``out[num_tokens, hq, d]``."""
-        if self.paged_kernel is not None or (
+        if self.paged_kernel is not None and (batch.ape is not None or batch.query_positions is not None):
+            # A step of the module cache that attends by position or with APE, which the engine's op cannot: the
+            # step runs the PyTorch path below over plain views of the op's tiles (only steps that splice modules).
+            key_cache = self.paged_kernel.plain_keys(key_cache)
+            value_cache = self.paged_kernel.plain_values(value_cache)
+        elif self.paged_kernel is not None or (
             self.decode_kernel is not None
             and self._use_kernels(query)
             and batch.ape is None
@@ -596,11 +607,6 @@ class SparseAttention:
         ``min_context``, prefill) is one call of the kernel over the whole batch, as the stock backend makes it;
         otherwise the dense requests run apart (one call of the CPU op; kvreuse's Triton path on a GPU) and the DIPR
         decodes read, per KV head, only the blocks the sketch keeps (``_pruned_decode``, ``_filtered_decode``)."""
-        if self.paged_kernel is not None and (batch.ape is not None or batch.query_positions is not None):
-            raise ConfigError(
-                "the engine's own attention kernel cannot mask by position or apply APE (the module cache's "
-                "recompute and APE need kvreuse's own attention path)"
-            )
         plan = self._plan(batch, self.dense_layer(layer))
         count, blocks, tokens = plan.dense_decodes
         if count:

@@ -30,14 +30,22 @@ if TYPE_CHECKING:
 
 # (layer number, keys, values, slots): write keys and values [tokens, kv_heads, head_dim] at slots into a layer
 WriteKV = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# A layer's keys and values as [blocks, block_size, kv_heads, head_dim] views of its paged cache (any strides)
+PlainKV = tuple[torch.Tensor, torch.Tensor]
 
 
-def read_kv(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[tokens, kv_heads, head_dim]`` at ``slots`` of a layer's cache in the plain paged layout
-    ``[blocks, kv_heads, block_size, 2 * head_dim]`` (keys first)."""
-    block_size, head_dim = cache.shape[2], cache.shape[-1] // 2
-    rows = cache[slots // block_size, :, slots % block_size]
-    return rows[..., :head_dim], rows[..., head_dim:]
+def split_kv(cache: torch.Tensor) -> PlainKV:
+    """A layer's K|V cache in vLLM's plain paged layout ``[blocks, kv_heads, block_size, 2 * head_dim]`` (a token's
+    keys then its values) as ``PlainKV`` views (no copy)."""
+    head_dim = cache.shape[-1] // 2
+    return cache[..., :head_dim].transpose(1, 2), cache[..., head_dim:].transpose(1, 2)
+
+
+def read_kv(cache: PlainKV, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[tokens, kv_heads, head_dim]`` at ``slots`` of a layer's cache."""
+    keys, values = cache
+    block_size = keys.shape[1]
+    return keys[slots // block_size, slots % block_size], values[slots // block_size, slots % block_size]
 
 
 def prompt_slots(spec: LoadSpec) -> list[int]:
@@ -51,7 +59,7 @@ def choose(
     spec: LoadSpec,
     token_ids: Sequence[int],
     model: DecoderLayers,
-    caches: Sequence[torch.Tensor],
+    caches: Sequence[PlainKV],
     write: WriteKV,
 ) -> tuple[int, ...]:
     """The prompt positions (ascending) the pass adds to ``spec.recompute``: ``spec.blend.count`` of its candidates,
@@ -64,7 +72,7 @@ def choose(
     fixed = [i for i, position in enumerate(candidates) if position in taken]
     if blend.count >= len(candidates) - len(fixed):  # every open candidate: nothing to rank
         return tuple(position for position in candidates if position not in taken)
-    device = caches[0].device
+    device = caches[0][0].device
     positions = torch.tensor(candidates, dtype=torch.int64, device=device)
     every = torch.tensor(prompt_slots(spec)[: candidates[-1] + 1], dtype=torch.int64, device=device)
     slots = every[positions]

@@ -38,10 +38,13 @@ reported through ``get_block_ids_with_load_errors``; with ``kv_load_failure_poli
 at start) vLLM discards that step's output for the request and computes the tokens instead. Loaded blocks enter
 vLLM's prefix cache like computed ones, so a later request with the same tokens reuses the same spliced KV.
 
-Layout: the worker reads keys and values through vLLM's per-layer ``[blocks, kv_heads, block_size, 2 * head_dim]``
-view (keys first), the plain layout of vLLM's GPU backends and of kvreuse's attention backend. The stock CPU_ATTN
-backend packs KV in an ISA-specific layout, so on CPU the connector refuses to start unless kvreuse's backend is
-in its place (``KVREUSE_SPARSE_CPU_BACKEND=1``; with ``beta = inf`` it is dense attention).
+Layout: the worker reads keys and values through ``[blocks, block_size, kv_heads, head_dim]`` views
+(``ModuleWorker.kv_of``): the halves of vLLM's per-layer ``[blocks, kv_heads, block_size, 2 * head_dim]`` view on
+vLLM's GPU backends (keys first), and kvreuse's attention backend's own views where it serves the layers
+(``kvreuse.vllm.sparse.backend.plain_kv``: on a CPU, of CPU_ATTN's tiles, which it keeps). The stock CPU_ATTN
+backend packs KV in an ISA-specific layout the worker does not read, so on CPU the connector refuses to start
+unless kvreuse's backend is in its place (``KVREUSE_SPARSE_CPU_BACKEND=1``; with ``beta = inf`` it is dense
+attention); it writes through the layer's backend (``vllm_0_32.write_kv``).
 """
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ logger = logging.getLogger("vllm.plugins.kvreuse")
 
 # Backends whose per-layer view is not the plain [blocks, kv_heads, block_size, 2 * head_dim] layout.
 PACKED_LAYOUT_BACKENDS = {
-    "CPU_ATTN": f"it packs KV in an ISA-specific layout; set {SPARSE_CPU_SWITCH}=1 to run "
-    "kvreuse's attention backend over the plain layout instead (dense with "
+    "CPU_ATTN": f"it packs KV in an ISA-specific layout the connector does not read; set {SPARSE_CPU_SWITCH}=1 to "
+    "run kvreuse's attention backend in its place, which gives the connector plain views of the KV (dense with "
     '--additional-config \'{"kvreuse": {"sparse": {"beta": "inf"}}}\')'
 }
 
@@ -137,8 +137,8 @@ class ModuleWorker:
                     f"2 * head_dim]; layer {name} ({backend}) has {tuple(kv_caches[name].shape)}"
                 )
         # kvreuse's backend names itself CUSTOM (SparseAttentionBackend.get_name), also where it replaces CPU_ATTN.
-        # It keeps K/V apart from vLLM's page strides (kvreuse.vllm.sparse.backend.layer_cache): its layers' K/V
-        # are read through its view (kv_of).
+        # It keeps K/V apart from vLLM's page strides, in CPU_ATTN's tiles on a CPU (kvreuse.vllm.sparse.backend
+        # .layer_cache): its layers' K/V are read through its views (kv_of).
         self._sparse_layers = {name for name in self.layers if backends[name] == "CUSTOM"}
         self.masks_by_position = len(self._sparse_layers) == len(self.layers)
         if not self.masks_by_position and (
@@ -306,26 +306,25 @@ class ModuleWorker:
         errors, self._errors = self._errors, set()
         return errors
 
-    def kv_of(self, layer_name: str, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Layer ``layer_name``'s K|V in the plain ``[blocks, kv_heads, block_size, 2 * head_dim]`` shape, from
-        vLLM's per-layer view ``kv_cache``: through kvreuse's backend's view where it serves the layer (it keeps K/V
-        packed apart from its key sketches, not at vLLM's page strides), else vLLM's view itself."""
-        return sparse_backend.kv_view(kv_cache) if layer_name in self._sparse_layers else kv_cache
+    def kv_of(self, layer_name: str, kv_cache: torch.Tensor) -> blend.PlainKV:
+        """Layer ``layer_name``'s keys and values as ``[blocks, block_size, kv_heads, head_dim]`` views, from vLLM's
+        per-layer view ``kv_cache``: through kvreuse's backend where it serves the layer (it keeps K/V packed apart
+        from its key sketches, not at vLLM's page strides, and on a CPU in CPU_ATTN's tiles), else vLLM's plain
+        K|V rows."""
+        if layer_name in self._sparse_layers:
+            return sparse_backend.plain_kv(kv_cache)
+        return blend.split_kv(kv_cache)
 
     # -- saves --------------------------------------------------------------------------------------------------
     def copy_layer(self, meta: ModuleCacheMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
         """Copy this layer's KV of every module being encoded this step (called after the layer's attention)."""
         if not meta.saves:
             return
-        kv_layer = self.kv_of(layer_name, kv_layer)
-        head_dim = kv_layer.shape[-1] // 2
-        block_size = kv_layer.shape[2]
+        cache = self.kv_of(layer_name, kv_layer)
         for save in meta.saves:
             slots = torch.tensor(save.slots, dtype=torch.int64, device=kv_layer.device)
-            rows = kv_layer[slots // block_size, :, slots % block_size]  # [tokens, kv_heads, 2 * head_dim]
-            self._copies.setdefault(save.req_id, []).append(
-                (rows[..., :head_dim].clone(), rows[..., head_dim:].clone())
-            )
+            keys, values = blend.read_kv(cache, slots)  # [tokens, kv_heads, head_dim] each
+            self._copies.setdefault(save.req_id, []).append((keys.clone(), values.clone()))
 
     def store_saved(self, meta: ModuleCacheMetadata) -> None:
         """Put the modules copied this step into the store (called once per step, after the forward)."""

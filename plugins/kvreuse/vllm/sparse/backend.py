@@ -18,8 +18,8 @@ backend does not keep the sketch in those rows, though: ``layer_cache`` lays the
 out as every block's K and V packed together, then every block's sketch together, so that DIPR's decision streams
 the sketches instead of reading a short stretch at the end of every page. A block's sketch is addressed by its block
 id, so it lives and dies with the block (and is kept with it by the prefix cache). Whatever reads or writes a
-layer's K/V other than the backend goes through ``kv_view`` (the module cache's worker), never vLLM's per-layer view,
-whose pages no longer hold K/V where vLLM's strides say.
+layer's K/V other than the backend goes through ``plain_kv`` (the module cache's worker), never vLLM's per-layer
+view, whose pages no longer hold K/V where vLLM's strides say.
 """
 
 from __future__ import annotations
@@ -78,18 +78,25 @@ def log_sparse_figures() -> None:
         )
 
 
-def runs_engine_kernel(vllm_config: VllmConfig, config: SparseConfig) -> bool:
+def runs_engine_kernel(vllm_config: VllmConfig, config: SparseConfig, knows_key_tiles: bool) -> bool:
     """Whether the backend runs DIPR as a filter in front of vLLM's own CPU attention ops, on CPU_ATTN's cache
-    layout: on vLLM's CPU build with ``sparse.engine_kernel`` (the default), unless the module cache's connector is
-    on. That connector copies K|V token rows out of the plain layout and its recompute and APE need kvreuse's own
-    attention (masks by position, an APE bias), so with it the backend keeps the plain layout and its own PyTorch
-    attention (``kvreuse.sparse.cpu_attention``), as it does with ``engine_kernel`` false."""
-    return config.engine_kernel and vllm_0_32.device_type(vllm_config) == "cpu" and not module_cache_on(vllm_config)
+    layout: on vLLM's CPU build with ``sparse.engine_kernel`` (the default). With the module cache's connector on,
+    only where kvreuse knows how the ops pack keys for this CPU (``knows_key_tiles``,
+    ``CPUAttentionKernel.knows_key_tiles``): the connector reads and writes K/V through plain views of the tiles
+    (``plain_kv``), and its steps that attend by position or with APE run kvreuse's PyTorch attention over them.
+    Elsewhere the backend keeps the plain layout and its own PyTorch attention (``kvreuse.sparse.cpu_attention``),
+    as it does with ``engine_kernel`` false."""
+    return (
+        config.engine_kernel
+        and vllm_0_32.device_type(vllm_config) == "cpu"
+        and (knows_key_tiles or not module_cache_on(vllm_config))
+    )
 
 
 def runs_flash_attention(vllm_config: VllmConfig, config: SparseConfig) -> bool:
     """Whether the backend runs DIPR as a filter in front of vLLM's own FlashAttention: on a CUDA engine with
-    ``sparse.engine_kernel`` (the default), unless the module cache's connector is on (as ``runs_engine_kernel``).
+    ``sparse.engine_kernel`` (the default), unless the module cache's connector is on (that pairing has not run on a
+    GPU yet, so it keeps kvreuse's own kernels, on which the module cache's tests run).
     The cache keeps vLLM's GPU layout (LBNHC, FlashAttention's own view of it) either way; prefill and dense steps
     are one FlashAttention call, as the stock backend makes them, and DIPR decodes read only the blocks the Triton
     sketch scan keeps (``kvreuse.sparse.filtered_decode``)."""
@@ -97,7 +104,7 @@ def runs_flash_attention(vllm_config: VllmConfig, config: SparseConfig) -> bool:
 
 
 def module_cache_on(vllm_config: VllmConfig) -> bool:
-    """Whether the module cache's connector runs: it needs kvreuse's own attention path (see ``runs_engine_kernel``)."""
+    """Whether the module cache's connector runs (see ``runs_engine_kernel``)."""
     transfer = vllm_config.kv_transfer_config
     return transfer is not None and transfer.kv_connector == ConnectorName.MODULE_CACHE
 
@@ -105,7 +112,7 @@ def module_cache_on(vllm_config: VllmConfig) -> bool:
 def check_kv_connector(vllm_config: VllmConfig) -> None:
     """Refuse a KV connector other than kvreuse's: it would read and write K/V through vLLM's per-layer view, where
     this backend does not keep them (``layer_cache``), and load blocks without their key sketches. kvreuse's module
-    cache reads through ``kv_view`` and writes through the backend's cache write."""
+    cache reads through ``plain_kv`` and writes through the backend's cache write."""
     transfer = vllm_config.kv_transfer_config
     if transfer is None or transfer.kv_connector is None:
         return
@@ -133,11 +140,17 @@ def _shared_attention(num_heads: int, num_kv_heads: int, head_size: int, scale: 
             kvreuse_flags(vllm_config.additional_config, "sparse"), cpu=vllm_0_32.device_type(vllm_config) == "cpu"
         )
         block_size = vllm_config.cache_config.block_size
-        kernel = (
-            CPUAttentionKernel(vllm_config.model_config.dtype, block_size, head_size, scale)
-            if runs_engine_kernel(vllm_config, config)
-            else None
-        )
+        kernel = None
+        if config.engine_kernel and vllm_0_32.device_type(vllm_config) == "cpu":
+            kernel = CPUAttentionKernel(vllm_config.model_config.dtype, block_size, head_size, scale)
+            if not runs_engine_kernel(vllm_config, config, kernel.knows_key_tiles):
+                logger.warning(
+                    "kvreuse sparse attention: vLLM's CPU attention packs keys for instruction set %r in a layout "
+                    "the module cache cannot read, so with its connector on the backend runs kvreuse's own (slower) "
+                    "attention",
+                    kernel.isa,
+                )
+                kernel = None
         flash = runs_flash_attention(vllm_config, config)
         attention = SparseAttention(
             num_heads,
@@ -243,10 +256,9 @@ class LayerCache:
     memory as two regions instead (``layer_cache``):
 
     - K/V, from the view's first element: block ``b``'s K and V at ``b * kv_span`` elements (``kv_span = block_size *
-      num_kv_heads * 2 * head_size``), inside a block in the view's own order (LBNHC or CPU_ATTN's LBHNC). ``kv`` is
-      vLLM's view's shape and inner strides with blocks ``kv_span`` apart; ``key_cache``/``value_cache`` the kernels'
-      views of it (``[blocks, tokens, heads, head_size]`` on LBNHC, CPU_ATTN's ``[blocks, heads, tokens,
-      head_size]`` tiles on LBHNC).
+      num_kv_heads * 2 * head_size``), inside a block in the view's own order (LBNHC or CPU_ATTN's LBHNC, then
+      ``tiles``); ``key_cache``/``value_cache`` are the kernels' views of them (``[blocks, tokens, heads,
+      head_size]`` on LBNHC, CPU_ATTN's ``[blocks, heads, tokens, head_size]`` tiles on LBHNC).
     - the key sketch, right after the last block's K/V: every block's int8 codes, then every block's fp32 scales,
       each block's KV head by KV head (the order DIPR's scan walks them, ``kvreuse.sparse.sketch_scan``; inside a
       KV head as ``kvreuse.kernels.key_sketch.sketch_strides`` lays it out for the device: on a CPU channel by
@@ -263,10 +275,10 @@ class LayerCache:
     backend serves (it refuses sliding windows and KV sharing between layers).
     """
 
-    kv: torch.Tensor
     key_cache: torch.Tensor
     value_cache: torch.Tensor
     sketch: KeySketch
+    tiles: bool
 
 
 def layer_cache(kv_cache: torch.Tensor) -> LayerCache:
@@ -317,15 +329,21 @@ def layer_cache(kv_cache: torch.Tensor) -> LayerCache:
         codes.as_strided((num_blocks, block_size, num_kv_heads, head_size), strides.codes, codes_at),
         scales.as_strided((num_blocks, block_size, num_kv_heads), strides.scales, scales_at // 4),
     )
-    return LayerCache(kv, key_cache, value_cache, sketch)
+    return LayerCache(key_cache, value_cache, sketch, tiles=head_major)
 
 
-def kv_view(kv_cache: torch.Tensor) -> torch.Tensor:
-    """K and V of a layer this backend serves, in the shape of vLLM's per-layer view ``kv_cache`` (``[num_blocks,
-    num_kv_heads, block_size, K|V]``) and where the backend keeps them (``LayerCache.kv``): what a reader of K/V
-    other than the backend (the module cache's worker) reads instead of vLLM's view, whose block stride is the
-    padded page's."""
-    return layer_cache(kv_cache).kv
+def plain_kv(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a layer this backend serves, from vLLM's per-layer view ``kv_cache``, as ``[num_blocks,
+    block_size, num_kv_heads, head_size]`` views of where the backend keeps them (``LayerCache``; no copy): what a
+    reader or writer of K/V other than the backend (the module cache's worker) uses instead of vLLM's view, whose
+    block stride is the padded page's and whose rows are not K|V in CPU_ATTN's tiles."""
+    cache = layer_cache(kv_cache)
+    if not cache.tiles:  # the plain layout: the kernels' views are plain already
+        return cache.key_cache, cache.value_cache
+    attention = sparse_attention()
+    if attention is None or attention.paged_kernel is None:
+        raise ConfigError("a KV cache in CPU_ATTN's tiles without the sparse backend's CPU kernel to read them")
+    return attention.paged_kernel.plain_keys(cache.key_cache), attention.paged_kernel.plain_values(cache.value_cache)
 
 
 @dataclass

@@ -39,11 +39,14 @@ class CPUAttentionKernel:
         clear: torch.Tensor,
     ) -> None:
         # CPU_ATTN's kernel weighs a block's value rows past the sequence with 0, and 0 * NaN is NaN, so a request
-        # whose arithmetic overflowed would reach the next one through the slots it left in a block (issue 26): the
-        # blocks a write starts without filling are zeroed first (any tile packing holds zeros as zeros).
+        # whose arithmetic overflowed would reach the next one through the slots it left in a block (issue 26): what
+        # is not finite in the blocks a write starts without filling is zeroed first (0 * a finite value is 0, and
+        # any tile packing holds zeros as zeros). Finite entries stay: the module cache writes a block's slots out of
+        # order (a spliced module, then the tokens it recomputes), so such a block may hold this request's own K/V.
         if len(clear):
-            key_cache[clear] = 0
-            value_cache[clear] = 0
+            for cache in (key_cache, value_cache):
+                tiles = cache[clear]
+                cache[clear] = tiles.masked_fill(~tiles.isfinite(), 0)
         vllm_0_32.cpu_cache_write(key, value, key_cache, value_cache, slot_mapping, self.isa)
 
     def schedule(
@@ -95,20 +98,36 @@ class CPUAttentionKernel:
         self.attend(by_head, keys, values, result, starts, seq_lens, table, schedule)
         out.view(n, kv, group, -1).copy_(result.view(kv, n, group, -1).transpose(0, 1))
 
+    @property
+    def knows_key_tiles(self) -> bool:
+        """Whether ``plain_keys`` can read this instruction set's key tiles."""
+        return self.isa in TRANSPOSED_KEY_TILES
+
     def plain_keys(self, key_cache: torch.Tensor) -> torch.Tensor:
         """``key_cache`` (``[num_blocks, kv_heads, block_size, head_dim]``, tiles packed for ``isa``) as the
-        kernels' ``[num_blocks, block_size, kv_heads, head_dim]`` view, for the sampled recovery ratio."""
-        if self.isa not in TRANSPOSED_KEY_TILES:
-            raise ConfigError(
-                f"sparse.sample_recovery reads keys, but CPU_ATTN packs them for instruction set {self.isa!r} in a "
-                f"layout kvreuse does not know; set sparse.sample_recovery 0"
-            )
+        kernels' ``[num_blocks, block_size, kv_heads, head_dim]`` view (no copy), for whatever reads keys besides
+        the op: the sampled recovery ratio, the module cache's steps that attend by position, its encoder."""
+        self._check_tiles_known()
         num_blocks, kv_heads, block_size, head_dim = key_cache.shape
         return key_cache.as_strided(
             (num_blocks, block_size, kv_heads, head_dim),
             (key_cache.stride(0), 1, key_cache.stride(1), block_size),
             key_cache.storage_offset(),
         )
+
+    def plain_values(self, value_cache: torch.Tensor) -> torch.Tensor:
+        """``value_cache`` (``[num_blocks, kv_heads, block_size, head_dim]``, plain ``[block_size, head_dim]`` tiles
+        in the variants ``plain_keys`` knows) as the kernels' ``[num_blocks, block_size, kv_heads, head_dim]`` view
+        (no copy)."""
+        self._check_tiles_known()
+        return value_cache.transpose(1, 2)
+
+    def _check_tiles_known(self) -> None:
+        if not self.knows_key_tiles:
+            raise ConfigError(
+                f"sparse.sample_recovery reads keys, but CPU_ATTN packs them for instruction set {self.isa!r} in a "
+                f"layout kvreuse does not know; set sparse.sample_recovery 0"
+            )
 
 
 def head_tiles(cache: torch.Tensor) -> torch.Tensor:
