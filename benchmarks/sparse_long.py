@@ -5,7 +5,9 @@ The model is SmolLM2-135M-Instruct (``build/models/smollm2``, 8K positions, floa
 vLLM's own model overrides (``kvreuse.localmodel.extended_context``: ``--scaling yarn`` or ``linear``, factor 2 for
 contexts up to 16K, 4 up to 32K, none up to 8K). Per length, two engines run in one process: the stock one
 (CPU_ATTN) and one with kvreuse's sparse backend (``KVREUSE_SPARSE_CPU_BACKEND=1``, ``--sparse`` settings, with
-``min_context`` 0 unless given, so every context is pruned).
+``min_context`` 0 unless given, so every context is pruned); with ``--module-cache`` the sparse engine also runs
+the module cache's connector (as a user who turns on both plugins: the prompts splice no modules, so this measures
+what the connector's presence costs plain decodes).
 
 Prompts (``retrieval_cases.make_document_cases``): one document of about the length's tokens (real text) holding
 ``--questions`` facts "The secret number of X is N." at spread depths, and one question per fact after it, the reply
@@ -39,7 +41,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import REPO, bench_parser, output_dir, write_results  # noqa: E402
+from harness import REPO, bench_parser, output_dir, pin_engine_cores, write_results  # noqa: E402
+from module_cache import CONNECTOR as MODULE_CONNECTOR  # noqa: E402
 from retrieval_cases import RetrievalCase, make_document_cases  # noqa: E402
 from sparse_qa import _configure, _timing  # noqa: E402  (the same worker call and vLLM timestamps)
 
@@ -79,9 +82,10 @@ def run_length(length: int, args: argparse.Namespace, settings: dict, partial: P
     engine_args = local_engine_args(args.model, kv_cache_memory_bytes=kv_bytes, **extra)
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc sends the closures above
     os.environ.pop("KVREUSE_SPARSE_CPU_BACKEND", None)
+    pin_engine_cores()  # the same cores for both engines, also with --module-cache's connector
     stock = LLM(**engine_args)
     os.environ["KVREUSE_SPARSE_CPU_BACKEND"] = "1"  # read by the sparse engine's processes when they start
-    sparse = LLM(**engine_args)
+    sparse = LLM(**engine_args, **({"kv_transfer_config": MODULE_CONNECTOR} if args.module_cache else {}))
     os.environ.pop("KVREUSE_SPARSE_CPU_BACKEND")
     sampling = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     tokenizer = stock.get_tokenizer()
@@ -101,6 +105,7 @@ def run_length(length: int, args: argparse.Namespace, settings: dict, partial: P
         "factor": factor,
         "tokens": args.tokens,
         "settings": settings,
+        "module_cache": args.module_cache,
     }
     betas = [float(b) for b in args.betas.split(",")]
     for engine in (stock, sparse):
@@ -214,6 +219,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=12, help="greedy tokens per answer")
     parser.add_argument("--scaling", default="yarn", help="RoPE scaling past 8K: yarn or linear")
     parser.add_argument("--sparse", default='{"min_context": 0}', help="sparse settings besides beta")
+    parser.add_argument("--module-cache", action="store_true", help="the sparse engine with the module connector")
     parser.add_argument("--model", type=Path, default=MODEL)
     parser.add_argument("--name", default="sparse_long")
     parser.add_argument("--combine", nargs="+", type=Path, help="print the table of these runs; runs nothing")
