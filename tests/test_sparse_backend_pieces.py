@@ -333,3 +333,31 @@ def test_a_decode_kept_dense_by_min_context_is_said_once_per_setting_with_the_fi
         query, _, _, batch = engine.step([1, 1])
         engine.attend(0, query, batch)
         assert len([r for r in caplog.records if "min_context" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("beta", [float("inf"), 4.0])
+def test_a_single_token_moved_to_its_own_position_attends_by_position_not_as_a_decode(beta):
+    """The module cache may schedule one recomputed token of a spliced run in a step: one new token, but at its own
+    position inside the run, not the sequence's last. It must attend the keys at or before that position (it was
+    taken for a DIPR decode over the whole sequence, later keys included), and a decode beside it stays a decode."""
+    engine = Engine(sparse(beta))
+    engine.step(PROMPTS)
+    query, _, _, decode = engine.step([1, 0])  # request 0 decodes position 300
+    moved = torch.randn(1, Q_HEADS, DIM, generator=engine.g)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32)
+    lens = torch.tensor(engine.lens, dtype=torch.int32)
+    step = PagedBatch(
+        starts, starts, lens, lens, engine.table.clone(), torch.full((2,), -1), 2, max(engine.lens),
+        query_positions=torch.tensor([300, 20]),  # request 1 (45 tokens): one token moved to position 20
+    )  # fmt: skip
+    plan = engine.attention._plan(step, False)
+    assert plan.dipr is not None and plan.dipr.reqs == (0,) and plan.moved is not None and plan.moved.reqs == (1,)
+    out = engine.attend(1, torch.cat([query, moved]), step)
+    assert torch.equal(out[0], engine.attend(1, query, decode)[0])
+    blocks = engine.table[1, :1].long()  # position 20 lies in the request's first block
+    keys = engine.key_cache[blocks].reshape(-1, KV_HEADS, DIM)[:21].double()
+    values = engine.value_cache[blocks].reshape(-1, KV_HEADS, DIM)[:21].double()
+    q = moved[0].double().view(KV_HEADS, -1, DIM) * SCALE
+    weights = torch.softmax(torch.einsum("hgd,nhd->hgn", q, keys), -1)
+    expected = torch.einsum("hgn,nhd->hgd", weights, values).reshape(Q_HEADS, DIM)
+    torch.testing.assert_close(out[1].double(), expected, rtol=1e-4, atol=1e-5)

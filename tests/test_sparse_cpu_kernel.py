@@ -327,10 +327,39 @@ def test_a_step_that_attends_by_position_reads_the_ops_tiles_through_plain_views
     )  # fmt: skip
     out = engine.attend(1, query, batch)
     for i, p in enumerate(positions.tolist()):
-        q = query[i].double().view(KV_HEADS, GROUP, DIM) * SCALE
-        weights = torch.softmax(torch.einsum("hgd,nhd->hgn", q, keys[: p + 1]), -1)
-        expected = torch.einsum("hgn,nhd->hgd", weights, values[: p + 1]).reshape(Q_HEADS, DIM)
-        torch.testing.assert_close(out[i].double(), expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out[i].double(), positional(query[i], keys, values, p), rtol=1e-4, atol=1e-5)
+
+
+def positional(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: int) -> torch.Tensor:
+    """Float64 attention of one token's ``query[q_heads, d]`` over the keys at or before ``position``."""
+    q = query.double().view(KV_HEADS, GROUP, DIM) * SCALE
+    weights = torch.softmax(torch.einsum("hgd,nhd->hgn", q, keys[: position + 1]), -1)
+    return torch.einsum("hgn,nhd->hgd", weights, values[: position + 1]).reshape(Q_HEADS, DIM)
+
+
+@pytest.mark.parametrize("beta", [float("inf"), 4.0])
+def test_a_step_mixing_moved_tokens_and_decodes_gives_the_decodes_the_ops_rows(beta):
+    """The module cache's recompute shares a step with other requests' decodes (continuous batching): the moved
+    requests attend by position in PyTorch, one with a single token too (a recompute token, not a decode), and the
+    decode gets what the op gives it in a step of its own, bit for bit."""
+    engine = Engine(sparse(beta, sink=4, local=8), [300, 400, 350])
+    engine.step([300, 400, 350])
+    query, alone = engine.step([1, 0, 0])  # request 0 decodes position 300
+    g = torch.Generator().manual_seed(9)
+    moved = torch.randn(4, Q_HEADS, DIM, generator=g)
+    positions = torch.tensor([300, 20, 150, 399, 50])  # request 1: three moved tokens; request 2: one
+    starts = torch.tensor([0, 1, 4, 5], dtype=torch.int32)
+    lens = torch.tensor(engine.lens, dtype=torch.int32)
+    step = PagedBatch(
+        starts, starts, lens, lens, engine.table.clone(), torch.full((5,), -1), 5, max(engine.lens),
+        query_positions=positions,
+    )  # fmt: skip
+    out = engine.attend(1, torch.cat([query[:1], moved]), step)
+    assert torch.equal(out[0], engine.attend(1, query[:1], alone)[0])
+    for row, (req, position) in enumerate(zip([1, 1, 1, 2], [20, 150, 399, 50]), start=1):
+        keys, values = engine.tokens(req)
+        expected = positional(moved[row - 1], keys, values, position)
+        torch.testing.assert_close(out[row].double(), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_the_module_cache_reads_every_key_and_value_the_op_stored_through_plain_kv(monkeypatch):

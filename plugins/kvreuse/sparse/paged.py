@@ -18,7 +18,10 @@ for the whole batch:
   ``layer_betas``) and the sequence is at least ``min_context`` tokens long; its beta may be ``inf``, which DIPR
   computes as exact dense attention. Otherwise it gets the dense path;
 - a request whose batch entry carries APE spans (modules spliced with APE, ``kvreuse.sparse.ape``) is dense in
-  every layer, prefill and decode, through ``ape_attend`` in PyTorch (the kernels know no APE bias).
+  every layer, prefill and decode, through ``ape_attend`` in PyTorch (the kernels know no APE bias);
+- a request whose tokens the module cache moved to their own positions (``query_positions``: recompute inside a
+  spliced run) is dense, each token over the keys at or before its position, in PyTorch (the kernels mask by
+  order); the step's other requests run as they would without it.
 
 On CUDA, everything runs the Triton launchers: ``PagedKVWrite`` and ``KeySketchWrite`` for the write,
 ``PagedCausalAttention`` for all the batch's dense requests in one launch per layer, ``DIPRDecode`` for the DIPR
@@ -27,8 +30,8 @@ kernels' references, attention by ``kvreuse.sparse.cpu_attention`` (PyTorch's fu
 paged cache read in place for decode, DIPR computing logits only for the blocks it reads), which attends the same
 tokens as the kernels (``kernels=True`` runs the Triton path anyway, e.g. in Triton's interpreter for tests).
 An engine's own kernel may take the exact attention instead, DIPR then only choosing the blocks: vLLM's CPU
-attention ops (``paged_kernel``; a step with positions or APE still runs the PyTorch path, over the op's cache read
-through plain views), or on a GPU its FlashAttention (``decode_kernel``, through
+attention ops (``paged_kernel``; the requests moved by position or with APE run the PyTorch path over the op's cache
+read through plain views), or on a GPU its FlashAttention (``decode_kernel``, through
 ``kvreuse.sparse.filtered_decode``).
 
 Every DIPR decode adds the blocks and tokens it attended to ``figures`` (``AttendedFractions``); dense decodes of
@@ -112,7 +115,7 @@ class PagedKernel(Protocol):
 
     def plain_keys(self, key_cache: torch.Tensor) -> torch.Tensor:
         """``key_cache`` as a ``[num_blocks, block_size, kv_heads, head_dim]`` view (for sampled recovery and the
-        steps that attend by position or with APE)."""
+        requests that attend by position or with APE)."""
 
     def plain_values(self, value_cache: torch.Tensor) -> torch.Tensor:
         """``value_cache`` as a ``[num_blocks, block_size, kv_heads, head_dim]`` view."""
@@ -164,9 +167,9 @@ class SubBatch:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """How one step's batch splits in a layer: dense requests, DIPR decodes, requests with APE (dense, prefill and
-    decode alike), and the number, blocks and tokens of the decodes kept dense and of the DIPR decodes (for the
-    figures)."""
+    """How one step's batch splits in a layer: dense requests (their tokens in order), DIPR decodes, requests with
+    APE (dense, prefill and decode alike), requests with tokens moved to their own positions (dense, by position),
+    and the number, blocks and tokens of the decodes kept dense and of the DIPR decodes (for the figures)."""
 
     dense: SubBatch | None
     dipr: SubBatch | None
@@ -174,6 +177,7 @@ class StepPlan:
     dipr_decodes: tuple[int, int, int] = (0, 0, 0)
     under_min_context: int = 0  # the longest context of a decode kept dense only for being under min_context
     ape: SubBatch | None = None
+    moved: SubBatch | None = None
 
 
 def gather(batch: PagedBatch, reqs: list[int], max_query_len: int) -> SubBatch:
@@ -197,13 +201,16 @@ def gather(batch: PagedBatch, reqs: list[int], max_query_len: int) -> SubBatch:
 def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_size: int) -> StepPlan:
     """Split ``batch`` as the policy decides for a layer: in a sparse layer (``dense_layer`` false) a request with
     one new token and at least ``min_context`` tokens in all is a DIPR decode; every other request with new tokens
-    is dense. A request with APE spans is always dense, on its own path (DIPR's selection knows no APE bias).
-    Reads only the batch's host copies."""
+    is dense. A request with APE spans is always dense, on its own path (DIPR's selection knows no APE bias), and so
+    is a request whose tokens are not its last ones in order (``query_positions``: the module cache's recompute),
+    which is not a decode even with one token. Reads only the batch's host copies."""
     starts = batch.query_start_loc_cpu.tolist()
     lens = batch.seq_lens_cpu.tolist()
+    positions = batch.query_positions.tolist() if batch.query_positions is not None else None
     dense_reqs: list[int] = []
     dipr_reqs: list[int] = []
     ape_reqs: list[int] = []
+    moved_reqs: list[int] = []
     dense_count = dense_blocks = dense_tokens = under_min_context = 0
     dipr_blocks = dipr_tokens = 0
     for req in range(batch.num_reqs):
@@ -211,6 +218,10 @@ def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_si
         if new_tokens <= 0:
             continue
         with_ape = batch.ape is not None and batch.ape[req] is not None
+        in_order = range(lens[req] - new_tokens, lens[req])
+        if not with_ape and positions is not None and positions[starts[req] : starts[req + 1]] != list(in_order):
+            moved_reqs.append(req)
+            continue
         if new_tokens == 1 and not dense_layer and lens[req] >= min_context and not with_ape:
             dipr_reqs.append(req)
             dipr_blocks += -(-lens[req] // block_size)
@@ -231,6 +242,7 @@ def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_si
         dipr_decodes=(len(dipr_reqs), dipr_blocks, dipr_tokens),
         under_min_context=under_min_context,
         ape=gather(batch, ape_reqs, max(starts[r + 1] - starts[r] for r in ape_reqs)) if ape_reqs else None,
+        moved=gather(batch, moved_reqs, max(starts[r + 1] - starts[r] for r in moved_reqs)) if moved_reqs else None,
     )
 
 
@@ -354,12 +366,7 @@ class SparseAttention:
         out: torch.Tensor,
     ) -> torch.Tensor:
         """Attention of every real token of ``batch`` in ``layer``, written into ``out[num_tokens, hq, d]``."""
-        if self.paged_kernel is not None and (batch.ape is not None or batch.query_positions is not None):
-            # A step of the module cache that attends by position or with APE, which the engine's op cannot: the
-            # step runs the PyTorch path below over plain views of the op's tiles (only steps that splice modules).
-            key_cache = self.paged_kernel.plain_keys(key_cache)
-            value_cache = self.paged_kernel.plain_values(value_cache)
-        elif self.paged_kernel is not None or (
+        if self.paged_kernel is not None or (
             self.decode_kernel is not None
             and self._use_kernels(query)
             and batch.ape is None
@@ -372,15 +379,13 @@ class SparseAttention:
         if count:
             self.figures.add_dense(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads, count)
         if plan.dense is not None:
-            if self._dense_decodes_only(query, plan.dense, batch):
+            if self._dense_decodes_only(query, plan.dense):
                 self._dense_decode_kernels(query, key_cache, value_cache, sketch, plan.dense, batch.max_seq_len, out)
             else:
-                self._dense(query, key_cache, value_cache, plan.dense, out, batch.query_positions)
+                self._dense(query, key_cache, value_cache, plan.dense, out)
         if plan.dipr is not None:
             self._dipr_decode(layer, query, key_cache, value_cache, sketch, plan.dipr, batch.max_seq_len, out)
-        if plan.ape is not None:
-            assert batch.ape is not None
-            self._ape(query, key_cache, value_cache, plan.ape, out, batch.query_positions, batch.ape)
+        self._by_position(query, key_cache, value_cache, plan, batch, out)
         return out
 
     def _plan(self, batch: PagedBatch, dense_layer: bool) -> StepPlan:
@@ -409,13 +414,8 @@ class SparseAttention:
         value_cache: torch.Tensor,
         sub: SubBatch,
         out: torch.Tensor,
-        positions: torch.Tensor | None = None,
     ) -> None:
-        """Dense causal attention of a sub-batch (prefill, chunked prefill, dense decode) into its rows; with
-        ``positions`` (host, one per token of the batch), masked by position, in PyTorch."""
-        if positions is not None:
-            self._dense_at(query, key_cache, value_cache, sub, out, positions)
-            return
+        """Dense causal attention of a sub-batch (prefill, chunked prefill, dense decode) into its rows."""
         if self._use_kernels(query):
             from kvreuse.kernels.paged_causal import PagedCausalAttention
 
@@ -437,12 +437,12 @@ class SparseAttention:
                 result = cpu_attention.dense_causal(query[first:last], keys, values, self.scale)
             out[first:last] = result.to(out.dtype)
 
-    def _dense_decodes_only(self, query: torch.Tensor, sub: SubBatch, batch: PagedBatch) -> bool:
-        """Whether a dense sub-batch is decodes only (every step once prefills are done), in order, on the kernels:
+    def _dense_decodes_only(self, query: torch.Tensor, sub: SubBatch) -> bool:
+        """Whether a dense sub-batch is decodes only (every step once prefills are done), on the kernels:
         then ``DIPRDecode`` at beta = inf, its dense case, serves it with split-K over the context, where
         ``PagedCausalAttention`` gives each sequence and head one program that walks the whole context (on an H200,
         0.6x FlashAttention's decode time against 0.01x at 64K-128K tokens, ``benchmarks/sparse_decode_gpu.py``)."""
-        return sub.max_query_len == 1 and batch.query_positions is None and self._use_kernels(query)
+        return sub.max_query_len == 1 and self._use_kernels(query)
 
     def _dense_decode_kernels(
         self,
@@ -475,6 +475,24 @@ class SparseAttention:
         )
         launcher.plan(sub.seq_lens, sub.block_table, max_seq_len=max_seq_len)
         return launcher
+
+    def _by_position(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        plan: StepPlan,
+        batch: PagedBatch,
+        out: torch.Tensor,
+    ) -> None:
+        """The step's requests that attend by position (tokens moved by the module cache) or with APE, in PyTorch
+        over ``key_cache``/``value_cache`` in the plain layout."""
+        if plan.moved is not None:
+            assert batch.query_positions is not None
+            self._dense_at(query, key_cache, value_cache, plan.moved, out, batch.query_positions)
+        if plan.ape is not None:
+            assert batch.ape is not None
+            self._ape(query, key_cache, value_cache, plan.ape, out, batch.query_positions, batch.ape)
 
     def _dense_at(
         self,
@@ -606,23 +624,33 @@ class SparseAttention:
         engine's FlashAttention): a layer without DIPR decodes (a dense layer, beta = inf, every decode under
         ``min_context``, prefill) is one call of the kernel over the whole batch, as the stock backend makes it;
         otherwise the dense requests run apart (one call of the CPU op; kvreuse's Triton path on a GPU) and the DIPR
-        decodes read, per KV head, only the blocks the sketch keeps (``_pruned_decode``, ``_filtered_decode``)."""
+        decodes read, per KV head, only the blocks the sketch keeps (``_pruned_decode``, ``_filtered_decode``). On
+        the CPU op, requests moved by position or with APE run apart in PyTorch (``_by_position``)."""
         plan = self._plan(batch, self.dense_layer(layer))
         count, blocks, tokens = plan.dense_decodes
         if count:
             self.figures.add_dense(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads, count)
         beta = self.policy.layer_beta(layer)
-        if plan.dipr is None or beta == INF:
+        count, blocks, tokens = plan.dipr_decodes
+        if count and beta == INF:  # DIPR decodes at beta = inf read everything
+            self.figures.add_full(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads, count)
+        kernel = self.paged_kernel
+        if plan.moved is None and plan.ape is None and (plan.dipr is None or beta == INF):
             self._whole_batch(query, key_cache, value_cache, batch, out)
-            count, blocks, tokens = plan.dipr_decodes
-            if count:  # DIPR decodes at beta = inf read everything
-                self.figures.add_full(layer, blocks * self.num_kv_heads, tokens * self.num_q_heads, count)
-            return
-        if self.paged_kernel is not None:
+        elif kernel is not None:
+            # the op serves the requests in order; those moved by position or with APE, which it cannot mask or
+            # bias, run kvreuse's PyTorch attention over plain views of its tiles (requests that splice modules)
             if plan.dense is not None:
-                self._dense_through(self.paged_kernel, query, key_cache, value_cache, plan.dense, out)
-            self._pruned_decode(layer, beta, query, key_cache, value_cache, sketch, plan.dipr, out, self.paged_kernel)
+                self._dense_through(kernel, query, key_cache, value_cache, plan.dense, out)
+            if plan.dipr is not None and beta == INF:
+                self._dense_through(kernel, query, key_cache, value_cache, plan.dipr, out)
+            elif plan.dipr is not None:
+                self._pruned_decode(layer, beta, query, key_cache, value_cache, sketch, plan.dipr, out, kernel)
+            keys, values = kernel.plain_keys(key_cache), kernel.plain_values(value_cache)
+            self._by_position(query, keys, values, plan, batch, out)
         else:
+            # (``attend`` gives a GPU step with positions or APE to kvreuse's own path)
+            assert plan.dipr is not None and plan.moved is None and plan.ape is None
             if plan.dense is not None:
                 self._dense(query, key_cache, value_cache, plan.dense, out)
             self._filtered_decode(layer, beta, query, key_cache, value_cache, sketch, plan.dipr, batch.max_seq_len, out)

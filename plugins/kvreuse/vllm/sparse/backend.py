@@ -83,7 +83,7 @@ def runs_engine_kernel(vllm_config: VllmConfig, config: SparseConfig, knows_key_
     layout: on vLLM's CPU build with ``sparse.engine_kernel`` (the default). With the module cache's connector on,
     only where kvreuse knows how the ops pack keys for this CPU (``knows_key_tiles``,
     ``CPUAttentionKernel.knows_key_tiles``): the connector reads and writes K/V through plain views of the tiles
-    (``plain_kv``), and its steps that attend by position or with APE run kvreuse's PyTorch attention over them.
+    (``plain_kv``), and its requests that attend by position or with APE run kvreuse's PyTorch attention over them.
     Elsewhere the backend keeps the plain layout and its own PyTorch attention (``kvreuse.sparse.cpu_attention``),
     as it does with ``engine_kernel`` false."""
     return (
