@@ -252,8 +252,8 @@ class SparseAttention:
     ``configure`` swaps the settings between steps (e.g. to sweep beta on one engine); ``figures`` accumulates the
     attended fractions per layer. ``kernels``: run the Triton kernels (``None``: on CUDA tensors only).
     ``paged_kernel``: the engine's own kernel and cache write, which then do all exact attention over the engine's
-    cache layout, DIPR being a filter in front (``_attend_engine``), but for the module cache's steps that attend by
-    position or with APE (PyTorch over the kernel's plain views of its cache); ``kernels`` is then not used.
+    cache layout, DIPR being a filter in front (``_attend_engine``), but for the module cache's requests that attend
+    by position or with APE (PyTorch over the kernel's plain views of its cache); ``kernels`` is then not used.
     ``decode_kernel``: a GPU engine's FlashAttention (``kvreuse.sparse.filtered_decode.PagedDecodeKernel``), which
     then computes, with the Triton kernels on, every step without DIPR decodes and, behind the filter, every DIPR
     decode (``_attend_engine``); ``max_seqs`` and ``max_context`` size the filter's buffers.
