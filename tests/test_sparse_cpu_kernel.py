@@ -362,6 +362,20 @@ def test_a_step_mixing_moved_tokens_and_decodes_gives_the_decodes_the_ops_rows(b
         torch.testing.assert_close(out[row].double(), expected, rtol=1e-4, atol=1e-5)
 
 
+def test_dipr_decodes_on_a_variant_whose_key_tiles_kvreuse_does_not_read(monkeypatch):
+    """Without the module cache nothing but sampled recovery reads the op's tiles, so DIPR decodes run on any of
+    CPU_ATTN's variants: a step reads no plain view it does not need."""
+    from kvreuse.vllm.sparse import cpu_kernel
+
+    engine = Engine(sparse(4.0, sink=4, local=8, sample_recovery=0), [300, 450])
+    engine.step([300, 450])
+    query, batch = engine.step([1, 1])
+    known = engine.attend(1, query, batch)
+    monkeypatch.setattr(cpu_kernel, "TRANSPOSED_KEY_TILES", ())
+    assert not engine.attention.paged_kernel.knows_key_tiles
+    assert torch.equal(engine.attend(1, query, batch), known)
+
+
 def test_the_module_cache_reads_every_key_and_value_the_op_stored_through_plain_kv(monkeypatch):
     from kvreuse.vllm.sparse import backend
 

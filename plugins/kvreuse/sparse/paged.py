@@ -646,8 +646,10 @@ class SparseAttention:
                 self._dense_through(kernel, query, key_cache, value_cache, plan.dipr, out)
             elif plan.dipr is not None:
                 self._pruned_decode(layer, beta, query, key_cache, value_cache, sketch, plan.dipr, out, kernel)
-            keys, values = kernel.plain_keys(key_cache), kernel.plain_values(value_cache)
-            self._by_position(query, keys, values, plan, batch, out)
+            # plain views only where read: on a variant whose key tiles kvreuse does not read they would refuse
+            if plan.moved is not None or plan.ape is not None:
+                keys, values = kernel.plain_keys(key_cache), kernel.plain_values(value_cache)
+                self._by_position(query, keys, values, plan, batch, out)
         else:
             # (``attend`` gives a GPU step with positions or APE to kvreuse's own path)
             assert plan.dipr is not None and plan.moved is None and plan.ape is None
