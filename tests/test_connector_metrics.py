@@ -110,6 +110,24 @@ def test_dense_decodes_count_as_reading_everything_next_to_the_device_sums_that_
     assert figures.rows()[0]["block_fraction"] == pytest.approx(7 / 10)
 
 
+def test_decodes_counted_on_the_host_are_reported_at_once_beside_device_sums_that_lag(monkeypatch):
+    """A CPU engine's DIPR decodes (``add_read``: the pruned tables are host arrays) need no copy to land."""
+    monkeypatch.setattr(figures_module._HostCopy, "done", lambda self: False)
+    figures, increments = AttendedFractions(), FigureIncrements()
+    figures.add(4, _step(1, 4))
+    figures.add_read(4, blocks_read=5, blocks_total=12, tokens_attended=150, tokens_total=360, decodes=2)
+    figures.add_full(4, blocks=3, tokens=90, decodes=1)
+    assert increments.take(figures) == {
+        ("blocks_read", 4): 8,
+        ("blocks_total", 4): 15,
+        ("tokens_attended", 4): 240,
+        ("tokens_total", 4): 450,
+        ("dipr_decodes", 4): 4,
+    }
+    (row,) = figures.rows()  # the rows read the device sums too
+    assert row["blocks_read"] == 9 and row["blocks_total"] == 19 and row["dipr_decodes"] == 4
+
+
 def test_increments_wait_for_copies_still_in_flight_and_lose_nothing(monkeypatch):
     """As on a GPU: a copy that has not landed is not read; the next call reports what it and later ones carry."""
     landed = {"now": False}

@@ -174,6 +174,10 @@ def test_a_finite_beta_attends_every_token_of_the_blocks_each_kv_head_reads_and_
     # per KV head, the sink block, block 6 (position 200) and the window's last blocks: 1 of 301 tokens' 10 blocks,
     # 2 of 451 tokens' 15 (the last 8 tokens, 443-450, span blocks 13 and 14)
     assert row["blocks_read"] == KV_HEADS * (3 + 4) and row["blocks_total"] == KV_HEADS * (10 + 15)
+    # every token of the blocks read, per query head: two full blocks and the last one's 13 tokens of the first
+    # sequence, three full blocks and the last one's 3 of the second
+    assert row["tokens_attended"] == Q_HEADS * (2 * BLOCK + 13 + 3 * BLOCK + 3)
+    assert row["tokens_total"] == Q_HEADS * (301 + 451) and row["dipr_decodes"] == 2
 
 
 def test_a_step_with_a_prefill_and_dipr_decodes_gives_the_prefill_the_stock_kernels_rows():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,26 +63,27 @@ FIGURES = COUNTERS + DECODES + ("recovery_kept", "recovery_samples")
 @dataclass
 class _LayerSums:
     counts: torch.Tensor | None = None  # DIPR decodes' int64 [len(COUNTERS)], on the device the kernel ran on
-    # decodes kept dense, and DIPR decodes at beta = inf, read every block (x KV heads) and token (x query heads)
-    dense_blocks: int = 0  # host ints
-    dense_tokens: int = 0
+    # COUNTERS counted on the host: decodes kept dense and DIPR decodes at beta = inf (they read every block x KV
+    # head and token x query head), and DIPR decodes whose blocks were chosen on the host (a CPU engine's op)
+    host: list[int] = field(default_factory=lambda: [0] * len(COUNTERS))
     dipr_decodes: int = 0  # host ints: how many sequences decoded with DIPR / densely in this layer
     dense_decodes: int = 0
     recovery_kept: float = 0.0
     recovery_samples: int = 0
     recovery_min: float = math.inf
 
-    def dense_counts(self) -> tuple[int, int, int, int]:
-        """The dense decodes as ``COUNTERS``: they read every block and token of their contexts."""
-        return self.dense_blocks, self.dense_blocks, self.dense_tokens, self.dense_tokens
+    def add_host(self, blocks_read: int, blocks_total: int, tokens_attended: int, tokens_total: int) -> None:
+        for at, value in enumerate((blocks_read, blocks_total, tokens_attended, tokens_total)):
+            self.host[at] += value
 
 
 class AttendedFractions:
     """Per-layer sums of the kernel's counters and of sampled recovery ratios.
 
-    ``add`` keeps the sums on the counters' device (no host read per layer and step), ``add_dense`` counts decodes
-    the policy kept dense (they read everything) on the host; ``rows`` reads both, and ``FigureIncrements`` copies
-    the device sums to the host without waiting for the device.
+    ``add`` keeps the sums on the counters' device (no host read per layer and step); ``add_dense`` (decodes the
+    policy kept dense: they read everything), ``add_full`` (beta = inf) and ``add_read`` (counts the host already
+    holds) sum on the host; ``rows`` reads both, and ``FigureIncrements`` copies the device sums to the host without
+    waiting for the device.
     """
 
     def __init__(self) -> None:
@@ -106,17 +107,22 @@ class AttendedFractions:
         """``decodes`` dense decodes of ``layer`` that read ``blocks`` KV blocks x KV heads and ``tokens`` tokens x
         query heads (all of their contexts)."""
         sums = self._layers.setdefault(layer, _LayerSums())
-        sums.dense_blocks += blocks
-        sums.dense_tokens += tokens
+        sums.add_host(blocks, blocks, tokens, tokens)
         sums.dense_decodes += decodes
 
     def add_full(self, layer: int, blocks: int, tokens: int, decodes: int) -> None:
         """``decodes`` DIPR decodes of ``layer`` at beta = inf, which read all their ``blocks`` KV blocks x KV heads
         and ``tokens`` tokens x query heads: counted on the host like ``add_dense``'s, as DIPR decodes (no counter
         tensors per layer and step for what the plan already knows)."""
+        self.add_read(layer, blocks, blocks, tokens, tokens, decodes)
+
+    def add_read(
+        self, layer: int, blocks_read: int, blocks_total: int, tokens_attended: int, tokens_total: int, decodes: int
+    ) -> None:
+        """``decodes`` DIPR decodes of ``layer`` whose ``COUNTERS`` the host already holds (a CPU engine's pruned
+        tables): summed on the host, without the tensor arithmetic ``add`` makes per layer and step."""
         sums = self._layers.setdefault(layer, _LayerSums())
-        sums.dense_blocks += blocks
-        sums.dense_tokens += tokens
+        sums.add_host(blocks_read, blocks_total, tokens_attended, tokens_total)
         sums.dipr_decodes += decodes
 
     def add_recovery(self, layer: int, ratios: torch.Tensor) -> None:
@@ -135,13 +141,10 @@ class AttendedFractions:
             return (), torch.zeros(0, len(COUNTERS), dtype=torch.int64)
         return layers, torch.stack([counts for layer in layers if (counts := self._layers[layer].counts) is not None])
 
-    def dense_totals(self) -> dict[int, tuple[int, int, int, int]]:
-        """Per layer with dense decodes: their cumulative ``COUNTERS`` (host values)."""
-        return {
-            layer: sums.dense_counts()
-            for layer, sums in sorted(self._layers.items())
-            if sums.dense_blocks or sums.dense_tokens
-        }
+    def host_totals(self) -> dict[int, tuple[int, ...]]:
+        """Per layer with decodes counted on the host (``add_dense``, ``add_full``, ``add_read``): their cumulative
+        ``COUNTERS`` (host values)."""
+        return {layer: tuple(sums.host) for layer, sums in sorted(self._layers.items()) if any(sums.host)}
 
     def decode_totals(self) -> dict[int, tuple[int, int]]:
         """Per layer: how many decodes ran DIPR and how many the policy kept dense (``DECODES``, host values)."""
@@ -162,9 +165,7 @@ class AttendedFractions:
         for layer in sorted(self._layers):
             sums = self._layers[layer]
             counts = [0] * len(COUNTERS) if sums.counts is None else sums.counts.tolist()
-            blocks_read, blocks_total, tokens_attended, tokens_total = (
-                a + b for a, b in zip(counts, sums.dense_counts())
-            )
+            blocks_read, blocks_total, tokens_attended, tokens_total = (a + b for a, b in zip(counts, sums.host))
             sampled = sums.recovery_samples > 0
             rows.append(
                 {
@@ -242,8 +243,8 @@ class FigureIncrements:
             for layer, row in zip(landed.layers, landed.values.tolist()):
                 self._landed.update({(name, layer): value for name, value in zip(COUNTERS, row)})
         now = dict(self._landed)
-        for layer, dense in fractions.dense_totals().items():
-            for name, value in zip(COUNTERS, dense):
+        for layer, host in fractions.host_totals().items():
+            for name, value in zip(COUNTERS, host):
                 now[(name, layer)] = now.get((name, layer), 0) + value
         for layer, decodes in fractions.decode_totals().items():
             now.update({(name, layer): value for name, value in zip(DECODES, decodes)})

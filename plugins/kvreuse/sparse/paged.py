@@ -645,7 +645,9 @@ class SparseAttention:
             if plan.dipr is not None and beta == INF:
                 self._dense_through(kernel, query, key_cache, value_cache, plan.dipr, out)
             elif plan.dipr is not None:
-                self._pruned_decode(layer, beta, query, key_cache, value_cache, sketch, plan.dipr, out, kernel)
+                self._pruned_decode(
+                    layer, beta, query, key_cache, value_cache, sketch, plan.dipr, plan.dipr_decodes, out, kernel
+                )
             # plain views only where read: on a variant whose key tiles kvreuse does not read they would refuse
             if plan.moved is not None or plan.ape is not None:
                 keys, values = kernel.plain_keys(key_cache), kernel.plain_values(value_cache)
@@ -738,6 +740,7 @@ class SparseAttention:
         value_cache: torch.Tensor,
         sketch: KeySketch,
         sub: SubBatch,
+        totals: tuple[int, int, int],
         out: torch.Tensor,
         kernel: PagedKernel,
     ) -> None:
@@ -746,7 +749,8 @@ class SparseAttention:
         whose upper bound reaches ``tau``), and the kernel attends every token of those blocks, each KV head on its
         own pruned tables, in one call (``PagedKernel.attend_pruned``). Every key within beta of the largest logit
         is in a read block, so it is attended; the kernel also attends the read blocks' other tokens (a superset of
-        the Triton kernel's set, at no extra bytes read)."""
+        the Triton kernel's set, at no extra bytes read). ``totals``: the decodes' number, blocks and tokens (the
+        plan's ``dipr_decodes``); the figures are counted on the host, where the pruned tables are."""
 
         rows = sub.query_starts.long()
         q = query.index_select(0, rows)  # [m, hq, d]
@@ -760,8 +764,15 @@ class SparseAttention:
         result = torch.empty_like(q)
         kernel.attend_pruned(q, key_cache, value_cache, result, pruned)
         out.index_copy_(0, rows, result.to(out.dtype))
-        self._count_pruned(
-            layer, beta, q, lambda: kernel.plain_keys(key_cache), sketch, sub, pruned.kept.T, pruned.seq_lens.T
+        self._sample_recovery(layer, beta, q, lambda: kernel.plain_keys(key_cache), sketch, sub)
+        count, blocks, tokens = totals
+        self.figures.add_read(
+            layer,
+            int(pruned.kept.numpy().sum()),
+            blocks * kv,
+            int(pruned.seq_lens.numpy().sum()) * group,
+            tokens * self.num_q_heads,
+            count,
         )
 
     # -- DIPR as a filter in front of a GPU engine's FlashAttention ------------------------------------------------
@@ -780,6 +791,7 @@ class SparseAttention:
     ) -> None:
         """DIPR decodes of ``sub`` through ``FilteredDecode`` (the kernel attends every token of the blocks read: a
         superset of ``DIPRDecode``'s set over the same bytes, so no key within beta of the largest is dropped)."""
+        from kvreuse.kernels.dipr_decode import DIPRCounters
 
         assert self.decode_kernel is not None
         if self._filtered is None or self._filtered.block_size != self.block_size:
@@ -801,9 +813,19 @@ class SparseAttention:
             q, key_cache, value_cache, sketch, sub.seq_lens, sub.block_table, max_seq_len, beta, sink, local, result
         )
         out.index_copy_(0, rows, result.to(out.dtype))
-        self._count_pruned(layer, beta, q, lambda: key_cache, sketch, sub, counts.blocks_read, counts.tokens_attended)
+        self._sample_recovery(layer, beta, q, lambda: key_cache, sketch, sub)
+        self.figures.add(
+            layer,
+            DIPRCounters(
+                counts.blocks_read.to(torch.int32),
+                (sub.seq_lens + self.block_size - 1) // self.block_size,
+                # every token of the blocks read: the kernel attends them all
+                counts.tokens_attended.repeat_interleave(self.num_q_heads // self.num_kv_heads, dim=1),
+                sub.seq_lens.clone(),
+            ),
+        )
 
-    def _count_pruned(
+    def _sample_recovery(
         self,
         layer: int,
         beta: float,
@@ -811,15 +833,10 @@ class SparseAttention:
         plain_keys: Callable[[], torch.Tensor],
         sketch: KeySketch,
         sub: SubBatch,
-        blocks_read: torch.Tensor,
-        tokens_attended: torch.Tensor,
     ) -> None:
-        """The figures of DIPR decodes through the engine's kernel: ``blocks_read[m, kv]`` and
-        ``tokens_attended[m, kv]`` (every token of the blocks read: the kernel attends them all), and, every
-        ``sample_recovery`` steps, the share of dense attention mass kept by the Triton kernel's set over
-        ``plain_keys()`` (the cache in the plain ``[blocks, block_size, kv, d]`` layout, made only when sampled)."""
-        from kvreuse.kernels.dipr_decode import DIPRCounters
-
+        """Every ``sample_recovery`` DIPR steps of ``layer``, the share of dense attention mass kept by the Triton
+        kernel's set over ``plain_keys()`` (the cache in the plain ``[blocks, block_size, kv, d]`` layout, made only
+        when sampled)."""
         step = self._dipr_steps.get(layer, 0)
         self._dipr_steps[layer] = step + 1
         if should_sample(step, self.config.sample_recovery):
@@ -837,12 +854,3 @@ class SparseAttention:
                     self.config.local,
                 ),
             )
-        self.figures.add(
-            layer,
-            DIPRCounters(
-                blocks_read.to(torch.int32),
-                (sub.seq_lens + self.block_size - 1) // self.block_size,
-                tokens_attended.repeat_interleave(self.num_q_heads // self.num_kv_heads, dim=1),
-                sub.seq_lens.clone(),
-            ),
-        )

@@ -54,7 +54,7 @@ import torch
 from llvmlite import ir
 from numba.extending import intrinsic
 
-from kvreuse.errors import check_kernel_argument as _check
+from kvreuse.errors import KernelArgumentError
 from kvreuse.sparse.lane_bounds import MAX_HEADS, TOKEN_LANES, token_bounds
 from kvreuse.sparse.pruned import PrunedTables
 
@@ -334,42 +334,46 @@ def prune_by_sketch(
     the largest logit may then be dropped."""
     from kvreuse.kernels.key_sketch import CODE_MAX, CODE_SLACK, sketch_strides
 
+    # Checked before the compiled loop, which reads the table and the sketch without bounds checks; each message is
+    # built only on failure (this runs once per layer and decode step).
     m, kv = q.shape[0], q.shape[1]
     width = block_table.shape[1]
-    _check(q.dtype == torch.float32 and q.dim() == 4, f"q must be float32 [m, kv, g, d], got {q.dtype} {list(q.shape)}")
-    _check(
-        tuple(sketch.codes.shape[2:]) == tuple(q.shape[1:2]) + tuple(q.shape[3:]),
-        f"q {list(q.shape)} must have the sketch's KV heads and head_dim {list(sketch.codes.shape[2:])}",
-    )
-    _check(
-        block_table.shape[0] == m and seq_lens.shape == (m,),
-        f"block_table {list(block_table.shape)} and seq_lens {list(seq_lens.shape)} must have {m} rows like q",
-    )
-    _check(q.shape[3] <= 256, f"head_dim {q.shape[3]} over 256: the int32 dot products could overflow")
-    _check(q.shape[3] % 2 == 0, f"head_dim {q.shape[3]} is odd: the scan multiplies channels in pairs")
+    if not (q.dtype == torch.float32 and q.dim() == 4):
+        raise KernelArgumentError(f"q must be float32 [m, kv, g, d], got {q.dtype} {list(q.shape)}")
+    if sketch.codes.shape[2:] != (kv, q.shape[3]):
+        raise KernelArgumentError(
+            f"q {list(q.shape)} must have the sketch's KV heads and head_dim {list(sketch.codes.shape[2:])}"
+        )
+    if block_table.shape[0] != m or seq_lens.shape != (m,):
+        raise KernelArgumentError(
+            f"block_table {list(block_table.shape)} and seq_lens {list(seq_lens.shape)} must have {m} rows like q"
+        )
+    if q.shape[3] > 256:
+        raise KernelArgumentError(f"head_dim {q.shape[3]} over 256: the int32 dot products could overflow")
+    if q.shape[3] % 2:
+        raise KernelArgumentError(f"head_dim {q.shape[3]} is odd: the scan multiplies channels in pairs")
     block_size = sketch.codes.shape[1]
-    layout = sketch_strides(block_size, q.shape[1], q.shape[3], "cpu")
-    _check(
-        sketch.codes.stride() == layout.codes and sketch.scales.stride() == layout.scales,
-        f"the scan reads the CPU sketch layout (kvreuse.kernels.key_sketch.sketch_strides: codes strides "
-        f"{layout.codes}, scales {layout.scales}), got codes {sketch.codes.stride()}, scales {sketch.scales.stride()}",
-    )
-    # the compiled loop reads the table and the sketch without bounds checks
-    _check(
-        m == 0 or int(seq_lens.max()) <= width * block_size,
-        f"seq_lens (up to {int(seq_lens.max()) if m else 0}) must fit block_table's {width} blocks",
-    )
+    layout = sketch_strides(block_size, kv, q.shape[3], "cpu")
+    if sketch.codes.stride() != layout.codes or sketch.scales.stride() != layout.scales:
+        raise KernelArgumentError(
+            f"the scan reads the CPU sketch layout (kvreuse.kernels.key_sketch.sketch_strides: codes strides "
+            f"{layout.codes}, scales {layout.scales}), got codes {sketch.codes.stride()}, scales "
+            f"{sketch.scales.stride()}"
+        )
+    seq_lens_np = seq_lens.to(torch.int32).numpy()
+    if m and seq_lens_np.max() > width * block_size:
+        raise KernelArgumentError(f"seq_lens (up to {seq_lens_np.max()}) must fit block_table's {width} blocks")
     codes, code_at = _flat(sketch.codes, torch.int8)
     scales, scale_at = _flat(sketch.scales, torch.float32)
-    tables = torch.empty(kv, m, width, dtype=torch.int32)
-    lens = torch.empty(kv, m, dtype=torch.int32)
-    kept = torch.empty(kv, m, dtype=torch.int64)
+    tables = np.empty((kv, m, width), np.int32)
+    lens = np.empty((kv, m), np.int32)
+    kept = np.empty((kv, m), np.int64)
     _prune(
-        q.numpy(), codes, scales, code_at, scale_at, block_table.to(torch.int32).numpy(),
-        seq_lens.to(torch.int32).numpy(), np.float32(beta), int(sink), int(local), block_size,
-        0.5 + CODE_SLACK, int(top_pages), float(CODE_MAX), tables.numpy(), lens.numpy(), kept.numpy(),
+        q.numpy(), codes, scales, code_at, scale_at, block_table.to(torch.int32).numpy(), seq_lens_np,
+        np.float32(beta), int(sink), int(local), block_size, 0.5 + CODE_SLACK, int(top_pages), float(CODE_MAX),
+        tables, lens, kept,
     )  # fmt: skip
-    return PrunedTables(tables, lens, kept)
+    return PrunedTables(torch.from_numpy(tables), torch.from_numpy(lens), torch.from_numpy(kept))
 
 
 def warm_up(num_kv_heads: int, head_dim: int, block_size: int) -> None:

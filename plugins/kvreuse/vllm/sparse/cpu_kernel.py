@@ -11,6 +11,7 @@ decodes run it once, every (KV head, sequence) pair a sequence of its own on a o
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvreuse.errors import ConfigError
@@ -88,12 +89,14 @@ class CPUAttentionKernel:
         kv, n, width = tables.block_table.shape
         group = query.shape[1] // kv
         keys, values = head_tiles(key_cache), head_tiles(value_cache)
-        heads = torch.arange(kv, dtype=torch.int64)[:, None, None]
-        table = (tables.block_table.long() * kv + heads).to(torch.int32).view(kv * n, width)
+        # the tables' small integer arithmetic in numpy: a few microseconds per layer less than as tensor ops
+        table = torch.from_numpy(
+            (tables.block_table.numpy() * kv + np.arange(kv, dtype=np.int32)[:, None, None]).reshape(kv * n, width)
+        )
         seq_lens = tables.seq_lens.view(kv * n)
         by_head = query.view(n, kv, group, -1).transpose(0, 1).reshape(kv * n, group, query.shape[-1])
         result = torch.empty_like(by_head)
-        starts = torch.arange(kv * n + 1, dtype=torch.int32)
+        starts = torch.from_numpy(np.arange(kv * n + 1, dtype=np.int32))
         schedule = self.schedule(starts, seq_lens, group, 1)
         self.attend(by_head, keys, values, result, starts, seq_lens, table, schedule)
         out.view(n, kv, group, -1).copy_(result.view(kv, n, group, -1).transpose(0, 1))
