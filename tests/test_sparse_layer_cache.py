@@ -13,10 +13,10 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvreuse.errors import ConfigError
-from kvreuse.kernels.key_sketch import sketch_reference
+from kvreuse.kernels.key_sketch import TOKEN_ROW, sketch_reference, sketch_strides
 from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.paged import SparseAttention
-from kvreuse.vllm.sparse.backend import SparseAttentionBackend, layer_cache, plain_kv, sketch_rows
+from kvreuse.vllm.sparse.backend import SparseAttentionBackend, layer_cache, plain_kv, sketch_bytes, sketch_rows
 
 BLOCK, KV_HEADS, DIM, BLOCKS = 32, 2, 64, 5
 PAGE = BLOCK * KV_HEADS * 2 * DIM * 4
@@ -54,6 +54,16 @@ def test_customize_spec_pads_each_page_by_the_rows_of_its_sketch():
     assert spec().page_size_bytes == PAGE
     assert custom.page_size_bytes == PAGE + SKETCH_ROWS * ROW
     assert SparseAttentionBackend.customize_spec(custom) == custom  # asked again, nothing changes
+
+
+@pytest.mark.parametrize("block_size", [16, 24, 32, 48])
+def test_the_page_padding_holds_a_blocks_sketch_in_either_devices_layout(block_size):
+    """``sketch_bytes`` sizes the padding from the CPU layout, whose rows of whole ``TOKEN_ROW``s of tokens make it
+    the larger: at a block size that is not a multiple of that it pads more than the tokens' codes and scales."""
+    sizes = {device: sketch_strides(block_size, KV_HEADS, DIM, device).block_bytes for device in ("cpu", "cuda")}
+    assert sketch_bytes(block_size, KV_HEADS, DIM) == max(sizes.values()) == sizes["cpu"]
+    assert sizes["cuda"] == block_size * KV_HEADS * (DIM + 4)  # token by token, nothing padded
+    assert (sizes["cpu"] == sizes["cuda"]) == (block_size % TOKEN_ROW == 0)
 
 
 def test_customize_spec_keeps_a_larger_padding_and_refuses_a_smaller_one():

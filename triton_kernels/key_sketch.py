@@ -27,6 +27,7 @@ block's sketch never goes stale: a rewritten slot gets its new key's code.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +60,13 @@ class SketchStrides:
     def block_scales(self) -> int:
         return self.scales[0]
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's sketch: its int8 codes and fp32 scales."""
+        return self.block_codes + 4 * self.block_scales
 
+
+@functools.lru_cache(maxsize=64)  # asked once per layer and decode step; a pure function of a few ints
 def sketch_strides(block_size: int, num_kv_heads: int, head_dim: int, device: torch.device | str) -> SketchStrides:
     """The sketch's layout for a cache on ``device``: per block, KV head by KV head; in a KV head, token by token
     with each key's codes contiguous on a GPU, channel by channel with each channel's tokens contiguous (in a row

@@ -237,8 +237,10 @@ def row_bytes(spec: AttentionSpec) -> int:
 
 
 def sketch_bytes(block_size: int, num_kv_heads: int, head_size: int) -> int:
-    """Bytes of one block's key sketch: an int8 code per channel and an fp32 scale, per token and KV head."""
-    return block_size * num_kv_heads * (head_size + 4)
+    """Bytes of one block's key sketch (an int8 code per channel and an fp32 scale, per token and KV head) as
+    ``sketch_strides`` lays it out on a CPU, whose rows of whole ``TOKEN_ROW``s make it the larger layout: pages
+    sized for it hold either."""
+    return sketch_strides(block_size, num_kv_heads, head_size, "cpu").block_bytes
 
 
 def sketch_rows(spec: AttentionSpec) -> int:
