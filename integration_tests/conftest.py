@@ -20,9 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """The sparse backend logs its figures at exit (an ``atexit`` hook, as a user's process wants them), through
-    vLLM's log handler, which writes to the ``sys.stdout`` of the moment vLLM was imported: pytest's capture, which
-    is closed by then, so every in-process sparse engine's figures would end the run in "--- Logging error ---".
-    The tests read the figures themselves; the hook is dropped."""
+    vLLM's log handler, which holds the standard stream of the moment vLLM configured its log: pytest's capture,
+    closed by then, so every in-process sparse engine's figures would end the run in "--- Logging error ---". The
+    tests read the figures themselves; the hook is dropped."""
     backend = sys.modules.get("kvreuse.vllm.sparse.backend")
     if backend is not None:
         atexit.unregister(backend.log_sparse_figures)
