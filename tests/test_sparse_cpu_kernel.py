@@ -15,7 +15,7 @@ import torch
 from kvreuse.errors import ConfigError
 from kvreuse.sparse.config import SparseConfig
 from kvreuse.sparse.cpu_attention import dipr_read_blocks
-from kvreuse.sparse.paged import PagedBatch, SparseAttention
+from kvreuse.sparse.paged import PagedBatch, SparseAttention, split_batch
 from kvreuse.sparse.pruned import prune_block_table
 from kvreuse.vllm.sparse.backend import layer_cache, sketch_bytes
 from kvreuse.vllm.sparse.cpu_kernel import CPUAttentionKernel
@@ -151,25 +151,31 @@ def test_decodes_at_beta_inf_are_the_stock_kernels_call_bit_for_bit_and_read_eve
     assert row["block_fraction"] == 1.0 and row["token_fraction"] == 1.0 and row["dipr_decodes"] == 6
 
 
-def test_a_finite_beta_attends_every_token_of_the_blocks_each_kv_head_reads_and_no_other():
-    engine = Engine(sparse(4.0, sink=4, local=8), [300, 450])
-    engine.step([300, 450])
-    query, batch = engine.step([1, 1])
-    out = engine.attend(1, query, batch)
-    for req in range(2):
+def assert_dipr_rows(engine: Engine, query: torch.Tensor, out: torch.Tensor, reqs: int) -> None:
+    """The first ``reqs`` rows of ``out`` (one decode each, beta = 4, sink 4, local 8) attend every token of the
+    blocks the reference decision reads for their KV heads and no other, and no key within beta of a query head's
+    largest logit lies in a block its KV head skips."""
+    for req in range(reqs):
         n = engine.lens[req]
         keys, values = engine.tokens(req)
         q = query[req].double().view(KV_HEADS, GROUP, DIM) * SCALE
         blocks = engine.table[req, : -(-n // BLOCK)].long()
         read, _ = dipr_read_blocks(q.float(), engine.sketch, blocks, n, 4.0, 4, 8)
         logits = torch.einsum("hgd,nhd->hgn", q, keys)
-        # no key within beta of its query head's largest logit lies in a block its KV head skips
         near = logits >= logits.amax(-1, keepdim=True) - 4.0
         kept = read.repeat_interleave(BLOCK, dim=1)[:, None, :n]  # [kv, 1, n]
         assert bool((kept | ~near).all())
         weights = torch.softmax(logits.masked_fill(~kept, -math.inf), -1)
         expected = torch.einsum("hgn,nhd->hgd", weights, values).reshape(Q_HEADS, DIM)
         torch.testing.assert_close(out[req].double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_finite_beta_attends_every_token_of_the_blocks_each_kv_head_reads_and_no_other():
+    engine = Engine(sparse(4.0, sink=4, local=8), [300, 450])
+    engine.step([300, 450])
+    query, batch = engine.step([1, 1])
+    out = engine.attend(1, query, batch)
+    assert_dipr_rows(engine, query, out, 2)
     row = engine.attention.figures.rows()[0]
     # per KV head, the sink block, block 6 (position 200) and the window's last blocks: 1 of 301 tokens' 10 blocks,
     # 2 of 451 tokens' 15 (the last 8 tokens, 443-450, span blocks 13 and 14)
@@ -178,6 +184,26 @@ def test_a_finite_beta_attends_every_token_of_the_blocks_each_kv_head_reads_and_
     # sequence, three full blocks and the last one's 3 of the second
     assert row["tokens_attended"] == Q_HEADS * (2 * BLOCK + 13 + 3 * BLOCK + 3)
     assert row["tokens_total"] == Q_HEADS * (301 + 451) and row["dipr_decodes"] == 2
+
+
+@pytest.mark.parametrize("decodes", [1, 2])
+def test_dipr_decodes_read_in_place_give_the_rows_they_give_gathered(decodes):
+    """A step of decodes only has the op read their queries and write their outputs in place (they are the batch's
+    first rows); behind a request without new tokens they are gathered and scattered back: the same rows, bit for
+    bit, and the reference's (one decode: each KV head a sequence of the op's call; two: the heads regrouped)."""
+    prompts = [300, 450][:decodes]
+    engine = Engine(sparse(4.0, sink=4, local=8), prompts)
+    engine.step(prompts)
+    query, batch = engine.step([1] * decodes)
+    zero = torch.zeros(1, dtype=torch.int32)
+    starts = torch.cat([zero, batch.query_start_loc])
+    lens = torch.cat([zero + BLOCK, batch.seq_lens])
+    table = torch.cat([torch.zeros_like(batch.block_table[:1]), batch.block_table])
+    behind = PagedBatch(starts, starts, lens, lens, table, batch.slot_mapping, decodes, batch.max_seq_len)
+    assert split_batch(batch, False, 0, BLOCK).dipr_leading and not split_batch(behind, False, 0, BLOCK).dipr_leading
+    in_place = engine.attend(1, query, batch)
+    assert torch.equal(in_place, engine.attend(1, query, behind))
+    assert_dipr_rows(engine, query, in_place, decodes)
 
 
 def test_a_step_with_a_prefill_and_dipr_decodes_gives_the_prefill_the_stock_kernels_rows():

@@ -264,6 +264,18 @@ def test_prune_by_sketch_refuses_a_sketch_in_another_layout():
         prune_by_sketch(q, contiguous, table, lens, 4.0, 16, 64)
 
 
+def test_prune_by_sketch_refuses_a_length_past_its_block_table_before_reading():
+    """The compiled scan reads a sequence's blocks from its table row without bounds checks: a length the row cannot
+    hold (here the second decode's, one token past its 2 blocks) is refused, with the tables left unread."""
+    sketch = KeySketch.allocate(4, BLOCK, KV_HEADS, DIM, "cpu")
+    q = torch.zeros(2, KV_HEADS, GROUP, DIM)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    fits = prune_by_sketch(q, sketch, table, torch.tensor([2 * BLOCK, 2 * BLOCK], dtype=torch.int32), 4.0, 0, 1)
+    assert fits.kept.shape == (KV_HEADS, 2)
+    with pytest.raises(KernelArgumentError, match=f"seq_lens \\(up to {2 * BLOCK + 1}\\) must fit block_table's 2"):
+        prune_by_sketch(q, sketch, table, torch.tensor([BLOCK, 2 * BLOCK + 1], dtype=torch.int32), 4.0, 0, 1)
+
+
 def test_prune_by_sketch_refuses_an_odd_head_dim():
     sketch = KeySketch.allocate(1, BLOCK, 1, 63, "cpu")
     with pytest.raises(KernelArgumentError, match="head_dim 63 is odd"):

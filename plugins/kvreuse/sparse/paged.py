@@ -176,6 +176,7 @@ class StepPlan:
     dense_decodes: tuple[int, int, int]
     dipr_decodes: tuple[int, int, int] = (0, 0, 0)
     under_min_context: int = 0  # the longest context of a decode kept dense only for being under min_context
+    dipr_leading: bool = False  # the DIPR decodes are the batch's first requests: its first rows, one each, in order
     ape: SubBatch | None = None
     moved: SubBatch | None = None
 
@@ -241,6 +242,7 @@ def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_si
         dense_decodes=(dense_count, dense_blocks, dense_tokens),
         dipr_decodes=(len(dipr_reqs), dipr_blocks, dipr_tokens),
         under_min_context=under_min_context,
+        dipr_leading=dipr_reqs == list(range(len(dipr_reqs))),
         ape=gather(batch, ape_reqs, max(starts[r + 1] - starts[r] for r in ape_reqs)) if ape_reqs else None,
         moved=gather(batch, moved_reqs, max(starts[r + 1] - starts[r] for r in moved_reqs)) if moved_reqs else None,
     )
@@ -338,7 +340,7 @@ class SparseAttention:
         slot_mapping: torch.Tensor,
     ) -> None:
         """Store a step's keys and values and sketch the keys."""
-        slots = slot_mapping[: len(key)]
+        slots = slot_mapping[: key.shape[0]]
         if self.paged_kernel is not None:
             clear = write_sketch(key.to(key_cache.dtype), sketch, slots, self.block_size)
             self.paged_kernel.write(key, value, key_cache, value_cache, slots, clear)
@@ -645,9 +647,7 @@ class SparseAttention:
             if plan.dipr is not None and beta == INF:
                 self._dense_through(kernel, query, key_cache, value_cache, plan.dipr, out)
             elif plan.dipr is not None:
-                self._pruned_decode(
-                    layer, beta, query, key_cache, value_cache, sketch, plan.dipr, plan.dipr_decodes, out, kernel
-                )
+                self._pruned_decode(layer, beta, query, key_cache, value_cache, sketch, plan, out, kernel)
             # plain views only where read: on a variant whose key tiles kvreuse does not read they would refuse
             if plan.moved is not None or plan.ape is not None:
                 keys, values = kernel.plain_keys(key_cache), kernel.plain_values(value_cache)
@@ -739,8 +739,7 @@ class SparseAttention:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         sketch: KeySketch,
-        sub: SubBatch,
-        totals: tuple[int, int, int],
+        plan: StepPlan,
         out: torch.Tensor,
         kernel: PagedKernel,
     ) -> None:
@@ -749,23 +748,30 @@ class SparseAttention:
         whose upper bound reaches ``tau``), and the kernel attends every token of those blocks, each KV head on its
         own pruned tables, in one call (``PagedKernel.attend_pruned``). Every key within beta of the largest logit
         is in a read block, so it is attended; the kernel also attends the read blocks' other tokens (a superset of
-        the Triton kernel's set, at no extra bytes read). ``totals``: the decodes' number, blocks and tokens (the
-        plan's ``dipr_decodes``); the figures are counted on the host, where the pruned tables are."""
-
-        rows = sub.query_starts.long()
-        q = query.index_select(0, rows)  # [m, hq, d]
-        m, kv = len(rows), self.num_kv_heads
+        the Triton kernel's set, at no extra bytes read). The figures are counted on the host, where the pruned
+        tables are, with the plan's totals (``dipr_decodes``). Where the decodes are the batch's first rows (a step
+        of decodes only) the kernel reads their queries and writes their outputs in place: this runs once per layer
+        and step, and every tensor call it saves is a few microseconds more of the step."""
+        sub = plan.dipr
+        assert sub is not None
+        m, kv = len(sub.reqs), self.num_kv_heads
+        in_place = plan.dipr_leading and out.dtype == query.dtype and out.is_contiguous()
+        rows = None if in_place else sub.query_starts.long()
+        q = query[:m] if rows is None else query.index_select(0, rows)  # [m, hq, d]
         group = self.num_q_heads // kv
         sink, local = self.config.sink, self.config.local
         scaled = q.float().view(m, kv, group, self.head_dim) * self.scale
         pruned = prune_by_sketch(
             scaled, sketch, sub.block_table, sub.seq_lens, beta, sink, local, self.config.top_pages
         )
-        result = torch.empty_like(q)
-        kernel.attend_pruned(q, key_cache, value_cache, result, pruned)
-        out.index_copy_(0, rows, result.to(out.dtype))
+        if rows is None:
+            kernel.attend_pruned(q, key_cache, value_cache, out[:m], pruned)
+        else:
+            result = torch.empty_like(q)
+            kernel.attend_pruned(q, key_cache, value_cache, result, pruned)
+            out.index_copy_(0, rows, result.to(out.dtype))
         self._sample_recovery(layer, beta, q, lambda: kernel.plain_keys(key_cache), sketch, sub)
-        count, blocks, tokens = totals
+        count, blocks, tokens = plan.dipr_decodes
         self.figures.add_read(
             layer,
             int(pruned.kept.numpy().sum()),

@@ -170,9 +170,13 @@ def _prune(
     """The kept blocks of every decode ``i`` and KV head ``h`` into ``tables[h, i]`` (in sequence order, then block
     0 of ``block_table[i]``), ``lens[h, i]`` (their tokens) and ``kept[h, i]``; ``q[m, kv, g, d]`` fp32 scaled, the
     sketch in the CPU layout (``key_sketch.sketch_strides``). ``top_pages > 0``: of the blocks outside the window,
-    at most that many, those whose bound reaches furthest above ``tau``."""
+    at most that many, those whose bound reaches furthest above ``tau``. Returns -1, or before anything is read
+    the first decode whose length does not fit its row of ``block_table`` (the caller raises)."""
     m, kv, group, dim = q.shape
     width = block_table.shape[1]
+    for i in range(m):
+        if seq_lens[i] > width * block_size:
+            return i
     n_pairs = dim // 2
     pieces = (group + MAX_HEADS - 1) // MAX_HEADS  # a KV head's query heads, at most MAX_HEADS per call
     reach = np.empty((kv, group, width), np.float32)  # per KV head, query head and block: its largest upper bound
@@ -261,6 +265,7 @@ def _prune(
             if n_blocks > 0 and read[n_blocks - 1]:
                 tokens -= n_blocks * block_size - n  # the last block's empty slots
             lens[h, i] = tokens
+    return -1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -304,7 +309,7 @@ def write_sketch(keys: torch.Tensor, sketch: KeySketch, slot_mapping: torch.Tens
     their other slots still hold what the block's previous request wrote, which the caller clears."""
     from kvreuse.kernels.key_sketch import CODE_MAX
 
-    n = min(len(keys), len(slot_mapping))  # the compiled loop reads both without bounds checks
+    n = min(keys.shape[0], slot_mapping.shape[0])  # the compiled loop reads both without bounds checks
     codes, code_at = _flat(sketch.codes, torch.int8)
     scales, scale_at = _flat(sketch.scales, torch.float32)
     fresh = _write(
@@ -334,8 +339,9 @@ def prune_by_sketch(
     the largest logit may then be dropped."""
     from kvreuse.kernels.key_sketch import CODE_MAX, CODE_SLACK, sketch_strides
 
-    # Checked before the compiled loop, which reads the table and the sketch without bounds checks; each message is
-    # built only on failure (this runs once per layer and decode step).
+    # Checked before the compiled loop, which reads the table and the sketch without bounds checks (the lengths
+    # against the table: in it, before it reads); each message is built only on failure (this runs once per layer
+    # and decode step).
     m, kv = q.shape[0], q.shape[1]
     width = block_table.shape[1]
     if not (q.dtype == torch.float32 and q.dim() == 4):
@@ -360,19 +366,19 @@ def prune_by_sketch(
             f"{layout.codes}, scales {layout.scales}), got codes {sketch.codes.stride()}, scales "
             f"{sketch.scales.stride()}"
         )
-    seq_lens_np = seq_lens.to(torch.int32).numpy()
-    if m and seq_lens_np.max() > width * block_size:
-        raise KernelArgumentError(f"seq_lens (up to {seq_lens_np.max()}) must fit block_table's {width} blocks")
+    seq_lens_np = seq_lens.to(torch.int32).numpy()  # whether they fit block_table: checked in the compiled call
     codes, code_at = _flat(sketch.codes, torch.int8)
     scales, scale_at = _flat(sketch.scales, torch.float32)
     tables = np.empty((kv, m, width), np.int32)
     lens = np.empty((kv, m), np.int32)
     kept = np.empty((kv, m), np.int64)
-    _prune(
+    unfit = _prune(
         q.numpy(), codes, scales, code_at, scale_at, block_table.to(torch.int32).numpy(), seq_lens_np,
         np.float32(beta), int(sink), int(local), block_size, 0.5 + CODE_SLACK, int(top_pages), float(CODE_MAX),
         tables, lens, kept,
     )  # fmt: skip
+    if unfit >= 0:
+        raise KernelArgumentError(f"seq_lens (up to {seq_lens_np.max()}) must fit block_table's {width} blocks")
     return PrunedTables(torch.from_numpy(tables), torch.from_numpy(lens), torch.from_numpy(kept))
 
 

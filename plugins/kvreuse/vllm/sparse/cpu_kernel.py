@@ -11,6 +11,8 @@ decodes run it once, every (KV head, sequence) pair a sequence of its own on a o
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -29,6 +31,10 @@ class CPUAttentionKernel:
     def __init__(self, dtype: torch.dtype, block_size: int, head_size: int, scale: float) -> None:
         self.dtype, self.block_size, self.head_size, self.scale = dtype, block_size, head_size, float(scale)
         self.isa = vllm_0_32.cpu_attention_isa(dtype, block_size, head_size)
+        # per cache tensor its one-head view, and per number of (KV head, sequence) pairs the op's query starts:
+        # made once, not per layer and step
+        self._tiles: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        self._starts: dict[int, torch.Tensor] = {}
 
     def write(
         self,
@@ -44,7 +50,7 @@ class CPUAttentionKernel:
         # is not finite in the blocks a write starts without filling is zeroed first (0 * a finite value is 0, and
         # any tile packing holds zeros as zeros). Finite entries stay: the module cache writes a block's slots out of
         # order (a spliced module, then the tokens it recomputes), so such a block may hold this request's own K/V.
-        if len(clear):
+        if clear.shape[0]:
             for cache in (key_cache, value_cache):
                 tiles = cache[clear]
                 cache[clear] = tiles.masked_fill(~tiles.isfinite(), 0)
@@ -88,18 +94,33 @@ class CPUAttentionKernel:
         (0.86-0.94x the time of those on SmolLM2's shape at 2K-8K tokens, one thread, cold caches)."""
         kv, n, width = tables.block_table.shape
         group = query.shape[1] // kv
-        keys, values = head_tiles(key_cache), head_tiles(value_cache)
+        keys, values = self._head_tiles(key_cache), self._head_tiles(value_cache)
         # the tables' small integer arithmetic in numpy: a few microseconds per layer less than as tensor ops
         table = torch.from_numpy(
             (tables.block_table.numpy() * kv + np.arange(kv, dtype=np.int32)[:, None, None]).reshape(kv * n, width)
         )
         seq_lens = tables.seq_lens.view(kv * n)
+        starts = self._starts.get(kv * n)
+        if starts is None:
+            starts = self._starts[kv * n] = torch.from_numpy(np.arange(kv * n + 1, dtype=np.int32))
+        schedule = self.schedule(starts, seq_lens, group, 1)
+        if n == 1:  # one decode (a single sequence's steps): its heads are already grouped by KV head, no copies
+            head_dim = query.shape[-1]
+            self.attend(query.view(kv, group, head_dim), keys, values, out.view(kv, group, head_dim), starts,
+                        seq_lens, table, schedule)  # fmt: skip
+            return
         by_head = query.view(n, kv, group, -1).transpose(0, 1).reshape(kv * n, group, query.shape[-1])
         result = torch.empty_like(by_head)
-        starts = torch.from_numpy(np.arange(kv * n + 1, dtype=np.int32))
-        schedule = self.schedule(starts, seq_lens, group, 1)
         self.attend(by_head, keys, values, result, starts, seq_lens, table, schedule)
         out.view(n, kv, group, -1).copy_(result.view(kv, n, group, -1).transpose(0, 1))
+
+    def _head_tiles(self, cache: torch.Tensor) -> torch.Tensor:
+        """``head_tiles(cache)``, made once per cache tensor (a layer's caches live as long as the engine)."""
+        entry = self._tiles.get(id(cache))
+        if entry is None or entry[0]() is not cache:
+            key = id(cache)
+            entry = self._tiles[key] = (weakref.ref(cache, lambda _: self._tiles.pop(key, None)), head_tiles(cache))
+        return entry[1]
 
     @property
     def knows_key_tiles(self) -> bool:
