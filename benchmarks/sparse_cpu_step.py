@@ -19,6 +19,10 @@ prompt, alternated over the layers and repeated along the context), the query th
 layer; so the pruning is the real model's, only repeated. The two sides run alternately, step after step, in one
 process; each figure is the median over steps of (sparse time / stock time), so that load from other processes
 on a shared machine falls on both sides alike. ``--profile`` prints where the sparse side's time goes.
+``--between-mb 14`` streams a layer's worth of weights before every layer (untimed), so that each layer's
+attention starts, as in the engine, with the caches holding the model's weights rather than its own code and data:
+the fixed work of a call (Python, PyTorch's dispatch, the ops' setup) then costs several times what it costs back to
+back.
 
 Run: ``.venv/bin/python benchmarks/sparse_cpu_step.py`` (``--lengths 1024,8192 --steps 20``); writes
 ``sparse_cpu_step.json`` (``--name``) under ``build/benchmarks/``, or ``docs/benchmarks/results/`` with
@@ -84,7 +88,8 @@ class Sparse:
             self.layers.append((key_cache, value_cache, sketch))
         self.block_table = torch.arange(self.blocks, dtype=torch.int32)[None]
 
-    def step(self, length: int, keys, values, queries) -> None:
+    def step(self, length: int, keys, values, queries, between: Between | None = None) -> float:
+        started, outside = time.perf_counter(), 0.0
         slot = torch.tensor([length], dtype=torch.int64)
         batch = PagedBatch(
             query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
@@ -98,9 +103,11 @@ class Sparse:
         )
         out = torch.empty(1, Q_HEADS, DIM)
         for layer, (key_cache, value_cache, sketch) in enumerate(self.layers):
+            outside += between() if between else 0.0
             k, v = keys[layer][length : length + 1], values[layer][length : length + 1]
             self.attention.write(k, v, key_cache, value_cache, sketch, slot)
             self.attention.attend(layer, queries[layer][None], key_cache, value_cache, sketch, batch, out)
+        return time.perf_counter() - started - outside
 
 
 class Filter(Sparse):
@@ -149,7 +156,8 @@ class Stock:
             self.layers.append((key_cache, value_cache))
         self.block_table = torch.arange(self.blocks, dtype=torch.int32)[None]
 
-    def step(self, length: int, keys, values, queries) -> None:
+    def step(self, length: int, keys, values, queries, between: Between | None = None) -> float:
+        started, outside = time.perf_counter(), 0.0
         ops = self.ops
         slot = torch.tensor([length], dtype=torch.int64)
         starts = torch.tensor([0, 1], dtype=torch.int32)
@@ -159,12 +167,14 @@ class Stock:
         )
         out = torch.empty(1, Q_HEADS, DIM)
         for layer, (key_cache, value_cache) in enumerate(self.layers):
+            outside += between() if between else 0.0
             k, v = keys[layer][length : length + 1], values[layer][length : length + 1]
             ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slot, self.isa)
             ops.cpu_attention_with_kv_cache(
                 queries[layer][None], key_cache, value_cache, out, starts, seq_lens, DIM**-0.5, True, None, -1,
                 self.block_table, 0.0, metadata, None,
             )  # fmt: skip
+        return time.perf_counter() - started - outside
 
 
 def breakdown(filter_side: Filter, stock: Stock, length: int, queries, repeats: int = 5) -> dict:
@@ -220,9 +230,28 @@ def breakdown(filter_side: Filter, stock: Stock, length: int, queries, repeats: 
     return sums
 
 
-def measure(length: int, steps: int, profile: bool, kinds: list[str], split: bool = False) -> dict:
+class Between:
+    """What a model computes between two layers' attention, for ``--between-mb``: a matrix-vector product over
+    ``mb`` MB of fp32 weights (SmolLM2-135M streams ~14 MB per layer, its projections and MLP, and 113 MB for its
+    output layer once a token), which leaves the caches holding weights, not the attention's code and data, as in
+    an engine's decode step. Called, it returns its own seconds, which the step's time leaves out."""
+
+    def __init__(self, mb: float):
+        self.weights = torch.randn(max(1, int(mb * 2**20 / 4 / 1536)), 1536)
+        self.x = torch.randn(1, 1536)
+
+    def __call__(self) -> float:
+        started = time.perf_counter()
+        torch.nn.functional.linear(self.x, self.weights)
+        return time.perf_counter() - started
+
+
+def measure(
+    length: int, steps: int, profile: bool, kinds: list[str], split: bool = False, between: Between | None = None
+) -> dict:
     """One row: each side's step time over a context of ``length`` tokens, the decoded token's the last (at slot
-    ``length - 1``: a block the step does not start, as in 31 of 32 decode steps)."""
+    ``length - 1``: a block the step does not start, as in 31 of 32 decode steps); with ``between``, the model's
+    other work run before every layer (not counted)."""
     prefilled = length - 1
     keys, values, queries = real_kv(prefilled)
     stock = Stock(keys, values, prefilled)
@@ -237,9 +266,7 @@ def measure(length: int, steps: int, profile: bool, kinds: list[str], split: boo
             side.step(prefilled, keys, values, queries)
     for _ in range(steps):
         for name, side in sides.items():
-            started = time.perf_counter()
-            side.step(prefilled, keys, values, queries)
-            times[name].append(time.perf_counter() - started)
+            times[name].append(side.step(prefilled, keys, values, queries, between))
     row = {"length": length, "stock_ms": 1e3 * statistics.median(times["stock"])}
     for name in sides:
         if name != "stock":
@@ -278,6 +305,12 @@ def main() -> None:
         help="time the filter's decision and pruned attention per layer beside stock's",
     )
     parser.add_argument("--threads", type=int, help="torch threads (default: PyTorch's, as the engine's worker)")
+    parser.add_argument(
+        "--between-mb",
+        type=float,
+        default=0.0,
+        help="before every layer, stream this many MB of weights (as the model does between two layers; not timed)",
+    )
     parser.add_argument("--name", default="sparse_cpu_step")
     parser.add_argument(
         "--sides", default="own,filter", help="sparse sides beside stock: own (kvreuse's kernels), filter (vLLM's op)"
@@ -286,7 +319,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     kinds = args.sides.split(",")
-    rows = [measure(int(n), args.steps, args.profile, kinds, args.breakdown) for n in args.lengths.split(",")]
+    between = Between(args.between_mb) if args.between_mb else None
+    rows = [measure(int(n), args.steps, args.profile, kinds, args.breakdown, between) for n in args.lengths.split(",")]
     prefixes = [prefix for kind, prefix in (("own", ""), ("filter", "filter ")) if kind in kinds]
     names = [f"{prefix}beta={b:g}" for prefix in prefixes for b in BETAS]
     print("| context | stock ms/step | " + " | ".join(f"{n} / stock (blocks read)" for n in names) + " |")
@@ -296,7 +330,9 @@ def main() -> None:
         print(f"| {r['length']:,} | {r['stock_ms']:.1f} | " + " | ".join(cells) + " |")
     load = os.getloadavg()[0]
     print(f"load average (1 min) at the end: {load:.1f}")
-    write_results(args.name, {"rows": rows, "threads": torch.get_num_threads()}, output_dir(args))
+    write_results(
+        args.name, {"rows": rows, "threads": torch.get_num_threads(), "between_mb": args.between_mb}, output_dir(args)
+    )
 
 
 if __name__ == "__main__":
