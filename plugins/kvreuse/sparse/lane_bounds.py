@@ -9,7 +9,7 @@ tokens side by side: ``kvreuse.kernels.key_sketch.KeySketch.allocate`` on a CPU)
 block's tokens (16 at a time) and up to 4 query heads, the exact integer dot products with every token in its own
 lane (no horizontal sums), their fp32 bounds, the block's largest upper bound and, lane by lane, the largest lower
 bounds so far: one horizontal maximum per block for the upper bounds, and one per sequence for the lower ones
-(a call per 16 tokens, each reducing both, took ~10% longer over 16K tokens).
+(a call per 16 tokens, each reducing both, took 5-10% longer over 8K-32K tokens).
 
 The code is LLVM's target-independent vector IR, so it runs on any CPU LLVM targets: the sign-extended products of
 two channels summed pairwise are what x86's ``vpmaddwd`` computes (``vpdpwssd`` with AVX-512 VNNI, which LLVM then

@@ -34,10 +34,9 @@ The scan walks the blocks once, all KV heads of a block together, in the order a
 tokens side by side; ``kvreuse.vllm.sparse.backend.layer_cache`` keeps every block's sketch in one region apart
 from the keys and values, so that a sequence's sketches are read as a stream), a block's tokens (16 per vector) and
 up to 4 query heads per call (``lane_bounds.block_bounds``: one token per lane, so no dot product is summed across
-lanes; about 3x
-faster than summing each token's dot product along its channels, 0.76 -> 0.24 ms per layer over 16K tokens of 3 KV
-heads of 64 channels with the sketch in the CPU's caches). Where the block table jumps, it
-fetches the block after next ahead (``llvm.prefetch``), KV head by KV head; blocks that follow each other in memory
+lanes; about 3x faster than summing each token's dot product along its channels, 0.76 -> 0.24 ms per layer over 16K
+tokens of 3 KV heads of 64 channels with the sketch in the CPU's caches). Where the block table jumps, it fetches
+the block after next ahead (``llvm.prefetch``), KV head by KV head; blocks that follow each other in memory
 are left to the hardware prefetcher (fetching them too made a sequential scan slower).
 
 Arrays are numpy views of the tensors' memory (no copy); the sketch is addressed through flat views of its storage
