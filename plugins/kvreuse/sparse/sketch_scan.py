@@ -45,7 +45,6 @@ and its strides (``prune_by_sketch`` checks they are the CPU layout's).
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING
 
 import numba
@@ -56,6 +55,7 @@ from numba.extending import intrinsic
 
 from kvreuse.errors import KernelArgumentError
 from kvreuse.sparse.lane_bounds import MAX_HEADS, TOKEN_LANES, block_bounds, max_lanes
+from kvreuse.sparse.per_tensor import PerTensor
 from kvreuse.sparse.pruned import PrunedTables
 
 if TYPE_CHECKING:  # the kernels' modules import Triton; only their constants are read here, at call time
@@ -284,22 +284,17 @@ def _keep_top(margin, read, top_pages, sink, local, n, block_size):
             read[b] = False
 
 
-# Per sketch tensor (by id), its storage as a flat numpy array and its offset and strides in it: made once (a few
-# microseconds per layer and step otherwise); an entry goes when the tensor it was made for does.
-_FLAT: dict[int, tuple[weakref.ref[torch.Tensor], np.ndarray, np.ndarray]] = {}
-
-
-def _flat(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
+def _flat_view(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
     """The whole storage under ``tensor`` as a flat numpy array of ``dtype``, and ``tensor``'s element offset and
     strides in it (a tensor's view of its storage never changes)."""
-    key = id(tensor)
-    entry = _FLAT.get(key)
-    if entry is None or entry[0]() is not tensor:
-        storage = tensor.untyped_storage()
-        flat = torch.empty(0, dtype=dtype, device=tensor.device).set_(storage).numpy()
-        at = np.array([tensor.storage_offset(), *tensor.stride()], np.int64)
-        entry = _FLAT[key] = (weakref.ref(tensor, lambda _: _FLAT.pop(key, None)), flat, at)
-    return entry[1], entry[2]
+    flat = torch.empty(0, dtype=dtype, device=tensor.device).set_(tensor.untyped_storage()).numpy()
+    return flat, np.array([tensor.storage_offset(), *tensor.stride()], np.int64)
+
+
+# Made once per sketch tensor (a few microseconds per layer and step otherwise): its codes as int8, its scales as
+# float32.
+_codes_flat = PerTensor(lambda codes: _flat_view(codes, torch.int8))
+_scales_flat = PerTensor(lambda scales: _flat_view(scales, torch.float32))
 
 
 def write_sketch(keys: torch.Tensor, sketch: KeySketch, slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -309,8 +304,8 @@ def write_sketch(keys: torch.Tensor, sketch: KeySketch, slot_mapping: torch.Tens
     from kvreuse.kernels.key_sketch import CODE_MAX
 
     n = min(keys.shape[0], slot_mapping.shape[0])  # the compiled loop reads both without bounds checks
-    codes, code_at = _flat(sketch.codes, torch.int8)
-    scales, scale_at = _flat(sketch.scales, torch.float32)
+    codes, code_at = _codes_flat(sketch.codes)
+    scales, scale_at = _scales_flat(sketch.scales)
     fresh = _write(
         keys[:n].float().numpy(), slot_mapping[:n].long().numpy(), codes, scales, code_at, scale_at, block_size,
         float(CODE_MAX),
@@ -366,8 +361,8 @@ def prune_by_sketch(
             f"{sketch.scales.stride()}"
         )
     seq_lens_np = seq_lens.to(torch.int32).numpy()  # whether they fit block_table: checked in the compiled call
-    codes, code_at = _flat(sketch.codes, torch.int8)
-    scales, scale_at = _flat(sketch.scales, torch.float32)
+    codes, code_at = _codes_flat(sketch.codes)
+    scales, scale_at = _scales_flat(sketch.scales)
     tables = np.empty((kv, m, width), np.int32)
     lens = np.empty((kv, m), np.int32)
     kept = np.empty((kv, m), np.int64)

@@ -11,13 +11,12 @@ decodes run it once, every (KV head, sequence) pair a sequence of its own on a o
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 import torch
 
 from kvreuse.errors import ConfigError
 from kvreuse.patches import vllm_0_32
+from kvreuse.sparse.per_tensor import PerTensor
 from kvreuse.sparse.pruned import PrunedTables
 
 # Instruction-set variants whose key tile layout is known (tested against the op in test_sparse_cpu_kernel.py):
@@ -31,9 +30,7 @@ class CPUAttentionKernel:
     def __init__(self, dtype: torch.dtype, block_size: int, head_size: int, scale: float) -> None:
         self.dtype, self.block_size, self.head_size, self.scale = dtype, block_size, head_size, float(scale)
         self.isa = vllm_0_32.cpu_attention_isa(dtype, block_size, head_size)
-        # per cache tensor its one-head view, and per number of (KV head, sequence) pairs the op's query starts:
-        # made once, not per layer and step
-        self._tiles: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        # per number of (KV head, sequence) pairs, the op's query starts: made once, not per layer and step
         self._starts: dict[int, torch.Tensor] = {}
 
     def write(
@@ -94,7 +91,7 @@ class CPUAttentionKernel:
         (0.86-0.94x the time of those on SmolLM2's shape at 2K-8K tokens, one thread, cold caches)."""
         kv, n, width = tables.block_table.shape
         group = query.shape[1] // kv
-        keys, values = self._head_tiles(key_cache), self._head_tiles(value_cache)
+        keys, values = _head_tiles(key_cache), _head_tiles(value_cache)
         # the tables' small integer arithmetic in numpy: a few microseconds per layer less than as tensor ops
         table = torch.from_numpy(
             (tables.block_table.numpy() * kv + np.arange(kv, dtype=np.int32)[:, None, None]).reshape(kv * n, width)
@@ -113,14 +110,6 @@ class CPUAttentionKernel:
         result = torch.empty_like(by_head)
         self.attend(by_head, keys, values, result, starts, seq_lens, table, schedule)
         out.view(n, kv, group, -1).copy_(result.view(kv, n, group, -1).transpose(0, 1))
-
-    def _head_tiles(self, cache: torch.Tensor) -> torch.Tensor:
-        """``head_tiles(cache)``, made once per cache tensor (a layer's caches live as long as the engine)."""
-        entry = self._tiles.get(id(cache))
-        if entry is None or entry[0]() is not cache:
-            key = id(cache)
-            entry = self._tiles[key] = (weakref.ref(cache, lambda _: self._tiles.pop(key, None)), head_tiles(cache))
-        return entry[1]
 
     @property
     def knows_key_tiles(self) -> bool:
@@ -176,3 +165,7 @@ def head_tiles(cache: torch.Tensor) -> torch.Tensor:
         (num_blocks * kv_heads, 1, block_size, head_dim), (tile, tile, cache.stride(2), cache.stride(3)),
         cache.storage_offset(),
     )  # fmt: skip
+
+
+# a layer's caches live as long as the engine: their one-head views are made once, not per layer and step
+_head_tiles = PerTensor(head_tiles)
