@@ -200,7 +200,9 @@ def test_dipr_decodes_read_in_place_give_the_rows_they_give_gathered(decodes):
     lens = torch.cat([zero + BLOCK, batch.seq_lens])
     table = torch.cat([torch.zeros_like(batch.block_table[:1]), batch.block_table])
     behind = PagedBatch(starts, starts, lens, lens, table, batch.slot_mapping, decodes, batch.max_seq_len)
-    assert split_batch(batch, False, 0, BLOCK).dipr_leading and not split_batch(behind, False, 0, BLOCK).dipr_leading
+    leading, behind_it = split_batch(batch, False, 0, BLOCK).dipr, split_batch(behind, False, 0, BLOCK).dipr
+    assert leading is not None and leading.reqs == tuple(range(decodes))
+    assert behind_it is not None and behind_it.reqs == tuple(range(1, decodes + 1))
     in_place = engine.attend(1, query, batch)
     assert torch.equal(in_place, engine.attend(1, query, behind))
     assert_dipr_rows(engine, query, in_place, decodes)

@@ -176,7 +176,6 @@ class StepPlan:
     dense_decodes: tuple[int, int, int]
     dipr_decodes: tuple[int, int, int] = (0, 0, 0)
     under_min_context: int = 0  # the longest context of a decode kept dense only for being under min_context
-    dipr_leading: bool = False  # the DIPR decodes are the batch's first requests: its first rows, one each, in order
     ape: SubBatch | None = None
     moved: SubBatch | None = None
 
@@ -242,7 +241,6 @@ def split_batch(batch: PagedBatch, dense_layer: bool, min_context: int, block_si
         dense_decodes=(dense_count, dense_blocks, dense_tokens),
         dipr_decodes=(len(dipr_reqs), dipr_blocks, dipr_tokens),
         under_min_context=under_min_context,
-        dipr_leading=dipr_reqs == list(range(len(dipr_reqs))),
         ape=gather(batch, ape_reqs, max(starts[r + 1] - starts[r] for r in ape_reqs)) if ape_reqs else None,
         moved=gather(batch, moved_reqs, max(starts[r + 1] - starts[r] for r in moved_reqs)) if moved_reqs else None,
     )
@@ -647,7 +645,9 @@ class SparseAttention:
             if plan.dipr is not None and beta == INF:
                 self._dense_through(kernel, query, key_cache, value_cache, plan.dipr, out)
             elif plan.dipr is not None:
-                self._pruned_decode(layer, beta, query, key_cache, value_cache, sketch, plan, out, kernel)
+                self._pruned_decode(
+                    layer, beta, query, key_cache, value_cache, sketch, plan.dipr, plan.dipr_decodes, out, kernel
+                )
             # plain views only where read: on a variant whose key tiles kvreuse does not read they would refuse
             if plan.moved is not None or plan.ape is not None:
                 keys, values = kernel.plain_keys(key_cache), kernel.plain_values(value_cache)
@@ -739,7 +739,8 @@ class SparseAttention:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         sketch: KeySketch,
-        plan: StepPlan,
+        sub: SubBatch,
+        totals: tuple[int, int, int],
         out: torch.Tensor,
         kernel: PagedKernel,
     ) -> None:
@@ -748,14 +749,13 @@ class SparseAttention:
         whose upper bound reaches ``tau``), and the kernel attends every token of those blocks, each KV head on its
         own pruned tables, in one call (``PagedKernel.attend_pruned``). Every key within beta of the largest logit
         is in a read block, so it is attended; the kernel also attends the read blocks' other tokens (a superset of
-        the Triton kernel's set, at no extra bytes read). The figures are counted on the host, where the pruned
-        tables are, with the plan's totals (``dipr_decodes``). Where the decodes are the batch's first rows (a step
-        of decodes only) the kernel reads their queries and writes their outputs in place: this runs once per layer
-        and step, and every tensor call it saves is a few microseconds more of the step."""
-        sub = plan.dipr
-        assert sub is not None
+        the Triton kernel's set, at no extra bytes read). ``totals``: the decodes' number, blocks and tokens (the
+        plan's ``dipr_decodes``); the figures are counted on the host, where the pruned tables are. Where the
+        decodes are the batch's first requests (a step of decodes only), their rows are its first, one each, and the
+        kernel reads their queries and writes their outputs in place: this runs once per layer and step, and every
+        tensor call it saves is a few microseconds more of the step."""
         m, kv = len(sub.reqs), self.num_kv_heads
-        in_place = plan.dipr_leading and out.dtype == query.dtype and out.is_contiguous()
+        in_place = sub.reqs == tuple(range(m)) and out.dtype == query.dtype and out.is_contiguous()
         rows = None if in_place else sub.query_starts.long()
         q = query[:m] if rows is None else query.index_select(0, rows)  # [m, hq, d]
         group = self.num_q_heads // kv
@@ -771,7 +771,7 @@ class SparseAttention:
             kernel.attend_pruned(q, key_cache, value_cache, result, pruned)
             out.index_copy_(0, rows, result.to(out.dtype))
         self._sample_recovery(layer, beta, q, lambda: kernel.plain_keys(key_cache), sketch, sub)
-        count, blocks, tokens = plan.dipr_decodes
+        count, blocks, tokens = totals
         self.figures.add_read(
             layer,
             int(pruned.kept.numpy().sum()),
